@@ -1,0 +1,145 @@
+#!/usr/bin/env bash
+# Build Horovod 0.28.1 from its source distribution against the torch installed in the
+# active Python environment, cache the wheel, install it and check the build.
+#
+# Horovod's last release asks for C++14, which current torch headers reject (they need
+# C++17, and C++20 from torch 2.14 on). This script raises the standard to match the
+# installed torch. It also fixes a Horovod bug where Gloo contexts of process sets ignore
+# HOROVOD_GLOO_IFACE (they resolve the host name instead), which breaks multi-host Gloo
+# jobs whose host names resolve to 127.0.0.1.
+#
+# Environment (all optional):
+#   HVD_GPU=auto|nccl|none     NCCL GPU ops; auto = when torch is a CUDA build and nvcc exists
+#   HVD_MPI=auto|yes|no        MPI controller; auto = when mpicc is on PATH
+#   HVD_CUDA_ARCHS=90          GPU architectures to compile for (default: 80;90)
+#   HVD_WHEEL_CACHE=DIR        where built wheels are kept (default ~/.cache/hvd_plugins/wheels)
+#   HVD_FORCE_BUILD=1          ignore the cache
+set -euo pipefail
+
+HOROVOD_VERSION="0.28.1"
+PATCH_LEVEL="p1"   # bump when the source patches below change
+PYTHON="${PYTHON:-python}"
+CACHE_DIR="${HVD_WHEEL_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/hvd_plugins/wheels}"
+
+log() { echo "[install_horovod] $*" >&2; }
+die() { echo "[install_horovod] ERROR: $*" >&2; exit 1; }
+
+read -r TORCH_VERSION TORCH_CUDA PY_TAG < <("$PYTHON" - <<'PY'
+import sys
+try:
+    import torch
+except ImportError:
+    sys.exit("torch is not installed in this environment; install it first (e.g. pip install torch==2.13.0)")
+print(torch.__version__.replace("+", "_"), torch.version.cuda or "cpu", f"cp{sys.version_info[0]}{sys.version_info[1]}")
+PY
+) || die "could not read the torch version"
+
+TORCH_MAJOR_MINOR=$("$PYTHON" -c 'import torch; v=torch.__version__.split("+")[0].split("."); print(int(v[0])*100+int(v[1]))')
+if [ "$TORCH_MAJOR_MINOR" -ge 214 ]; then CXX_STD=20; else CXX_STD=17; fi
+
+# --- which controllers and GPU ops --------------------------------------------------------
+GPU_MODE="${HVD_GPU:-auto}"
+case "$GPU_MODE" in
+  auto) if [ "$TORCH_CUDA" != "cpu" ] && command -v nvcc >/dev/null 2>&1; then GPU_MODE=nccl; else GPU_MODE=none; fi ;;
+  nccl|none) ;;
+  *) die "HVD_GPU=$GPU_MODE is not one of: auto, nccl, none" ;;
+esac
+if [ "$GPU_MODE" = nccl ] && [ "$TORCH_CUDA" = cpu ]; then
+  die "HVD_GPU=nccl asked for, but torch $TORCH_VERSION is a CPU-only build"
+fi
+MPI_MODE="${HVD_MPI:-auto}"
+case "$MPI_MODE" in
+  auto) if command -v mpicc >/dev/null 2>&1; then MPI_MODE=yes; else MPI_MODE=no; fi ;;
+  yes|no) ;;
+  *) die "HVD_MPI=$MPI_MODE is not one of: auto, yes, no" ;;
+esac
+if [ "$MPI_MODE" = yes ] && ! command -v mpicc >/dev/null 2>&1; then
+  die "HVD_MPI=yes asked for, but mpicc is not on PATH (install an MPI, e.g. libopenmpi-dev)"
+fi
+CUDA_ARCHS="${HVD_CUDA_ARCHS:-80;90}"
+
+KEY="horovod${HOROVOD_VERSION}-${PATCH_LEVEL}-torch${TORCH_VERSION}-${PY_TAG}-cxx${CXX_STD}-gpu_${GPU_MODE}-mpi_${MPI_MODE}"
+[ "$GPU_MODE" = nccl ] && KEY="${KEY}-cc${CUDA_ARCHS//;/_}"
+WHEEL_DIR="$CACHE_DIR/$KEY"
+
+installed_matches() {
+  [ -f "$WHEEL_DIR/.key" ] || return 1
+  "$PYTHON" - "$WHEEL_DIR" <<'PY' 2>/dev/null
+import pathlib, sys
+import horovod, horovod.torch  # noqa: F401  (fails when the extension does not load)
+marker = pathlib.Path(horovod.__file__).with_name(".hvd_plugins_build_key")
+want = (pathlib.Path(sys.argv[1]) / ".key").read_text()
+sys.exit(0 if marker.exists() and marker.read_text() == want else 1)
+PY
+}
+
+if [ -z "${HVD_FORCE_BUILD:-}" ] && installed_matches; then
+  log "Horovod $HOROVOD_VERSION for torch $TORCH_VERSION already installed ($KEY)"
+else
+  if [ -n "${HVD_FORCE_BUILD:-}" ] || ! ls "$WHEEL_DIR"/horovod-*.whl >/dev/null 2>&1; then
+    log "building Horovod $HOROVOD_VERSION for torch $TORCH_VERSION (C++$CXX_STD, gpu=$GPU_MODE, mpi=$MPI_MODE); this takes several minutes"
+    WORK=$(mktemp -d)
+    trap 'rm -rf "$WORK"' EXIT
+    "$PYTHON" -m pip download --quiet --no-deps --no-binary :all: "horovod==$HOROVOD_VERSION" -d "$WORK"
+    tar -xzf "$WORK/horovod-$HOROVOD_VERSION.tar.gz" -C "$WORK"
+    SRC="$WORK/horovod-$HOROVOD_VERSION"
+
+    # C++ standard demanded by the torch headers.
+    sed -i "s/set(CMAKE_CXX_STANDARD 14)/set(CMAKE_CXX_STANDARD $CXX_STD)/" \
+      "$SRC/CMakeLists.txt" "$SRC/horovod/torch/CMakeLists.txt"
+    grep -q "CMAKE_CXX_STANDARD $CXX_STD" "$SRC/horovod/torch/CMakeLists.txt" \
+      || die "could not raise the C++ standard in horovod/torch/CMakeLists.txt"
+
+    # Process-set Gloo contexts must use the network interface of the global context.
+    GLOO_CC="$SRC/horovod/common/gloo/gloo_context.cc"
+    "$PYTHON" - "$GLOO_CC" <<'PY'
+import pathlib, sys
+path = pathlib.Path(sys.argv[1])
+text = path.read_text()
+old = "  attr device_attr;\n  device_attr.iface = gloo_iface_;\n  device_attr.ai_family = AF_UNSPEC;\n  auto dev = CreateDevice(device_attr);\n\n  global_ctx = global_context.ctx;"
+new = "  gloo_iface_ = global_context.gloo_iface_;\n" + old
+if text.count(old) != 1:
+    sys.exit("gloo_context.cc does not look as expected; cannot apply the interface fix")
+path.write_text(text.replace(old, new))
+PY
+
+    export HOROVOD_WITH_PYTORCH=1 HOROVOD_WITHOUT_TENSORFLOW=1 HOROVOD_WITHOUT_MXNET=1 HOROVOD_WITH_GLOO=1
+    export MAKEFLAGS="-j$(nproc)" HOROVOD_BUILD_PARALLEL="$(nproc)"
+    if [ "$MPI_MODE" = yes ]; then export HOROVOD_WITH_MPI=1; else export HOROVOD_WITHOUT_MPI=1; fi
+    if [ "$GPU_MODE" = nccl ]; then
+      NCCL_ROOT=$("$PYTHON" -c 'import nvidia.nccl, os; print(os.path.dirname(nvidia.nccl.__file__) if nvidia.nccl.__file__ else list(nvidia.nccl.__path__)[0])') \
+        || die "GPU build asked for but the nvidia-nccl wheel is not installed beside torch"
+      NCCL_LINKS="$WORK/nccl_lib"; mkdir -p "$NCCL_LINKS"
+      ln -sf "$NCCL_ROOT/lib/libnccl.so.2" "$NCCL_LINKS/libnccl.so"
+      export HOROVOD_GPU_OPERATIONS=NCCL HOROVOD_NCCL_LINK=SHARED \
+        HOROVOD_NCCL_INCLUDE="$NCCL_ROOT/include" HOROVOD_NCCL_LIB="$NCCL_LINKS" \
+        HOROVOD_CUDA_HOME="${CUDA_HOME:-/usr/local/cuda}" HOROVOD_BUILD_CUDA_CC_LIST="${CUDA_ARCHS//;/,}"
+    fi
+    mkdir -p "$WHEEL_DIR"
+    rm -f "$WHEEL_DIR"/horovod-*.whl
+    "$PYTHON" -m pip wheel --no-build-isolation --no-deps -w "$WHEEL_DIR" "$SRC" \
+      > "$WORK/build.log" 2>&1 || { tail -n 60 "$WORK/build.log" >&2; die "Horovod build failed (log above)"; }
+  else
+    log "using cached wheel $WHEEL_DIR"
+  fi
+  echo "$KEY" > "$WHEEL_DIR/.key"
+  "$PYTHON" -m pip install --quiet --no-deps --force-reinstall "$WHEEL_DIR"/horovod-*.whl
+  # horovod's own run-time dependencies (its wheel is installed without them so pip never
+  # tries to rebuild it from source)
+  "$PYTHON" -m pip install --quiet cloudpickle psutil pyyaml packaging cffi
+  "$PYTHON" - "$WHEEL_DIR" <<'PY'
+import pathlib, sys
+import horovod
+key = (pathlib.Path(sys.argv[1]) / ".key").read_text()
+pathlib.Path(horovod.__file__).with_name(".hvd_plugins_build_key").write_text(key)
+PY
+fi
+
+CHECK=$(horovodrun --check-build 2>&1) || die "horovodrun --check-build failed: $CHECK"
+echo "$CHECK" | grep -q "\[X\] PyTorch" || die "Horovod was built without PyTorch support:
+$CHECK"
+if [ "$GPU_MODE" = nccl ]; then
+  echo "$CHECK" | grep -q "\[X\] NCCL" || die "Horovod was built without NCCL although it was asked for:
+$CHECK"
+fi
+log "ok: $(echo "$CHECK" | tr '\n' ' ' | sed 's/  */ /g')"

@@ -1,0 +1,27 @@
+"""Horovod as a first-class way to train with Lightning 2.x.
+
+Importing this package registers the strategy names ``"horovod"``, ``"horovod_fp16"``,
+``"horovod_hierarchical"`` and ``"horovod_daso"`` with Lightning's StrategyRegistry.
+"""
+
+from lightning.pytorch.strategies import StrategyRegistry
+
+from hvd_plugins.checkpoint_io import AtomicCheckpointIO
+from hvd_plugins.comm.counters import CommCounters
+from hvd_plugins.daso.config import DasoConfig
+from hvd_plugins.environment import HorovodEnvironment
+from hvd_plugins.registry import register_named_strategies
+from hvd_plugins.strategy import HorovodStrategy
+
+__version__ = "0.1.0"
+
+register_named_strategies(StrategyRegistry)
+
+__all__ = [
+    "AtomicCheckpointIO",
+    "CommCounters",
+    "DasoConfig",
+    "HorovodEnvironment",
+    "HorovodStrategy",
+    "__version__",
+]

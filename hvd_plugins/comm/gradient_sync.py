@@ -1,0 +1,166 @@
+"""How gradients are averaged before the optimizer steps.
+
+Lightning calls ``optimizer.step(closure)`` and the closure runs backward, so gradients may
+only be averaged after the closure ran. The strategy therefore keeps the optimizer from
+synchronizing on its own (``deferred``) and calls ``synchronize`` right after backward,
+before gradient clipping and the AMP unscale see the gradients.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from abc import ABC, abstractmethod
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+from torch.optim import Optimizer
+
+from hvd_plugins._horovod import horovod_torch
+from hvd_plugins.comm.buckets import bucket_tensors, flatten, unflatten_into
+from hvd_plugins.comm.compression import Compressor, CountingCompressor
+from hvd_plugins.comm.counters import CommCounters, Scope
+from hvd_plugins.comm.hierarchical import hierarchical_allreduce_
+from hvd_plugins.comm.topology import NodeGroups
+
+REDUCE_OPS = ("average", "sum", "adasum")
+
+
+class GradientSync(ABC):
+    """Averages the gradients of one optimizer's parameters across workers."""
+
+    backward_passes: int = 1  # micro-batches accumulated into one optimizer step
+
+    def wrap(self, optimizer: Optimizer, named_parameters: list[tuple[str, torch.nn.Parameter]]) -> Optimizer:
+        """Return the optimizer the Trainer should use (possibly a wrapper)."""
+        return optimizer
+
+    @contextlib.contextmanager
+    def deferred(self, optimizer: Optimizer) -> Iterator[None]:
+        """Keep ``optimizer.step`` from synchronizing by itself."""
+        yield
+
+    @abstractmethod
+    def synchronize(self, optimizer: Optimizer) -> None:
+        """Average the gradients now; called once per optimizer step, after backward."""
+
+    def set_backward_passes(self, optimizer: Optimizer, passes: int) -> None:
+        """Tell the sync how many backward passes accumulate into one step."""
+        self.backward_passes = passes
+
+
+class NoGradientSync(GradientSync):
+    """Nothing to average: the worker is alone in its group."""
+
+    def synchronize(self, optimizer: Optimizer) -> None:
+        return None
+
+
+class HorovodOptimizerSync(GradientSync):
+    """Horovod's ``DistributedOptimizer``: one allreduce per gradient, started by backward hooks.
+
+    With ``process_set`` it averages inside that set only (DASO's node-local sync).
+    Accumulation uses ``backward_passes_per_step`` so an allreduce runs once per optimizer
+    step, not once per micro-batch.
+    """
+
+    def __init__(
+        self,
+        compression: Compressor,
+        op: str,
+        counters: CommCounters,
+        scope: Scope,
+        gradient_predivide_factor: float = 1.0,
+        process_set: Any = None,
+    ) -> None:
+        self.compression = CountingCompressor(compression, counters, scope)
+        self.op = op
+        self.counters = counters
+        self.gradient_predivide_factor = gradient_predivide_factor
+        self.process_set = process_set
+
+    def wrap(self, optimizer: Optimizer, named_parameters: list[tuple[str, torch.nn.Parameter]]) -> Optimizer:
+        hvd = horovod_torch()
+        op = {"average": hvd.Average, "sum": hvd.Sum, "adasum": hvd.Adasum}[self.op]
+        extra = {} if self.process_set is None else {"process_set": self.process_set}
+        return hvd.DistributedOptimizer(
+            optimizer,
+            named_parameters=named_parameters,
+            compression=self.compression,
+            backward_passes_per_step=self.backward_passes,
+            op=op,
+            gradient_predivide_factor=self.gradient_predivide_factor,
+            **extra,
+        )
+
+    @contextlib.contextmanager
+    def deferred(self, optimizer: Optimizer) -> Iterator[None]:
+        with optimizer.skip_synchronize():
+            yield
+
+    def synchronize(self, optimizer: Optimizer) -> None:
+        with self.counters.waiting():
+            optimizer.synchronize()
+
+    def set_backward_passes(self, optimizer: Optimizer, passes: int) -> None:
+        # Safe between steps: no allreduce is pending, so the per-parameter countdowns can restart.
+        self.backward_passes = passes
+        if hasattr(optimizer, "backward_passes_per_step"):
+            optimizer.backward_passes_per_step = passes
+            for parameter in optimizer._allreduce_delay:
+                optimizer._allreduce_delay[parameter] = passes
+
+
+class HierarchicalGradientSync(GradientSync):
+    """Two-level allreduce of bucketed gradients after backward (see ``comm.hierarchical``)."""
+
+    def __init__(
+        self,
+        groups: NodeGroups,
+        compression: Compressor,
+        op: str,
+        counters: CommCounters,
+        compress_node_local: bool = False,
+        bucket_bytes: int = 32 * 2**20,
+    ) -> None:
+        if op not in ("average", "sum"):
+            raise ValueError(f"op={op!r} is not supported with sync='hierarchical'; choose 'average' or 'sum'")
+        self.groups = groups
+        self.compression = compression
+        self.average = op == "average"
+        self.counters = counters
+        self.compress_node_local = compress_node_local
+        self.bucket_bytes = bucket_bytes
+
+    def synchronize(self, optimizer: Optimizer) -> None:
+        grads = _gradients_of(optimizer)
+        buckets = bucket_tensors(grads, self.bucket_bytes)
+        flats = [flatten(bucket) for bucket in buckets]
+        hierarchical_allreduce_(
+            flats,
+            self.groups,
+            average=self.average,
+            compression=self.compression,
+            compress_node_local=self.compress_node_local,
+            counters=self.counters,
+            name=f"grad.{id(optimizer) % 10_000}",
+        )
+        for flat, bucket in zip(flats, buckets):
+            unflatten_into(flat, bucket)
+
+
+def _gradients_of(optimizer: Optimizer) -> Sequence[torch.Tensor]:
+    """Gradients of every trainable parameter, zero-filled where backward produced none.
+
+    Every worker must hand the same tensors to the collective, even when a parameter got no
+    gradient on this worker (e.g. an unused branch).
+    """
+    grads = []
+    for group in optimizer.param_groups:
+        for parameter in group["params"]:
+            if not parameter.requires_grad:
+                continue
+            if parameter.grad is None:
+                parameter.grad = torch.zeros_like(parameter)
+            grads.append(parameter.grad)
+    return grads

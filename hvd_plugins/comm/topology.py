@@ -1,0 +1,124 @@
+"""Which workers share a node, learned from Horovod and turned into process sets.
+
+Horovod numbers nodes by ``cross_rank`` and workers inside a node by ``local_rank``; global
+ranks need not be contiguous per node, so the layout is gathered from every worker rather
+than assumed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from hvd_plugins._horovod import horovod_torch
+
+
+@dataclass(frozen=True)
+class Topology:
+    """The layout of the job as seen from one worker.
+
+    ``nodes[n][i]`` is the global rank of local rank ``i`` on node ``n``.
+    """
+
+    rank: int
+    nodes: tuple[tuple[int, ...], ...]
+
+    @property
+    def size(self) -> int:
+        return sum(len(node) for node in self.nodes)
+
+    @property
+    def num_nodes(self) -> int:
+        return len(self.nodes)
+
+    @property
+    def node_index(self) -> int:
+        return next(n for n, node in enumerate(self.nodes) if self.rank in node)
+
+    @property
+    def local_rank(self) -> int:
+        return self.nodes[self.node_index].index(self.rank)
+
+    @property
+    def local_size(self) -> int:
+        return len(self.nodes[self.node_index])
+
+    @property
+    def equal_nodes(self) -> bool:
+        return len({len(node) for node in self.nodes}) == 1
+
+    def node_ranks(self, node: int) -> tuple[int, ...]:
+        return self.nodes[node]
+
+    def cross_ranks(self, local_rank: int) -> tuple[int, ...]:
+        """Global ranks holding ``local_rank`` on every node: one worker per node."""
+        return tuple(node[local_rank] for node in self.nodes)
+
+    def require_equal_nodes(self, feature: str) -> None:
+        """Raise a clear error when nodes run different numbers of workers."""
+        if not self.equal_nodes:
+            sizes = {n: len(node) for n, node in enumerate(self.nodes)}
+            raise ValueError(
+                f"{feature} needs the same number of workers on every node, but workers per node are "
+                f"{sizes}. Launch e.g. `horovodrun -np 4 -H host1:2,host2:2`."
+            )
+
+    @staticmethod
+    def from_pairs(rank: int, pairs: list[tuple[int, int]]) -> Topology:
+        """Build from ``pairs[r] = (cross_rank, local_rank)`` of every global rank ``r``."""
+        by_node: dict[int, dict[int, int]] = {}
+        for global_rank, (node, local) in enumerate(pairs):
+            by_node.setdefault(node, {})[local] = global_rank
+        nodes = tuple(tuple(ranks[i] for i in sorted(ranks)) for _, ranks in sorted(by_node.items()))
+        return Topology(rank=rank, nodes=nodes)
+
+
+def discover_topology() -> Topology:
+    """Gather ``(cross_rank, local_rank)`` from every worker (one small allgather)."""
+    hvd = horovod_torch()
+    mine = torch.tensor([[hvd.cross_rank(), hvd.local_rank()]], dtype=torch.int64)
+    everyone = hvd.allgather(mine, name="hvd_plugins.topology")
+    return Topology.from_pairs(hvd.rank(), [(int(a), int(b)) for a, b in everyone.tolist()])
+
+
+@dataclass(frozen=True)
+class NodeGroups:
+    """The process sets one worker uses: its node, and its peers on the other nodes."""
+
+    topology: Topology
+    local: Any  # hvd.ProcessSet of this worker's node
+    cross: Any  # hvd.ProcessSet of the workers with this local rank, one per node
+
+
+_REGISTERED: dict[tuple[int, ...], Any] = {}
+
+
+def _process_set(ranks: tuple[int, ...], world: int) -> Any:
+    """Return the process set for ``ranks``, registering it once (collective on all ranks)."""
+    hvd = horovod_torch()
+    if len(ranks) == world:
+        return hvd.global_process_set
+    if ranks not in _REGISTERED:
+        _REGISTERED[ranks] = hvd.add_process_set(list(ranks))
+    return _REGISTERED[ranks]
+
+
+def build_node_groups(topology: Topology) -> NodeGroups:
+    """Register the node-local and cross-node process sets; every rank must call this.
+
+    Needs Horovod initialised with dynamic process sets (``HOROVOD_DYNAMIC_PROCESS_SETS=1``).
+    Sets are registered in the same order on every rank, as Horovod requires.
+    """
+    topology.require_equal_nodes("A node-aware sync mode")
+    world = topology.size
+    local_sets = [_process_set(node, world) for node in topology.nodes] if topology.local_size > 1 else []
+    cross_sets = (
+        [_process_set(topology.cross_ranks(i), world) for i in range(topology.local_size)]
+        if topology.num_nodes > 1
+        else []
+    )
+    local = local_sets[topology.node_index] if local_sets else None
+    cross = cross_sets[topology.local_rank] if cross_sets else None
+    return NodeGroups(topology=topology, local=local, cross=cross)

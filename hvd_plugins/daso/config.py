@@ -1,0 +1,66 @@
+"""DASO knobs as a typed, validated config (defaults follow the reference implementation)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+from typing import Any, Union
+
+DOWNCAST_TYPES = ("fp16", "bf16", "fp32")
+
+
+@dataclass(frozen=True)
+class DasoConfig:
+    """Settings of the DASO schedule and its cross-node parameter sync."""
+
+    warmup_epochs: int = 4
+    """Epochs at the start with a blocking cross-node sync after every batch."""
+    cooldown_epochs: int = 4
+    """Epochs at the end with a blocking cross-node sync after every batch."""
+    stability_level: float = 0.05
+    """Relative loss improvement below which an epoch counts as 'not improving'."""
+    max_global_skips: int = 8
+    """Most batches between two cross-node syncs."""
+    skip_reduction_factor: int = 2
+    """Divisor applied to global_skips (and local skips) when the loss has stabilised."""
+    local_skip_factor: int = 4
+    """batches_to_wait on a reset is max_global_skips // local_skip_factor."""
+    stable_epochs: int = 2
+    """Epochs without improvement before the skips shrink."""
+    sending_chunk_size: int = 10_000_000
+    """Largest number of elements in one cross-node message."""
+    downcast: str = "fp16"
+    """Wire type of the cross-node parameters: 'fp16', 'bf16' (emulated, see README) or 'fp32'."""
+    verbose: bool = False
+    """Print schedule changes on rank 0."""
+
+    def __post_init__(self) -> None:
+        for name in ("warmup_epochs", "cooldown_epochs"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"DasoConfig.{name}={getattr(self, name)!r} must be >= 0")
+        for name in ("max_global_skips", "skip_reduction_factor", "local_skip_factor", "stable_epochs", "sending_chunk_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"DasoConfig.{name}={getattr(self, name)!r} must be >= 1")
+        if self.skip_reduction_factor < 2:
+            raise ValueError(f"DasoConfig.skip_reduction_factor={self.skip_reduction_factor!r} must be >= 2")
+        if not 0 <= self.stability_level < 1:
+            raise ValueError(f"DasoConfig.stability_level={self.stability_level!r} must be in [0, 1)")
+        if self.downcast not in DOWNCAST_TYPES:
+            raise ValueError(f"DasoConfig.downcast={self.downcast!r} is not supported; choose one of {list(DOWNCAST_TYPES)}")
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @staticmethod
+    def from_any(value: Union[DasoConfig, dict[str, Any], None]) -> DasoConfig:
+        """Accept a config, a dict of its fields (from YAML or flags) or None for the defaults."""
+        if value is None:
+            return DasoConfig()
+        if isinstance(value, DasoConfig):
+            return value
+        if isinstance(value, dict):
+            known = {f.name for f in fields(DasoConfig)}
+            unknown = sorted(set(value) - known)
+            if unknown:
+                raise ValueError(f"unknown DASO setting(s) {unknown}; known settings are {sorted(known)}")
+            return DasoConfig(**value)
+        raise TypeError(f"daso={value!r} must be a DasoConfig, a dict of its fields, or None")

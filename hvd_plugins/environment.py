@@ -1,0 +1,84 @@
+"""Cluster environment read from Horovod: ranks and sizes come from ``hvd``, never guessed."""
+
+from __future__ import annotations
+
+import os
+
+from lightning.fabric.plugins.environments import ClusterEnvironment
+from typing_extensions import override
+
+from hvd_plugins._horovod import horovod_torch
+
+# Variables that horovodrun sets for every worker (Gloo launch) or that MPI launchers set.
+_LAUNCH_VARIABLES = ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK")
+
+
+class HorovodEnvironment(ClusterEnvironment):
+    """Rank and size queries answered by an initialised Horovod."""
+
+    @property
+    @override
+    def creates_processes_externally(self) -> bool:
+        return True  # horovodrun (or mpirun) starts every worker
+
+    @property
+    @override
+    def main_address(self) -> str:
+        return os.environ.get("HOROVOD_GLOO_RENDEZVOUS_ADDR", "127.0.0.1")
+
+    @property
+    @override
+    def main_port(self) -> int:
+        return int(os.environ.get("HOROVOD_GLOO_RENDEZVOUS_PORT", "0"))
+
+    @staticmethod
+    @override
+    def detect() -> bool:
+        """True inside a worker started by horovodrun or an MPI launcher."""
+        return any(name in os.environ for name in _LAUNCH_VARIABLES)
+
+    @override
+    def world_size(self) -> int:
+        return horovod_torch().size()
+
+    @override
+    def set_world_size(self, size: int) -> None:
+        pass  # fixed by the launcher
+
+    @override
+    def global_rank(self) -> int:
+        return horovod_torch().rank()
+
+    @override
+    def set_global_rank(self, rank: int) -> None:
+        pass  # fixed by the launcher
+
+    @override
+    def local_rank(self) -> int:
+        return horovod_torch().local_rank()
+
+    @override
+    def node_rank(self) -> int:
+        return horovod_torch().cross_rank()
+
+    def local_size(self) -> int:
+        return horovod_torch().local_size()
+
+    def num_nodes(self) -> int:
+        return horovod_torch().cross_size()
+
+    @override
+    def validate_settings(self, num_devices: int, num_nodes: int) -> None:
+        """Check the Trainer's ``devices``/``num_nodes`` against what horovodrun started."""
+        local_size, cross_size = self.local_size(), self.num_nodes()
+        if num_nodes not in (1, cross_size):
+            raise ValueError(
+                f"Trainer(num_nodes={num_nodes}) disagrees with the Horovod job, which runs on "
+                f"{cross_size} node(s). Drop num_nodes (the launcher decides) or set it to {cross_size}."
+            )
+        if num_devices not in (1, local_size):
+            raise ValueError(
+                f"Trainer(devices={num_devices}) disagrees with the Horovod job, which runs {local_size} "
+                f"worker(s) on this node, one device each. Use devices=1 or devices={local_size}, and "
+                "choose the number of workers with `horovodrun -np`."
+            )
