@@ -11,7 +11,7 @@ setup(
     long_description=Path(__file__).with_name("README.rst").read_text(encoding="utf-8"),
     long_description_content_type="text/x-rst",
     packages=find_packages(include=["hvd_plugins", "hvd_plugins.*"]),
-    python_requires=">=3.9",
+    python_requires=">=3.10",
     install_requires=[
         # Horovod is built from source for the installed torch by ci/install_horovod.sh;
         # PyPI has no wheel, and its sdist does not compile against torch >= 2.1 unpatched.

@@ -22,7 +22,9 @@ def assert_ranks_agree(fingerprint: dict[str, Any]) -> None:
     for rank, theirs in enumerate(everyone[1:], start=1):
         for key in sorted(set(reference) | set(theirs)):
             if reference.get(key) != theirs.get(key):
-                problems.append(f"rank {rank} has {key}={_short(theirs.get(key))} but rank 0 has {_short(reference.get(key))}")
+                problems.append(
+                    f"rank {rank} has {key}={_short(theirs.get(key))} but rank 0 has {_short(reference.get(key))}"
+                )
     if problems:
         raise ValueError(
             "Horovod workers disagree on their configuration, which would deadlock the first collective: "

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Optional, Union
+from typing import TYPE_CHECKING, Any
 
 import torch
 from lightning.fabric.plugins import CheckpointIO
@@ -26,8 +26,8 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from hvd_plugins._horovod import horovod_torch
 from hvd_plugins._hooks import StrategyLoopHooks
+from hvd_plugins._horovod import horovod_torch
 from hvd_plugins.checkpoint_io import AtomicCheckpointIO
 from hvd_plugins.comm.compression import compressor_by_name
 from hvd_plugins.comm.counters import CommCounters, Scope
@@ -95,14 +95,14 @@ class HorovodStrategy(ParallelStrategy):
         sync: str = "allreduce",
         hierarchical_impl: str = "process_sets",
         compress_node_local: bool = False,
-        daso: Optional[Union[DasoConfig, dict[str, Any]]] = None,
+        daso: DasoConfig | dict[str, Any] | None = None,
         sync_batchnorm: bool = False,
         average_buffers: bool = True,
         bucket_mb: float = 32.0,
-        accelerator: Optional[pl.accelerators.Accelerator] = None,
-        parallel_devices: Optional[list[torch.device]] = None,
-        checkpoint_io: Optional[CheckpointIO] = None,
-        precision_plugin: Optional[Precision] = None,
+        accelerator: pl.accelerators.Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Precision | None = None,
     ) -> None:
         super().__init__(
             accelerator=accelerator,
@@ -137,10 +137,10 @@ class HorovodStrategy(ParallelStrategy):
         self.num_nodes = 1  # set by the Trainer; checked against the launch in setup_environment
         # Public, read by callbacks: what this worker sent, and (with sync="daso") the schedule owner.
         self.comm_counters = CommCounters()
-        self.daso: Optional[DasoSync] = None
-        self.topology: Optional[Topology] = None
-        self._groups: Optional[NodeGroups] = None
-        self._gradient_sync: Optional[GradientSync] = None
+        self.daso: DasoSync | None = None
+        self.topology: Topology | None = None
+        self._groups: NodeGroups | None = None
+        self._gradient_sync: GradientSync | None = None
         self._backward_passes = 1
         self._stepped_this_batch = False
         if op == "adasum":
@@ -362,7 +362,7 @@ class HorovodStrategy(ParallelStrategy):
         self,
         optimizer: Optimizer,
         closure: Callable[[], Any],
-        model: Optional[Union[pl.LightningModule, Module]] = None,
+        model: pl.LightningModule | Module | None = None,
         **kwargs: Any,
     ) -> Any:
         optimizer = optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
@@ -441,10 +441,10 @@ class HorovodStrategy(ParallelStrategy):
     @override
     def reduce(
         self,
-        tensor: Union[Tensor, Any],
-        group: Optional[Any] = None,
-        reduce_op: Optional[Union[ReduceOp, str]] = "mean",
-    ) -> Union[Tensor, Any]:
+        tensor: Tensor | Any,
+        group: Any | None = None,
+        reduce_op: ReduceOp | str | None = "mean",
+    ) -> Tensor | Any:
         if not isinstance(tensor, Tensor) or self.world_size == 1:
             return tensor
         if group is not None:
@@ -462,10 +462,12 @@ class HorovodStrategy(ParallelStrategy):
         return result.to(original_dtype)
 
     @override
-    def all_gather(self, tensor: Tensor, group: Optional[Any] = None, sync_grads: bool = False) -> Tensor:
+    def all_gather(self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor:
         """Stack ``tensor`` from every worker along a new first dimension."""
         if group is not None:
-            raise ValueError(f"HorovodStrategy.all_gather got group={group!r}; only the whole world (None) is supported")
+            raise ValueError(
+                f"HorovodStrategy.all_gather got group={group!r}; only the whole world (None) is supported"
+            )
         if self.world_size == 1:
             return tensor.unsqueeze(0)
         hvd = horovod_torch()
@@ -483,7 +485,7 @@ class HorovodStrategy(ParallelStrategy):
         return horovod_torch().broadcast_object(obj, root_rank=src)
 
     @override
-    def barrier(self, name: Optional[str] = None) -> None:
+    def barrier(self, name: str | None = None) -> None:
         if self.world_size > 1 and horovod_torch().is_initialized():
             horovod_torch().barrier()
 
@@ -505,7 +507,7 @@ class HorovodStrategy(ParallelStrategy):
         register_named_strategies(strategy_registry)
 
 
-def _reduce_op_name(reduce_op: Optional[Union[ReduceOp, str]]) -> str:
+def _reduce_op_name(reduce_op: ReduceOp | str | None) -> str:
     if reduce_op is None:
         return "average"
     if isinstance(reduce_op, str):

@@ -45,6 +45,8 @@ def broadcast_optimizer_state_(optimizer: Optimizer, root_rank: int, name: str) 
     hvd = horovod_torch()
     if hvd.size() == 1:
         return
-    state = hvd.broadcast_object(optimizer.state_dict() if hvd.rank() == root_rank else None, root_rank=root_rank, name=f"{name}.state")
+    state = hvd.broadcast_object(
+        optimizer.state_dict() if hvd.rank() == root_rank else None, root_rank=root_rank, name=f"{name}.state"
+    )
     if hvd.rank() != root_rank:
         optimizer.load_state_dict(state)

@@ -145,7 +145,7 @@ class HierarchicalGradientSync(GradientSync):
             counters=self.counters,
             name=f"grad.{id(optimizer) % 10_000}",
         )
-        for flat, bucket in zip(flats, buckets):
+        for flat, bucket in zip(flats, buckets, strict=True):
             unflatten_into(flat, bucket)
 
 

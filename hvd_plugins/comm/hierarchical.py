@@ -98,7 +98,7 @@ def hierarchical_allreduce_(
         handle = hvd.allgather_async(wire, name=f"{name}.ag.{index}", process_set=groups.local)
         gathering.append((handle, ctx))
     with counters.waiting():
-        for buffer, (handle, ctx) in zip(buffers, gathering):
+        for buffer, (handle, ctx) in zip(buffers, gathering, strict=True):
             total = local_codec.decompress(hvd.synchronize(handle), ctx)[: buffer.numel()]
             buffer.copy_(total)
             if average:

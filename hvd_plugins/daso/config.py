@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields
-from typing import Any, Union
+from typing import Any
 
 DOWNCAST_TYPES = ("fp16", "bf16", "fp32")
 
@@ -37,7 +37,13 @@ class DasoConfig:
         for name in ("warmup_epochs", "cooldown_epochs"):
             if getattr(self, name) < 0:
                 raise ValueError(f"DasoConfig.{name}={getattr(self, name)!r} must be >= 0")
-        for name in ("max_global_skips", "skip_reduction_factor", "local_skip_factor", "stable_epochs", "sending_chunk_size"):
+        for name in (
+            "max_global_skips",
+            "skip_reduction_factor",
+            "local_skip_factor",
+            "stable_epochs",
+            "sending_chunk_size",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"DasoConfig.{name}={getattr(self, name)!r} must be >= 1")
         if self.skip_reduction_factor < 2:
@@ -45,13 +51,15 @@ class DasoConfig:
         if not 0 <= self.stability_level < 1:
             raise ValueError(f"DasoConfig.stability_level={self.stability_level!r} must be in [0, 1)")
         if self.downcast not in DOWNCAST_TYPES:
-            raise ValueError(f"DasoConfig.downcast={self.downcast!r} is not supported; choose one of {list(DOWNCAST_TYPES)}")
+            raise ValueError(
+                f"DasoConfig.downcast={self.downcast!r} is not supported; choose one of {list(DOWNCAST_TYPES)}"
+            )
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
 
     @staticmethod
-    def from_any(value: Union[DasoConfig, dict[str, Any], None]) -> DasoConfig:
+    def from_any(value: DasoConfig | dict[str, Any] | None) -> DasoConfig:
         """Accept a config, a dict of its fields (from YAML or flags) or None for the defaults."""
         if value is None:
             return DasoConfig()
