@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Create (or reuse) .venv with torch, Horovod built for that torch, and this package.
+# Source it or run it; on return .venv is active when sourced.
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VENV="${HVD_VENV:-$ROOT/.venv}"
+TORCH_SPEC="${HVD_TORCH_SPEC:-torch==2.13.0}"
+
+if [ ! -x "$VENV/bin/python" ]; then
+  echo "[setup] creating $VENV" >&2
+  python3 -m venv "$VENV"
+fi
+# shellcheck disable=SC1091
+source "$VENV/bin/activate"
+export PIP_DISABLE_PIP_VERSION_CHECK=1
+pip install --quiet "$TORCH_SPEC" 2>&1 | grep -v "^WARNING: Location" >&2 || true
+python -c "import torch" || { echo "[setup] torch did not install ($TORCH_SPEC)" >&2; exit 1; }
+# Build requirements of Horovod's setup.py (it is built without build isolation).
+pip install --quiet setuptools wheel packaging numpy cloudpickle psutil pyyaml cffi 2>&1 | grep -v "^WARNING: Location" >&2 || true
+bash "$ROOT/ci/install_horovod.sh"
+pip install --quiet -r "$ROOT/ci/requirements.txt" 2>&1 | grep -v "^WARNING: Location" >&2 || true
+pip install --quiet --no-build-isolation -e "$ROOT" 2>&1 | grep -v "^WARNING: Location" >&2 || true
+python -c "import hvd_plugins, horovod.torch, lightning, torchmetrics, sklearn" \
+  || { echo "[setup] the environment is incomplete" >&2; exit 1; }
+echo "[setup] ready: $(python -c 'import torch, lightning, horovod; print(f"torch {torch.__version__}, lightning {lightning.__version__}, horovod {horovod.__version__}")')" >&2
