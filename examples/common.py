@@ -65,7 +65,7 @@ def add_training_flags(parser: argparse.ArgumentParser, epochs: int, batch_size:
         help="add PeakMemoryMonitor and CommunicationMonitor (tables on rank 0, values in the CSV log)",
     )
     group.add_argument(
-        "--timeline",
+        "--timeline-steps",
         nargs=2,
         type=int,
         metavar=("START_STEP", "STOP_STEP"),
@@ -86,6 +86,12 @@ def add_strategy_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--sync-batchnorm", action="store_true", help="BatchNorm statistics over all workers")
     group.add_argument("--no-average-buffers", action="store_true", help="keep each worker's BatchNorm running stats")
     group.add_argument("--bucket-mb", type=float, default=32.0, help="gradient bucket size of sync=hierarchical")
+    group.add_argument(
+        "--stall-timeout", type=float, default=None, help="end the job when a rank is missing this many seconds"
+    )
+    group.add_argument(
+        "--check-finite-gradients", action="store_true", help="stop on every rank when a gradient is NaN/Inf"
+    )
     daso = parser.add_argument_group("DASO (only with --sync daso; defaults from DasoConfig)")
     for field in dataclasses.fields(DasoConfig):
         flag = "--daso-" + field.name.replace("_", "-")
@@ -127,20 +133,22 @@ def strategy_from_args(args: argparse.Namespace) -> HorovodStrategy:
         sync_batchnorm=args.sync_batchnorm,
         average_buffers=not args.no_average_buffers,
         bucket_mb=args.bucket_mb,
+        stall_timeout_seconds=args.stall_timeout,
+        check_finite_gradients=args.check_finite_gradients,
     )
 
 
 def monitor_callbacks(args: argparse.Namespace) -> list[Callback]:
-    """The callbacks asked for with ``--monitor`` and ``--timeline``."""
+    """The callbacks asked for with ``--monitor`` and ``--timeline-steps``."""
     callbacks: list[Callback] = []
-    if not (args.monitor or args.timeline):
+    if not (args.monitor or args.timeline_steps):
         return callbacks
     from hvd_plugins.callbacks import CommunicationMonitor, HorovodTimeline, PeakMemoryMonitor
 
     if args.monitor:
         callbacks += [PeakMemoryMonitor(), CommunicationMonitor()]
-    if args.timeline is not None:
-        start, stop = args.timeline
+    if args.timeline_steps is not None:
+        start, stop = args.timeline_steps
         callbacks.append(HorovodTimeline(args.out_dir / "timeline.json", start_step=start, stop_step=stop))
     return callbacks
 

@@ -20,7 +20,7 @@ from common import (
     metric_sync_kwargs,
     plot_run,
 )
-from lightning.pytorch import LightningModule, seed_everything
+from lightning.pytorch import LightningDataModule, LightningModule, seed_everything
 from sklearn.datasets import load_digits
 from sklearn.model_selection import train_test_split
 from torch import nn
@@ -44,10 +44,25 @@ def digits_datasets(seed: int) -> tuple[TensorDataset, TensorDataset]:
     return as_dataset(x_train, y_train), as_dataset(x_val, y_val)
 
 
+class DigitsData(LightningDataModule):
+    """The digits split as a DataModule (used by the LightningCLI entry, examples/cli.py)."""
+
+    def __init__(self, batch_size: int = 32, seed: int = 0) -> None:
+        super().__init__()
+        self.batch_size = batch_size
+        self.train_set, self.val_set = digits_datasets(seed)
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(self.train_set, batch_size=self.batch_size, shuffle=True)
+
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(self.val_set, batch_size=256)
+
+
 class DigitsClassifier(LightningModule):
     """64 -> 128 -> 10 MLP with BatchNorm (so --sync-batchnorm has something to sync)."""
 
-    def __init__(self, lr: float, hidden: int = 128) -> None:
+    def __init__(self, lr: float = 2e-3, hidden: int = 128) -> None:
         super().__init__()
         self.save_hyperparameters()
         self.net = nn.Sequential(
@@ -91,14 +106,8 @@ def main() -> None:
     args = parser.parse_args()
 
     seed_everything(args.seed, workers=True, verbose=False)
-    train_set, val_set = digits_datasets(args.seed)
     trainer = build_trainer(args)  # starts Horovod; Lightning adds the DistributedSamplers
-    model = DigitsClassifier(lr=args.lr)
-    trainer.fit(
-        model,
-        DataLoader(train_set, batch_size=args.batch_size, shuffle=True),
-        DataLoader(val_set, batch_size=256),
-    )
+    trainer.fit(DigitsClassifier(lr=args.lr), DigitsData(args.batch_size, args.seed))
 
     accuracy = float(trainer.callback_metrics["val_acc"])  # already reduced over all workers
     if trainer.is_global_zero:

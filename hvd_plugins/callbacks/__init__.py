@@ -1,1 +1,16 @@
 """Callbacks that show what a distributed run is doing (rank 0 prints, every rank measures)."""
+
+from hvd_plugins.callbacks.comm_stats import CommunicationMonitor, EpochTraffic
+from hvd_plugins.callbacks.daso import DasoScheduleCallback
+from hvd_plugins.callbacks.memory import MemorySnapshot, PeakMemoryMonitor, peak_memory_mb
+from hvd_plugins.callbacks.timeline import HorovodTimeline
+
+__all__ = [
+    "CommunicationMonitor",
+    "DasoScheduleCallback",
+    "EpochTraffic",
+    "HorovodTimeline",
+    "MemorySnapshot",
+    "PeakMemoryMonitor",
+    "peak_memory_mb",
+]
