@@ -1,0 +1,206 @@
+"""Failures end the whole job with a clear message; bad configuration fails the same way on every rank."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import horovod.torch as hvd
+import psutil
+import pytest
+import torch
+from hvd_launch import TWO_NODES, JobResult, run_job
+
+from hvd_plugins.faults import (
+    STALL_CHECK_ENV,
+    STALL_SHUTDOWN_ENV,
+    optimizer_fingerprint,
+    require_gpu_build,
+    require_gpu_for_local_rank,
+    stall_environment,
+    validate_stall_timeout,
+)
+from hvd_plugins.strategy import HorovodStrategy
+
+
+# ---------------------------------------------------------------------------- unit checks
+def test_stall_timeout_validation() -> None:
+    assert validate_stall_timeout(None) is None
+    assert validate_stall_timeout(2.5) == 3
+    for bad in (0, -1, float("nan"), True, "10"):
+        with pytest.raises(ValueError, match="stall_timeout_seconds"):
+            validate_stall_timeout(bad)
+    with pytest.raises(ValueError, match="stall_timeout_seconds=0"):
+        HorovodStrategy(stall_timeout_seconds=0)
+
+
+def test_stall_environment_keeps_the_check_interval_below_the_timeout() -> None:
+    assert stall_environment(20, {}) == {STALL_CHECK_ENV: "20", STALL_SHUTDOWN_ENV: "20"}
+    assert stall_environment(120, {}) == {STALL_CHECK_ENV: "60", STALL_SHUTDOWN_ENV: "120"}
+    assert stall_environment(120, {STALL_CHECK_ENV: "5"})[STALL_CHECK_ENV] == "5"
+
+
+def test_optimizer_fingerprint_sees_count_and_shapes() -> None:
+    a, b = torch.nn.Linear(2, 3), torch.nn.Linear(3, 1)
+    one = optimizer_fingerprint([torch.optim.SGD([*a.parameters(), *b.parameters()], lr=0.1)])
+    two = optimizer_fingerprint([torch.optim.SGD(a.parameters(), lr=0.1), torch.optim.SGD(b.parameters(), lr=0.1)])
+    assert one != two and len(two["optimizers"]) == 2
+
+
+def test_gpu_checks_on_this_cpu_only_build() -> None:
+    """Without a GPU the strategy's own checks are called directly; Lightning refuses accelerator='cuda' first."""
+    if hvd.cuda_built() or hvd.rocm_built():
+        pytest.skip("this Horovod build has GPU operations")
+    with pytest.raises(RuntimeError, match="no GPU support"):
+        require_gpu_build(hvd)
+    with pytest.raises(RuntimeError, match="local rank 2 has no GPU: this node has 2 GPU"):
+        require_gpu_for_local_rank(2, gpus_on_node=2, workers_on_node=4)
+    require_gpu_for_local_rank(1, gpus_on_node=2, workers_on_node=2)
+
+
+# ---------------------------------------------------------------------------- failed workers
+def assert_no_worker_survives(out: Path, ranks: int) -> None:
+    survivors = []
+    for rank in range(ranks):
+        pid = int((out / f"pid{rank}").read_text())
+        try:
+            process = psutil.Process(pid)
+            if process.status() != psutil.STATUS_ZOMBIE and "faults_" in " ".join(process.cmdline()):
+                survivors.append((rank, pid))
+        except psutil.NoSuchProcess:
+            continue
+    assert not survivors, f"workers still running after the job ended: {survivors}"
+
+
+def assert_failed(job: JobResult) -> None:
+    assert job.returncode != 0, job.output[-3000:]
+    assert "finished training" not in job.output
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(
+    ("case", "np", "hosts", "victim"),
+    [("raise", 2, None, 1), ("kill", 2, None, 1), ("kill", 4, TWO_NODES, 3)],
+    ids=["raise-1-of-2", "kill-1-of-2", "kill-1-of-4"],
+)
+def test_a_failed_worker_ends_the_whole_job(tmp_path: Path, case: str, np: int, hosts: str | None, victim: int) -> None:
+    job = run_job("faults_crash.py", "--case", case, "--victim", str(victim), np=np, hosts=hosts, out_dir=tmp_path)
+    assert_failed(job)
+    code = 137 if case == "kill" else 1
+    assert f"Process {victim} exit with status code {code}" in job.output  # horovodrun names the rank
+    if case == "raise":
+        assert f"hvd_plugins: rank {victim} of {np}" in job.output
+        assert "RuntimeError: injected failure" in job.output
+    assert_no_worker_survives(tmp_path, np)
+
+
+@pytest.mark.multiprocess
+def test_a_rank_that_skips_a_collective_ends_the_job_after_the_stall_timeout(tmp_path: Path) -> None:
+    """Without stall_timeout_seconds this job hangs until run_job's timeout fails the test."""
+    job = run_job("faults_crash.py", "--case", "stall", "--stall-timeout", "5", out_dir=tmp_path, timeout=240)
+    assert_failed(job)
+    assert "hvd_plugins: rank 0 of 2" in job.output and "stall_timeout_seconds=5" in job.output
+    assert "Process 0 exit with status code 75" in job.output
+    assert_no_worker_survives(tmp_path, 2)
+
+
+# ---------------------------------------------------------------------------- checkpoints
+@pytest.mark.multiprocess
+def test_a_job_killed_while_saving_resumes_from_the_last_complete_checkpoint(tmp_path: Path) -> None:
+    ckpt = tmp_path / "ckpt"
+    reference = run_job(
+        "faults_checkpoint.py", "--phase", "reference", "--ckpt-dir", str(ckpt), out_dir=tmp_path / "ref"
+    ).check()
+    crash = run_job("faults_checkpoint.py", "--phase", "crash", "--ckpt-dir", str(ckpt), out_dir=tmp_path / "crash")
+    assert crash.returncode != 0 and "Process 0 exit with status code 137" in crash.output
+    assert_no_worker_survives(tmp_path / "crash", 2)
+    finals = sorted(path.name for path in ckpt.iterdir() if not path.name.startswith("."))
+    assert finals == ["epoch=0.ckpt", "epoch=1.ckpt"], finals  # no file with the final name for epoch 2
+    assert all(path.name.endswith(".tmp") for path in ckpt.iterdir() if path.name.startswith("."))
+    assert torch.load(ckpt / "epoch=1.ckpt", weights_only=False)["epoch"] == 1
+    resumed = run_job(
+        "faults_checkpoint.py",
+        "--phase",
+        "resume",
+        "--ckpt-dir",
+        str(ckpt),
+        "--resume-from",
+        str(ckpt / "epoch=1.ckpt"),
+        out_dir=tmp_path / "resume",
+    ).check()
+    assert len({result["digest"] for result in resumed.results.values()}) == 1  # identical weights on all ranks
+    expected = reference.results[0]
+    for rank, result in resumed.results.items():
+        assert sorted(result["epoch_losses"]) == ["2", "3"], rank
+        for epoch, loss in result["epoch_losses"].items():
+            assert loss == pytest.approx(expected["epoch_losses"][epoch], rel=1e-5), (rank, epoch)
+        assert result["weights"] == pytest.approx(expected["weights"], rel=1e-5, abs=1e-6)
+
+
+# ---------------------------------------------------------------------------- configuration and numbers
+@pytest.fixture(scope="module")
+def checks(tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict]:
+    out = tmp_path_factory.mktemp("faults_checks")
+    job = run_job("faults_checks.py", out_dir=out, env={"HOROVOD_DYNAMIC_PROCESS_SETS": "1"}).check()
+    assert sorted(job.results) == [0, 1]
+    return job.results
+
+
+def values(checks: dict[int, dict], name: str) -> list:
+    reports = [checks[rank][name] for rank in sorted(checks)]
+    assert all(report["ok"] for report in reports), reports
+    return [report["value"] for report in reports]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(
+    ("case", "expected"),
+    [
+        ("compression", "rank 1 has compression='fp16' but rank 0 has 'none'"),
+        ("op", "rank 1 has op='sum' but rank 0 has 'average'"),
+        ("parameter_shapes", "rank 1 has parameters="),
+        ("optimizer_count", "rank 1 has optimizers="),
+        ("daso_knobs", "rank 1 has daso="),
+        ("devices", "Trainer(devices=3) disagrees with the Horovod job"),
+        ("num_nodes", "Trainer(num_nodes=3) disagrees with the Horovod job"),
+    ],
+)
+def test_ranks_that_disagree_fail_at_setup_with_the_same_error(checks: dict[int, dict], case: str, expected: str):
+    errors = values(checks, case)
+    assert errors[0] == errors[1], errors
+    assert errors[0].startswith("ValueError") and expected in errors[0], errors[0]
+
+
+@pytest.mark.multiprocess
+def test_nan_gradients_stop_every_rank_naming_step_and_rank(checks: dict[int, dict]) -> None:
+    stopped = values(checks, "nan_stops_training")
+    assert stopped[0] == stopped[1]
+    assert stopped[0]["error"].startswith("NonFiniteGradientError: Non-finite gradients at epoch 0, global step 3")
+    assert "on rank(s) [1]" in stopped[0]["error"]
+    assert stopped[0]["weights_finite"]
+    assert values(checks, "nan_without_check") == [{"weights_finite": False}] * 2  # what the check prevents
+    bf16 = values(checks, "inf_under_bf16")
+    assert bf16[0] == bf16[1] and "on rank(s) [1]" in bf16[0]
+
+
+@pytest.mark.multiprocess
+def test_grad_scaler_skips_the_same_step_on_every_rank(checks: dict[int, dict]) -> None:
+    refused = values(checks, "check_with_grad_scaler")
+    assert refused[0] == refused[1] and refused[0].startswith("ValueError: check_finite_gradients=True cannot")
+    scaled = values(checks, "grad_scaler_skips_everywhere")
+    assert scaled[0] == scaled[1] and scaled[0]["finite"]
+    assert scaled[0]["scale"] < 65536.0  # the inf on rank 1 made every rank back off and skip
+
+
+@pytest.mark.multiprocess
+def test_ranks_stay_in_step_after_every_failed_case(checks: dict[int, dict]) -> None:
+    digests = values(checks, "still_in_step")
+    assert digests[0] == digests[1]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("sync", ["hierarchical", "daso"])
+def test_node_aware_sync_refuses_unequal_nodes(tmp_path: Path, sync: str) -> None:
+    job = run_job("faults_launch.py", "--sync", sync, np=3, hosts="localhost:2,127.0.0.1:1", out_dir=tmp_path).check()
+    errors = [job.results[rank]["error"] for rank in range(3)]
+    assert len(set(errors)) == 1, errors
+    assert "needs the same number of workers on every node" in errors[0] and "{0: 2, 1: 1}" in errors[0]

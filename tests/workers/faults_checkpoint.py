@@ -1,0 +1,59 @@
+"""Checkpoints survive a job killed while writing one, and resuming continues the same run.
+
+``--phase reference``: 4 epochs, uninterrupted. ``--phase crash``: checkpoints every epoch; rank 0
+is SIGKILLed while pickling the epoch-2 checkpoint (after the temporary file was opened).
+``--phase resume``: continues from ``--resume-from`` to 4 epochs. Each rank writes its per-epoch
+mean loss (averaged over all ranks) and a digest of its final weights.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+from pathlib import Path
+from typing import Any
+
+import horovod.torch as hvd
+from _common import parse_out, write_result
+from faults_common import Net, digest, loader, record_pid, trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+from hvd_plugins import HorovodStrategy
+
+OUT, _ = parse_out()
+parser = argparse.ArgumentParser()
+parser.add_argument("--phase", choices=["reference", "crash", "resume"], required=True)
+parser.add_argument("--ckpt-dir", type=Path, required=True)
+parser.add_argument("--resume-from", type=Path, default=None)
+ARGS, _ = parser.parse_known_args()
+EPOCHS, KILL_WHILE_SAVING_EPOCH = 4, 2
+
+
+class KillWhilePickled:
+    """Pickling this object (inside torch.save, mid-file) kills the process, as a crash mid-write would."""
+
+    def __reduce__(self) -> Any:
+        os.kill(os.getpid(), signal.SIGKILL)
+        return (int, ())
+
+
+class CrashingNet(Net):
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        if self.current_epoch == KILL_WHILE_SAVING_EPOCH:
+            checkpoint["zz_crash"] = KillWhilePickled()  # pickled after the weights
+
+
+callbacks = []
+if ARGS.phase == "crash":
+    callbacks.append(ModelCheckpoint(dirpath=ARGS.ckpt_dir, filename="{epoch}", save_top_k=-1, every_n_epochs=1))
+strategy = HorovodStrategy()
+fit = trainer(strategy, epochs=EPOCHS, callbacks=callbacks, enable_checkpointing=ARGS.phase == "crash")
+record_pid(OUT, hvd.rank())
+module = CrashingNet() if ARGS.phase == "crash" else Net()
+fit.fit(module, loader(), ckpt_path=str(ARGS.resume_from) if ARGS.resume_from else None)
+write_result(
+    OUT,
+    hvd.rank(),
+    {"epoch_losses": module.epoch_losses, "digest": digest(module), "weights": module.first.weight.flatten().tolist()},
+)

@@ -1,0 +1,109 @@
+"""Bad configuration and bad numbers, many cases in one launch: every case must fail the same way on
+every rank (so the ranks stay in step and the next case can run), or behave identically.
+
+Run under ``horovodrun -np 2`` with ``HOROVOD_DYNAMIC_PROCESS_SETS=1`` (for the DASO case).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable
+from typing import Any
+
+import horovod.torch as hvd
+import torch
+from _common import parse_out, run_checks, write_result
+from faults_common import Net, digest, loader, trainer
+from lightning.pytorch.plugins.precision import MixedPrecision
+
+from hvd_plugins import DasoConfig, HorovodStrategy
+
+OUT, _ = parse_out()
+BAD_BATCH = 3
+os.environ["HOROVOD_DYNAMIC_PROCESS_SETS"] = "1"  # lets the DASO case set up after this hvd.init()
+hvd.init()
+
+
+def first_error(run: Callable[[], Any]) -> str:
+    """Run a fit that must fail; return 'Type: message' (the check records it for pytest to compare)."""
+    try:
+        run()
+    except Exception as error:
+        return f"{type(error).__name__}: {error}"
+    return "no error"
+
+
+def mine(values: tuple[Any, Any]) -> Any:
+    return values[min(hvd.rank(), 1)]
+
+
+def fit(strategy: HorovodStrategy, module: Net | None = None, epochs: int = 1, **kwargs: Any) -> Net:
+    module = module or Net()
+    trainer(strategy, epochs=epochs, **kwargs).fit(module, loader(n=128))
+    return module
+
+
+def poison_on_rank_1(value: float) -> Callable[[Net, int], torch.Tensor | None]:
+    def on_step(module: Net, batch_idx: int) -> torch.Tensor | None:
+        if hvd.rank() == 1 and batch_idx == BAD_BATCH:
+            return torch.tensor(value)
+        return None
+
+    return on_step
+
+
+def weights_finite(module: Net) -> bool:
+    return all(bool(torch.isfinite(p).all()) for p in module.parameters())
+
+
+def nan_stops_training() -> dict[str, Any]:
+    module = Net(on_step=poison_on_rank_1(math.nan))
+    error = first_error(lambda: fit(HorovodStrategy(check_finite_gradients=True), module))
+    return {"error": error, "weights_finite": weights_finite(module), "digest": digest(module)}
+
+
+def nan_without_check() -> dict[str, Any]:
+    module = fit(HorovodStrategy(), Net(on_step=poison_on_rank_1(math.nan)))
+    return {"weights_finite": weights_finite(module)}
+
+
+def inf_under_bf16() -> str:
+    module = Net(on_step=poison_on_rank_1(math.inf))
+    return first_error(lambda: fit(HorovodStrategy(check_finite_gradients=True), module, precision="bf16-mixed"))
+
+
+def scaler_plugin() -> MixedPrecision:
+    return MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))
+
+
+def check_with_grad_scaler() -> str:
+    return first_error(lambda: fit(HorovodStrategy(check_finite_gradients=True), plugins=[scaler_plugin()]))
+
+
+def grad_scaler_skips_everywhere() -> dict[str, Any]:
+    """fp16 autocast + GradScaler on CPU: an inf on rank 1 must make every rank skip the same step."""
+    plugin = scaler_plugin()
+    module = fit(HorovodStrategy(), Net(on_step=poison_on_rank_1(math.inf)), plugins=[plugin])
+    return {"digest": digest(module), "scale": float(plugin.scaler.get_scale()), "finite": weights_finite(module)}
+
+
+CHECKS: dict[str, Callable[[], Any]] = {
+    "compression": lambda: first_error(lambda: fit(HorovodStrategy(compression=mine(("none", "fp16"))))),
+    "op": lambda: first_error(lambda: fit(HorovodStrategy(op=mine(("average", "sum"))))),
+    "parameter_shapes": lambda: first_error(lambda: fit(HorovodStrategy(), Net(hidden=mine((8, 9))))),
+    "optimizer_count": lambda: first_error(lambda: fit(HorovodStrategy(), Net(optimizers=mine((1, 2))))),
+    "daso_knobs": lambda: first_error(
+        lambda: fit(HorovodStrategy(sync="daso", daso=DasoConfig(warmup_epochs=mine((4, 2)))))
+    ),
+    "devices": lambda: first_error(lambda: fit(HorovodStrategy(), devices=3)),
+    "num_nodes": lambda: first_error(lambda: fit(HorovodStrategy(), num_nodes=3)),
+    "nan_stops_training": nan_stops_training,
+    "nan_without_check": nan_without_check,
+    "inf_under_bf16": inf_under_bf16,
+    "check_with_grad_scaler": check_with_grad_scaler,
+    "grad_scaler_skips_everywhere": grad_scaler_skips_everywhere,
+    "still_in_step": lambda: digest(fit(HorovodStrategy())),
+}
+
+write_result(OUT, hvd.rank(), run_checks(CHECKS))
