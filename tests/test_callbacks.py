@@ -1,0 +1,181 @@
+"""Monitoring callbacks: values checked against what the model and the launch imply."""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from hvd_launch import TWO_NODES, run_job, run_single
+from lightning.pytorch import LightningModule, Trainer
+from torch.utils.data import DataLoader, TensorDataset
+
+from hvd_plugins.callbacks import CommunicationMonitor, EpochTraffic, HorovodTimeline, PeakMemoryMonitor, peak_memory_mb
+from hvd_plugins.callbacks._gather import format_table
+
+WORKER = "callbacks_run.py"
+PARAMETERS, PARAMETER_TENSORS = 8 * 4 + 4, 2  # the worker's Linear(8, 4)
+
+
+# ---------------------------------------------------------------------- in-process, no Horovod
+class _Tiny(LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = torch.nn.Linear(4, 1)
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        return torch.nn.functional.mse_loss(self.layer(batch[0]), batch[1])
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_peak_memory_is_measured_on_cpu() -> None:
+    readings = peak_memory_mb(torch.device("cpu"))
+    assert readings["cpu_peak_rss_mb"] > 1.0
+    assert not any(name.startswith("gpu") for name in readings)
+
+
+def test_timeline_rejects_an_empty_window() -> None:
+    with pytest.raises(ValueError, match="start_step=5, stop_step=5"):
+        HorovodTimeline("t.json", start_step=5, stop_step=5)
+    with pytest.raises(ValueError, match="start_step=-1"):
+        HorovodTimeline("t.json", start_step=-1, stop_step=3)
+
+
+def test_epoch_traffic_metrics_are_means_over_workers() -> None:
+    traffic = EpochTraffic(
+        epoch=0,
+        per_worker={
+            "node_local_bytes": [2 * 2**20, 4 * 2**20],
+            "node_local_calls": [3, 3],
+            "cross_node_bytes": [0, 2 * 2**20],
+            "cross_node_calls": [0, 1],
+            "wait_seconds": [1.0, 3.0],
+        },
+    )
+    metrics = traffic.metrics()
+    assert metrics["comm/node_local_bytes"] == 3 * 2**20
+    assert metrics["comm/cross_node_bytes"] == 2**20
+    assert metrics["comm/wait_seconds"] == 2.0
+    assert metrics["comm/bandwidth_mb_per_s"] == pytest.approx(2.0)  # (3 + 1) MiB / 2 s
+
+
+def test_format_table_aligns_columns() -> None:
+    text = format_table(("name", "value"), [("a", 1.5), ("long name", 1234.0)])
+    lines = text.splitlines()
+    assert lines[0] == "     name     value"
+    assert lines[3] == "long name  1,234.00"
+
+
+def test_callbacks_are_harmless_without_horovod(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HOROVOD_TIMELINE", "DYNAMIC")  # restored afterwards, whatever the callback sets
+    memory, comm = PeakMemoryMonitor(print_table=False), CommunicationMonitor()
+    timeline = HorovodTimeline(tmp_path / "timeline.json", start_step=0, stop_step=2)
+    trainer = Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_epochs=2,
+        callbacks=[memory, comm, timeline],
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+    )
+    data = TensorDataset(torch.randn(16, 4), torch.randn(16, 1))
+    with pytest.warns(UserWarning, match="no comm_counters"):
+        trainer.fit(_Tiny(), DataLoader(data, batch_size=4))
+    assert comm.history == []
+    assert [s.stage for s in memory.history] == ["train_start", "epoch_end", "epoch_end", "train_end"]
+    assert all(len(values) == 1 and values[0] > 0 for s in memory.history for values in s.per_worker.values())
+    assert not (tmp_path / "timeline.json").exists()
+
+
+# ---------------------------------------------------------------------- real Horovod jobs
+def _csv_rows(out: Path) -> list[dict[str, str]]:
+    with open(out / "logs" / "metrics.csv", newline="") as file:
+        return list(csv.DictReader(file))
+
+
+def _check_comm(result: dict, bytes_per_step: dict[str, int], calls_per_step: dict[str, int]) -> None:
+    """Every worker's per-epoch counts equal (bytes or calls per optimizer step) x steps."""
+    steps = result["steps_per_epoch"]
+    assert len(result["comm"]) == len(steps) > 0
+    for epoch, (traffic, epoch_steps) in enumerate(zip(result["comm"], steps, strict=True)):
+        assert traffic["epoch"] == epoch and epoch_steps > 0
+        for scope in ("node_local", "cross_node"):
+            assert traffic["per_worker"][f"{scope}_bytes"] == [bytes_per_step[scope] * epoch_steps] * result["size"]
+            assert traffic["per_worker"][f"{scope}_calls"] == [calls_per_step[scope] * epoch_steps] * result["size"]
+        assert all(seconds >= 0 for seconds in traffic["per_worker"]["wait_seconds"])
+
+
+def _check_memory(result: dict) -> None:
+    assert [s["stage"] for s in result["memory"]] == ["train_start", "epoch_end", "epoch_end", "train_end"]
+    for snapshot in result["memory"]:
+        values = snapshot["per_worker"]["cpu_peak_rss_mb"]
+        assert len(values) == result["size"] and all(v > 10 for v in values)
+
+
+def _check_timeline_only_on_rank_zero(out: Path, size: int) -> None:
+    assert not any((out / f"timeline_rank{rank}.json").exists() for rank in range(1, size))
+    text = (out / "timeline_rank0.json").read_text().strip()
+    events = json.loads(text if text.endswith("]") else text.rstrip(",") + "]")  # Chrome accepts an open array
+    names = {event.get("name") for event in events}
+    assert "NEGOTIATE_ALLREDUCE" in names and "ALLREDUCE" in names, sorted(n for n in names if n)[:20]
+
+
+@pytest.mark.multiprocess
+def test_callbacks_two_workers_fp16_with_accumulation(tmp_path: Path) -> None:
+    job = run_job(WORKER, "--compression", "fp16", "--accumulate", "2", np=2, out_dir=tmp_path, timeout=420).check()
+    assert sorted(job.results) == [0, 1]
+    for result in job.results.values():
+        assert result["parameters"] == PARAMETERS
+        # One node: the flat allreduce counts as node-local; fp16 sends 2 bytes per element.
+        _check_comm(
+            result, {"node_local": PARAMETERS * 2, "cross_node": 0}, {"node_local": PARAMETER_TENSORS, "cross_node": 0}
+        )
+        _check_memory(result)
+        assert result["steps_per_epoch"] == [2, 2]  # 32 samples per worker, batches of 8, 2 per step
+        assert result["timeline_recording_after_fit"] is False
+    _check_timeline_only_on_rank_zero(tmp_path, 2)
+
+    rows = _csv_rows(tmp_path)
+    logged_bytes = [float(row["comm/node_local_bytes"]) for row in rows if row.get("comm/node_local_bytes")]
+    assert logged_bytes == [PARAMETERS * 2 * 2] * 2
+    assert any(row.get("memory/cpu_peak_rss_mb_max") for row in rows)
+    tables = [line for line in job.output.splitlines() if "Peak memory over 2 worker(s)" in line]
+    assert len(tables) == 1 and tables[0].startswith("[0]"), tables
+    assert sum("Communication per worker" in line for line in job.output.splitlines()) == 1
+
+
+@pytest.mark.multiprocess
+def test_callbacks_two_nodes_hierarchical_split_local_and_cross(tmp_path: Path) -> None:
+    job = run_job(
+        WORKER, "--compression", "fp16", "--sync", "hierarchical", np=4, hosts=TWO_NODES, out_dir=tmp_path, timeout=420
+    ).check()
+    assert sorted(job.results) == [0, 1, 2, 3]
+    shard = PARAMETERS // 2  # one bucket of 36 elements, split over the 2 workers of a node
+    for result in job.results.values():
+        assert result["cross_size"] == 2
+        # Node-local legs in fp32 (reduce-scatter of the bucket, allgather of a shard); the
+        # cross-node leg carries one fp16 shard.
+        _check_comm(
+            result,
+            {"node_local": PARAMETERS * 4 + shard * 4, "cross_node": shard * 2},
+            {"node_local": 2, "cross_node": 1},
+        )
+        _check_memory(result)
+    _check_timeline_only_on_rank_zero(tmp_path, 4)
+
+
+@pytest.mark.multiprocess
+def test_callbacks_in_one_plain_process(tmp_path: Path) -> None:
+    job = run_single(WORKER, out_dir=tmp_path, timeout=300)
+    assert job.returncode == 0, job.output[-4000:]
+    result = job.results[0]
+    assert result["size"] == 1
+    _check_comm(result, {"node_local": 0, "cross_node": 0}, {"node_local": 0, "cross_node": 0})
+    _check_memory(result)
+    assert "Peak memory over 1 worker(s)" in job.output
