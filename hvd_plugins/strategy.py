@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -38,10 +39,23 @@ from hvd_plugins.comm.gradient_sync import (
     HorovodOptimizerSync,
     NoGradientSync,
 )
+from hvd_plugins.comm.naming import COLLECTIVE_NAMES
 from hvd_plugins.comm.topology import NodeGroups, Topology, build_node_groups, discover_topology
 from hvd_plugins.config_check import assert_ranks_agree
 from hvd_plugins.daso.config import DasoConfig
 from hvd_plugins.environment import HorovodEnvironment
+from hvd_plugins.faults import (
+    CollectiveWatchdog,
+    FiniteGradientCheck,
+    apply_stall_timeout,
+    optimizer_fingerprint,
+    report_failure,
+    require_gpu_build,
+    require_gpu_for_local_rank,
+    require_no_grad_scaler,
+    validate_stall_timeout,
+)
+from hvd_plugins.metrics_sync import attach_horovod_metric_sync
 from hvd_plugins.sync_batchnorm import convert_sync_batchnorm
 from hvd_plugins.training_state import average_buffers_, broadcast_optimizer_state_, named_parameters_for
 
@@ -82,6 +96,12 @@ class HorovodStrategy(ParallelStrategy):
         average_buffers: average floating-point buffers (e.g. BatchNorm running stats) over all
             workers at the end of every training epoch, so every rank validates and saves the same model.
         bucket_mb: size of the gradient buckets of the hierarchical allreduce.
+        stall_timeout_seconds: end the job when some rank has been missing from a collective for this
+            long (Horovod's stall inspector, set before ``hvd.init``). ``None`` keeps Horovod's default:
+            warn every 60 s, wait forever. Must exceed the longest legitimate wait between ranks.
+        check_finite_gradients: after the gradient average, stop on every rank with
+            ``NonFiniteGradientError`` naming the step and the ranks whose gradients were NaN/Inf.
+            Costs one small allreduce per step; not with a GradScaler, which skips such steps itself.
     """
 
     strategy_name = "horovod"
@@ -99,6 +119,8 @@ class HorovodStrategy(ParallelStrategy):
         sync_batchnorm: bool = False,
         average_buffers: bool = True,
         bucket_mb: float = 32.0,
+        stall_timeout_seconds: float | None = None,
+        check_finite_gradients: bool = False,
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         checkpoint_io: CheckpointIO | None = None,
@@ -108,7 +130,7 @@ class HorovodStrategy(ParallelStrategy):
             accelerator=accelerator,
             parallel_devices=parallel_devices,
             cluster_environment=HorovodEnvironment(),
-            checkpoint_io=checkpoint_io or AtomicCheckpointIO(),
+            checkpoint_io=checkpoint_io,
             precision_plugin=precision_plugin,
         )
         self.compression = compressor_by_name(compression).name
@@ -134,6 +156,10 @@ class HorovodStrategy(ParallelStrategy):
         self.sync_batchnorm = bool(sync_batchnorm)
         self.average_buffers = bool(average_buffers)
         self.bucket_bytes = int(bucket_mb * 2**20)
+        self.stall_timeout_seconds = validate_stall_timeout(stall_timeout_seconds)
+        self.check_finite_gradients = bool(check_finite_gradients)
+        self._finite_check: FiniteGradientCheck | None = None
+        self._watchdog: CollectiveWatchdog | None = None
         self.num_nodes = 1  # set by the Trainer; checked against the launch in setup_environment
         # Public, read by callbacks: what this worker sent, and (with sync="daso") the schedule owner.
         self.comm_counters = CommCounters()
@@ -145,6 +171,32 @@ class HorovodStrategy(ParallelStrategy):
         self._stepped_this_batch = False
         if op == "adasum":
             self._require_mpi_for_adasum(initialized=False)
+
+    @property
+    @override
+    def checkpoint_io(self) -> CheckpointIO:
+        """Atomic writes unless a CheckpointIO was given (here or as a Trainer plugin)."""
+        if self._checkpoint_io is None:
+            self._checkpoint_io = AtomicCheckpointIO()
+        return self._checkpoint_io
+
+    @checkpoint_io.setter
+    def checkpoint_io(self, io: CheckpointIO | None) -> None:
+        self._checkpoint_io = io
+
+    @property
+    @override
+    def optimizers(self) -> list[Optimizer]:
+        return self._optimizers
+
+    @optimizers.setter
+    def optimizers(self, optimizers: list[Optimizer]) -> None:
+        ParallelStrategy.optimizers.fset(self, optimizers)
+        # Horovod's zero_grad calls ``super(self.__class__, self)``; on a LightningOptimizer (which
+        # subclasses the wrapped class) that recurses forever. Pin each LightningOptimizer's
+        # zero_grad to the method bound to the Horovod optimizer itself.
+        for lightning_optimizer in self._lightning_optimizers:
+            lightning_optimizer.zero_grad = lightning_optimizer._optimizer.zero_grad
 
     # ------------------------------------------------------------------ ranks and devices
     @property
@@ -179,6 +231,7 @@ class HorovodStrategy(ParallelStrategy):
         hvd = horovod_torch()
         node_aware = self.sync in ("hierarchical", "daso")
         native = self.sync == "hierarchical" and self.hierarchical_impl == "native"
+        apply_stall_timeout(self.stall_timeout_seconds, horovod_initialized=hvd.is_initialized())
         if hvd.is_initialized():
             if node_aware and not native and os.environ.get("HOROVOD_DYNAMIC_PROCESS_SETS") != "1":
                 raise RuntimeError(
@@ -207,6 +260,8 @@ class HorovodStrategy(ParallelStrategy):
     def setup_environment(self) -> None:
         self._init_horovod()
         hvd = horovod_torch()
+        if self.stall_timeout_seconds is not None and self._watchdog is None:
+            self._watchdog = CollectiveWatchdog(self.stall_timeout_seconds, hvd.rank(), hvd.size())
         assert self.parallel_devices is not None and self.cluster_environment is not None
         on_gpu = self.parallel_devices[0].type == "cuda"
         devices = len(self.parallel_devices)
@@ -215,16 +270,8 @@ class HorovodStrategy(ParallelStrategy):
             num_devices=local_size if on_gpu and devices >= local_size else devices, num_nodes=self.num_nodes
         )
         if on_gpu:
-            if not (hvd.cuda_built() or hvd.rocm_built()):
-                raise RuntimeError(
-                    "Training on GPUs was asked for, but this Horovod build has no GPU support. Rebuild it "
-                    "with NCCL: HVD_GPU=nccl bash ci/install_horovod.sh"
-                )
-            if self.local_rank >= torch.cuda.device_count():
-                raise RuntimeError(
-                    f"local rank {self.local_rank} has no GPU: this node has {torch.cuda.device_count()} GPU(s) "
-                    f"but horovodrun started {local_size} workers on it"
-                )
+            require_gpu_build(hvd)
+            require_gpu_for_local_rank(self.local_rank, torch.cuda.device_count(), local_size)
             torch.cuda.set_device(self.root_device)
         if self.op == "adasum":
             self._require_mpi_for_adasum(initialized=True)
@@ -250,6 +297,7 @@ class HorovodStrategy(ParallelStrategy):
         if self.sync_batchnorm or self._layer_sync is not None:
             self.model = convert_sync_batchnorm(self.model)
         self.model_to_device()
+        attach_horovod_metric_sync(self.model)
         self._setup_topology()
         # Every worker starts from rank 0's weights and buffers (also after a checkpoint restore).
         horovod_torch().broadcast_parameters(self.model.state_dict(), root_rank=0)
@@ -315,6 +363,7 @@ class HorovodStrategy(ParallelStrategy):
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
         super().setup_optimizers(trainer)
         assert self.lightning_module is not None
+        assert_ranks_agree(optimizer_fingerprint(self.optimizers))  # before any optimizer collective
         if self.scale_lr:
             self._scale_learning_rates(self.world_size)
         self._gradient_sync = self._make_gradient_sync()
@@ -327,6 +376,9 @@ class HorovodStrategy(ParallelStrategy):
             if config.scheduler.optimizer in self.optimizers:
                 config.scheduler.optimizer = wrapped[self.optimizers.index(config.scheduler.optimizer)]
         self.optimizers = wrapped
+        if self.check_finite_gradients:
+            require_no_grad_scaler(self.precision_plugin)
+            self._finite_check = FiniteGradientCheck(self.optimizers)
 
     def _scale_learning_rates(self, factor: int) -> None:
         for optimizer in self.optimizers:
@@ -372,7 +424,10 @@ class HorovodStrategy(ParallelStrategy):
 
         def closure_then_average() -> Any:
             result = closure()  # forward + backward of the micro-batch that steps
-            sync.synchronize(optimizer)  # averaged before clipping and AMP unscaling see them
+            with self._waiting("gradient allreduce"):
+                sync.synchronize(optimizer)  # averaged before clipping and AMP unscaling see them
+                if self._finite_check is not None:
+                    self._finite_check.after_average(optimizer, self._progress_text())
             return result
 
         with sync.deferred(optimizer):
@@ -381,7 +436,9 @@ class HorovodStrategy(ParallelStrategy):
         return output
 
     def on_train_epoch_start_hook(self, trainer: Trainer) -> None:
-        """Follow accumulation schedules that change between epochs."""
+        """Follow accumulation schedules that change between epochs; refuse uneven node-aware runs."""
+        if self.sync != "allreduce" and self.world_size > 1:
+            self._require_even_batches(trainer)
         passes = trainer.accumulate_grad_batches
         if passes != self._backward_passes and self._gradient_sync is not None:
             self._backward_passes = passes
@@ -410,9 +467,9 @@ class HorovodStrategy(ParallelStrategy):
         if self.daso is not None and self._stepped_this_batch:
             self.daso.after_optimizer_step(last_batch_of_epoch=last)
         if last:
-            self._finish_training_epoch()
+            self._finish_training_epoch(trainer)
 
-    def _finish_training_epoch(self) -> None:
+    def _finish_training_epoch(self, trainer: Trainer) -> None:
         """Runs on every rank after its own last training batch, before validation."""
         hvd = horovod_torch()
         if self.world_size == 1:
@@ -420,9 +477,33 @@ class HorovodStrategy(ParallelStrategy):
         if self.sync == "allreduce":
             # Ranks that ran out of data wait here while the others finish their batches; their
             # gradients count as zeros meanwhile (Horovod's join), and nobody hangs.
-            hvd.join()
+            last_rank = hvd.join()
+            COLLECTIVE_NAMES.resync()  # op counters may have drifted apart while ranks were uneven
+            self._resync_after_uneven_epoch(trainer, last_rank)
         if self.average_buffers and self.model is not None and self.daso is None:
             average_buffers_(self.model, name="epoch_end_buffers")
+
+    def _resync_after_uneven_epoch(self, trainer: Trainer, last_rank: int) -> None:
+        """Joined ranks skipped the last updates: copy the state of the rank that ran longest."""
+        steps = self.all_gather(torch.tensor([trainer.global_step], dtype=torch.int64))
+        if bool((steps == steps[0]).all()) or self.model is None:
+            return
+        hvd = horovod_torch()
+        hvd.broadcast_parameters(self.model.state_dict(), root_rank=last_rank)
+        for index, optimizer in enumerate(self.optimizers):
+            broadcast_optimizer_state_(optimizer, root_rank=last_rank, name=COLLECTIVE_NAMES.next(f"opt{index}"))
+
+    def _require_even_batches(self, trainer: Trainer) -> None:
+        """Node-aware syncs cannot use Horovod's join: uneven ranks must be refused, not hung."""
+        batches = trainer.num_training_batches
+        known = -1 if batches == float("inf") else int(batches)
+        counts = self.all_gather(torch.tensor([known], dtype=torch.int64)).flatten().tolist()
+        if -1 not in counts and len(set(counts)) > 1:
+            raise ValueError(
+                f"sync={self.sync!r} needs the same number of training batches on every rank, but ranks have "
+                f"{dict(enumerate(counts))}. Use Lightning's DistributedSampler (the default), drop_last=True, "
+                "or sync='allreduce', which handles uneven data with Horovod's join."
+            )
 
     # ------------------------------------------------------------------ checkpoints
     @override
@@ -456,7 +537,7 @@ class HorovodStrategy(ParallelStrategy):
         wire = tensor.detach()
         if wire.dtype in (torch.bfloat16, torch.bool) or (op_name == "average" and not wire.is_floating_point()):
             wire = wire.to(torch.float64 if not wire.is_floating_point() else torch.float32)
-        result = hvd.allreduce(wire, op=hvd_op)
+        result = hvd.allreduce(wire, op=hvd_op, name=COLLECTIVE_NAMES.next("reduce"))
         if op_name == "average" and not original_dtype.is_floating_point:
             return result
         return result.to(original_dtype)
@@ -475,23 +556,45 @@ class HorovodStrategy(ParallelStrategy):
         wire = tensor if sync_grads else tensor.detach()
         if wire.dtype in (torch.bfloat16, torch.bool):
             wire = wire.to(torch.float32)
-        gathered = hvd.allgather(wire.unsqueeze(0))
+        with torch.inference_mode(False):  # Horovod resizes the output on its own thread
+            gathered = hvd.allgather(wire.clone().unsqueeze(0), name=COLLECTIVE_NAMES.next("all_gather"))
         return gathered.to(original_dtype)
 
     @override
     def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
         if self.world_size == 1:
             return obj
-        return horovod_torch().broadcast_object(obj, root_rank=src)
+        return horovod_torch().broadcast_object(obj, root_rank=src, name=COLLECTIVE_NAMES.next("broadcast"))
 
     @override
     def barrier(self, name: str | None = None) -> None:
         if self.world_size > 1 and horovod_torch().is_initialized():
-            horovod_torch().barrier()
+            with self._waiting(f"barrier {name or ''}".strip()):
+                horovod_torch().barrier()
 
-    # ------------------------------------------------------------------ teardown
+    # ------------------------------------------------------------------ failures and teardown
+    def _waiting(self, what: str) -> AbstractContextManager[None]:
+        """Bound the wait with ``stall_timeout_seconds`` when it is set."""
+        return self._watchdog.waiting(what) if self._watchdog is not None else nullcontext()
+
+    def _progress_text(self) -> str:
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if trainer is None:
+            return "setup"
+        return f"epoch {trainer.current_epoch}, global step {trainer.global_step}"
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        """Name this rank and what stopped it, so the launcher's output shows which rank failed first."""
+        hvd = horovod_torch()
+        if hvd.is_initialized():
+            report_failure(exception, hvd.rank(), hvd.size(), hvd.local_rank(), self._progress_text())
+
     @override
     def teardown(self) -> None:
+        if self._finite_check is not None:
+            self._finite_check.remove()
+            self._finite_check = None
         for optimizer in self.optimizers:
             # Drop Horovod's gradient hooks so a later fit in this process starts clean.
             getattr(optimizer, "_grad_accs", []).clear()

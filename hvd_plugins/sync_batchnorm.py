@@ -29,7 +29,7 @@ class HorovodSyncBatchNorm(_BatchNorm):
         if not use_batch_stats or hvd.size() == 1:
             return super().forward(input)
 
-        x = input.float()
+        x = input if input.dtype in (torch.float32, torch.float64) else input.float()
         dims = [0, *range(2, x.dim())]
         local = torch.stack([x.sum(dims), (x * x).sum(dims)])
         count = torch.tensor([float(x.numel() // x.size(1))], dtype=torch.float64)

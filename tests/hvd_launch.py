@@ -57,7 +57,13 @@ def run_job(
     command += ([sys.executable, str(script)] if python else [str(script)]) + list(args)
     if out_dir is not None:
         command += ["--out", str(out_dir)]
-    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONWARNINGS": "ignore"}
+    # A loaded machine can take longer than Horovod's default 30 s to start all workers.
+    full_env = {
+        "HOROVOD_GLOO_TIMEOUT_SECONDS": "180",
+        **os.environ,
+        "PYTHONUNBUFFERED": "1",
+        "PYTHONWARNINGS": "ignore",
+    }
     full_env.update(env or {})
     start = time.monotonic()
     process = subprocess.Popen(

@@ -131,6 +131,11 @@ class HierarchicalGradientSync(GradientSync):
         self.counters = counters
         self.compress_node_local = compress_node_local
         self.bucket_bytes = bucket_bytes
+        self._names: dict[int, str] = {}  # by optimizer, in wrap order: equal on every rank
+
+    def wrap(self, optimizer: Optimizer, named_parameters: list[tuple[str, torch.nn.Parameter]]) -> Optimizer:
+        self._names[id(optimizer)] = f"grad.opt{len(self._names)}"
+        return optimizer
 
     def synchronize(self, optimizer: Optimizer) -> None:
         grads = _gradients_of(optimizer)
@@ -143,7 +148,7 @@ class HierarchicalGradientSync(GradientSync):
             compression=self.compression,
             compress_node_local=self.compress_node_local,
             counters=self.counters,
-            name=f"grad.{id(optimizer) % 10_000}",
+            name=self._names[id(optimizer)],
         )
         for flat, bucket in zip(flats, buckets, strict=True):
             unflatten_into(flat, bucket)

@@ -1,0 +1,37 @@
+"""GPU paths (NCCL build, cuda:<local_rank>, fp16 AMP). Skipped where there is no GPU."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from hvd_launch import run_job
+
+
+def _nccl_built() -> bool:
+    import horovod.torch as hvd
+
+    return bool(hvd.nccl_built())
+
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+
+def test_training_on_gpus_with_nccl(tmp_path: Path) -> None:
+    if not _nccl_built():
+        pytest.skip("Horovod was built without NCCL (HVD_GPU=nccl bash ci/install_horovod.sh)")
+    workers = min(2, torch.cuda.device_count())
+    job = run_job("gpu_checks.py", np=workers, out_dir=tmp_path, timeout=600).check()
+    for report in job.results.values():
+        for check in ("fp32", "amp_fp16_compressed"):
+            assert report[check]["ok"], report[check]
+            result = report[check]["value"]
+            assert result["device"] == f"cuda:{result['local_rank']}"
+            assert len(set(result["digests"])) == 1  # identical weights on every GPU
+            assert result["loss"] < 1.0
+            if workers > 1:
+                assert result["bytes"] > 0

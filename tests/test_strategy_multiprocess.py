@@ -1,0 +1,212 @@
+"""HorovodStrategy under real horovodrun jobs: Lightning features, numerics, topology."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hvd_launch import TWO_NODES, run_job, run_single
+
+pytestmark = pytest.mark.multiprocess
+
+
+def value(report: dict[str, Any], check: str) -> Any:
+    entry = report[check]
+    assert entry["ok"], f"check {check!r} failed: {entry['error']}\n{entry['trace']}"
+    return entry["value"]
+
+
+@pytest.fixture(scope="module")
+def features(tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict]:
+    out = tmp_path_factory.mktemp("features")
+    job = run_job("strategy_features.py", np=2, out_dir=out, timeout=900).check()
+    assert sorted(job.results) == [0, 1], job.output[-3000:]
+    return job.results
+
+
+def both(features: dict[int, dict], check: str) -> list[Any]:
+    return [value(features[rank], check) for rank in (0, 1)]
+
+
+def test_accumulation_allreduces_once_per_k_and_matches_large_batch(features: dict[int, dict]) -> None:
+    for result in both(features, "accumulation"):
+        # 64 samples / 2 ranks / micro-batches of 4 = 8 micro-batches, k=2: 4 steps per epoch
+        assert result["steps"] == 8
+        assert result["allreduce_calls"] == result["steps"] * result["parameter_tensors"]
+        assert result["max_diff_vs_large_batch"] < 1e-10
+        assert result["ranks_identical"]
+
+
+def test_clipping_sees_averaged_gradients(features: dict[int, dict]) -> None:
+    for result in both(features, "clipping"):
+        assert result["clipping_mattered"] > 1e-3  # the test would notice clipping on the wrong gradients
+        assert result["max_diff_vs_clipped_reference"] < 1e-10
+        assert result["ranks_identical"]
+
+
+def test_scale_lr_is_opt_in_and_scales_scheduler_base(features: dict[int, dict]) -> None:
+    for result in both(features, "scale_lr"):
+        assert result["default_lr"] == pytest.approx(0.01)
+        assert result["lr"] == pytest.approx(0.01 * result["world"])
+        assert result["base_lrs"] == pytest.approx([0.01 * result["world"]])
+
+
+def test_reduce_all_gather_broadcast_barrier(features: dict[int, dict]) -> None:
+    for rank, result in enumerate(both(features, "collectives")):
+        assert result["is_distributed"] is True
+        assert result["sum"] == [3.0] and result["mean"] == [1.5] and result["max"] == [2.0]
+        assert result["int_mean"] == [0.5]
+        assert result["gathered"] == [[0.0, 0.0, 7.0], [1.0, 10.0, 7.0]]
+        assert result["broadcast"] == {"from": 1}
+        assert result["any_true"] is True and result["all_true"] is False
+        assert result["sampler_kwargs"] == {"num_replicas": 2, "rank": rank}
+
+
+def test_torchmetrics_sync_equals_metric_on_full_data(features: dict[int, dict]) -> None:
+    for result in both(features, "metrics"):
+        assert result["logged"] == pytest.approx(result["full_data"], abs=1e-12)
+
+
+def test_validation_test_predict_loops(features: dict[int, dict]) -> None:
+    for result in both(features, "loops"):
+        # mean of per-rank means over equal halves = the full-data loss
+        assert result["val_loss"] == pytest.approx(result["full_data_loss"], rel=1e-9)
+        assert result["test_loss"] == pytest.approx(result["full_data_loss"], rel=1e-9)
+        assert result["predicted_rows"] == 20  # each rank predicts its half of 40 rows
+        assert result["ranks_identical"]
+
+
+def test_manual_optimization_with_two_optimizers(features: dict[int, dict]) -> None:
+    for result in both(features, "manual_gan"):
+        assert result["ranks_identical"]
+        assert result["steps"] == 2 * 2 * 4  # two optimizers step on each of 4 batches for 2 epochs
+        assert result["allreduce_calls"] == 2 * 4 * result["parameter_tensors"]
+
+
+def test_bf16_mixed_precision_trains_identically_on_all_ranks(features: dict[int, dict]) -> None:
+    for result in both(features, "bf16_mixed"):
+        assert result["ranks_identical"]
+        assert result["loss"] < 0.5 * result["first_loss"]
+
+
+def test_sync_batchnorm_equals_batchnorm_on_the_global_batch(features: dict[int, dict]) -> None:
+    for result in both(features, "sync_batchnorm"):
+        assert result["type"] == "HorovodSyncBatchNorm"
+        assert result["output_diff"] < 1e-10
+        assert result["input_grad_diff"] < 1e-10
+        assert result["running_mean_diff"] < 1e-6
+        assert result["trainer_converted"] and result["ranks_identical"]
+
+
+def test_checkpoint_written_by_rank0_only_and_resume_is_identical(features: dict[int, dict]) -> None:
+    rank0, rank1 = both(features, "checkpoint_resume")
+    assert rank0["saves"] >= 2 and rank1["saves"] == 0
+    assert "last.ckpt" in rank0["files"] and not any(name.endswith(".tmp") for name in rank0["files"])
+    for result in (rank0, rank1):
+        # the checkpoint holds float64 weights; Lightning loads them into the float32 module before
+        # the precision plugin converts it, hence a float32 rounding and not exact zero
+        assert result["max_diff_vs_checkpoint"] < 1e-6
+        assert result["weights_identical"] and result["adam_state_identical"] and result["final_identical"]
+        assert result["adam_steps"] == [8.0, 8.0]  # 2 epochs x 4 batches, restored on both ranks
+
+
+def test_uneven_batches_do_not_hang(features: dict[int, dict]) -> None:
+    rank0, rank1 = both(features, "uneven_data")
+    assert (rank0["batches"], rank1["batches"]) == (10, 6)
+    assert rank0["ranks_identical"] and rank1["ranks_identical"]
+    assert rank0["steps"] == 20 and rank1["steps"] == 12
+
+
+def test_accumulation_schedule_changes_between_epochs(features: dict[int, dict]) -> None:
+    for result in both(features, "accumulation_schedule"):
+        batches = result["batches"]  # 8 per rank; 2 parameter tensors
+        assert result["calls_per_epoch"] == [batches * 2, batches // 2 * 2, batches // 4 * 2]
+        assert result["ranks_identical"]
+
+
+def test_accumulation_change_inside_an_epoch_is_refused_clearly(features: dict[int, dict]) -> None:
+    for result in both(features, "accumulation_change_mid_epoch"):
+        assert result["error"] is not None
+        assert "accumulate_grad_batches changed to 3 in the middle of epoch 0 (was 1)" in result["error"]
+
+
+@pytest.fixture(scope="module")
+def two_nodes(tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict]:
+    out = tmp_path_factory.mktemp("two_nodes")
+    job = run_job("hierarchical_checks.py", np=4, hosts=TWO_NODES, out_dir=out, timeout=900).check()
+    assert sorted(job.results) == [0, 1, 2, 3], job.output[-3000:]
+    return job.results
+
+
+def test_two_emulated_nodes_have_the_expected_topology(two_nodes: dict[int, dict]) -> None:
+    for rank in range(4):
+        topology = value(two_nodes[rank], "topology")
+        assert topology["nodes"] == [[0, 1], [2, 3]]
+        assert topology["local_rank"] == topology["hvd_local_rank"]
+        assert topology["node_index"] == topology["hvd_cross_rank"]
+
+
+@pytest.mark.parametrize(
+    ("check", "tolerance"),
+    [("fp64_integers", 0.0), ("fp64_random", 1e-13), ("fp32_random", 1e-5), ("fp32_fp16_wire", 1e-2)],
+)
+def test_hierarchical_allreduce_equals_flat_on_two_nodes(
+    two_nodes: dict[int, dict], check: str, tolerance: float
+) -> None:
+    for rank in range(4):
+        result = value(two_nodes[rank], check)
+        assert result["max_abs_diff"] <= tolerance * max(1.0, result["max_abs_value"])
+        if check == "fp64_integers":
+            assert result["exactly_equal"]
+
+
+def test_hierarchical_bytes_per_leg_on_two_nodes(two_nodes: dict[int, dict]) -> None:
+    for rank in range(4):
+        fp32 = value(two_nodes[rank], "fp32_random")
+        fp16 = value(two_nodes[rank], "fp32_fp16_wire")
+        padded32 = [5 + 1, 100_001 + 1]  # each buffer padded to a multiple of the 2 local workers
+        assert fp32["counters"]["node_local_bytes"] == 4 * sum(n + n // 2 for n in padded32)
+        assert fp32["counters"]["cross_node_bytes"] == 4 * sum(n // 2 for n in padded32)
+        padded16 = [999 + 1, 4096]
+        assert fp16["counters"]["cross_node_bytes"] == 2 * sum(n // 2 for n in padded16)  # fp16 on the wire
+        assert fp16["counters"]["node_local_bytes"] == 4 * sum(n + n // 2 for n in padded16)
+
+
+def test_strategy_hierarchical_matches_flat_and_counts_bytes(two_nodes: dict[int, dict]) -> None:
+    for rank in range(4):
+        result = value(two_nodes[rank], "strategy_modes")
+        assert result["hier_vs_flat"] < 1e-12
+        assert result["hier_fp16_vs_flat"] < 5e-3 and result["flat_fp16_vs_flat"] < 5e-3
+        assert result["hier_ranks_identical"]
+        params, steps = result["parameters"], result["steps"]
+        assert steps == 16  # 128 samples / 4 ranks / batch 4, 2 epochs
+        # flat allreduce over two nodes: the whole gradient crosses nodes at every step
+        assert result["flat"]["cross_node_bytes"] == steps * params * 8  # float64
+        assert result["flat_fp16"]["cross_node_bytes"] == steps * params * 2
+        # two-level: each worker sends half the (padded) gradient across nodes
+        half = (params + params % 2) // 2
+        assert result["hierarchical"]["cross_node_bytes"] == steps * half * 8
+        assert result["hierarchical_fp16"]["cross_node_bytes"] == steps * half * 2
+        assert result["hierarchical_accumulated"]["cross_node_bytes"] == result["accumulated_steps"] * half * 8
+        assert result["accumulated_steps"] == steps // 2
+
+
+def test_hierarchical_on_one_node_equals_flat(tmp_path: Path) -> None:
+    job = run_job("hierarchical_checks.py", np=2, out_dir=tmp_path, timeout=600).check()
+    for rank in range(2):
+        assert value(job.results[rank], "topology")["nodes"] == [[0, 1]]
+        assert value(job.results[rank], "fp64_integers")["exactly_equal"]
+        modes = value(job.results[rank], "strategy_modes")
+        assert modes["hier_vs_flat"] < 1e-12
+        assert modes["hierarchical"]["cross_node_bytes"] == 0  # nothing leaves the node
+        assert modes["flat"]["cross_node_bytes"] == 0
+
+
+def test_single_plain_process(tmp_path: Path) -> None:
+    job = run_single("single_process.py", out_dir=tmp_path, timeout=300)
+    assert job.returncode == 0, job.output[-3000:]
+    result = job.results[0]
+    assert result["world_size"] == 1 and result["is_distributed"] is False
+    assert result["final_loss"] < 0.5 * result["first_loss"]
+    assert result["comm_bytes"] == 0

@@ -1,0 +1,151 @@
+"""Single-process tests of the pieces that need no running Horovod job."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from lightning.pytorch.strategies import StrategyRegistry
+
+import hvd_plugins
+from hvd_plugins import AtomicCheckpointIO, HorovodStrategy
+from hvd_plugins.comm.buckets import bucket_tensors, flatten, unflatten_into
+from hvd_plugins.comm.compression import CountingCompressor, FP16Compression, NoCompression, compressor_by_name
+from hvd_plugins.comm.counters import CommCounters, Scope
+from hvd_plugins.comm.topology import Topology
+from hvd_plugins.daso.config import DasoConfig
+
+
+def test_fp16_compression_round_trip_halves_bytes() -> None:
+    tensor = torch.linspace(-3, 3, 101, dtype=torch.float32)
+    wire, ctx = FP16Compression().compress(tensor)
+    assert wire.dtype == torch.float16 and wire.element_size() * wire.numel() == 2 * 101
+    back = FP16Compression().decompress(wire, ctx)
+    assert back.dtype == torch.float32
+    assert torch.allclose(back, tensor, atol=2e-3)
+
+
+def test_fp16_compression_leaves_integers_alone() -> None:
+    tensor = torch.arange(10)
+    wire, ctx = FP16Compression().compress(tensor)
+    assert wire is tensor and FP16Compression().decompress(wire, ctx) is tensor
+
+
+def test_compressor_by_name_rejects_unknown_names() -> None:
+    assert isinstance(compressor_by_name("none"), NoCompression)
+    with pytest.raises(ValueError, match=r"compression='bf16'.*\['fp16', 'none'\]"):
+        compressor_by_name("bf16")
+
+
+def test_counting_compressor_records_wire_bytes() -> None:
+    counters = CommCounters()
+    codec = CountingCompressor(FP16Compression(), counters, Scope.CROSS_NODE)
+    codec.compress(torch.zeros(1000))
+    codec.compress(torch.zeros(10))
+    assert counters.cross_node_bytes == 2 * 1010 and counters.cross_node_calls == 2
+    assert counters.node_local_bytes == 0
+
+
+def test_counters_window_difference() -> None:
+    counters = CommCounters()
+    counters.record(Scope.NODE_LOCAL, 100)
+    start = counters.snapshot()
+    counters.record(Scope.NODE_LOCAL, 50)
+    counters.record(Scope.CROSS_NODE, 7, calls=3)
+    window = counters.since(start)
+    assert (window.node_local_bytes, window.node_local_calls) == (50, 1)
+    assert (window.cross_node_bytes, window.cross_node_calls) == (7, 3)
+    counters.reset()
+    assert counters.as_dict()["node_local_bytes"] == 0
+
+
+def test_topology_from_gathered_pairs_handles_non_contiguous_ranks() -> None:
+    # ranks 0 and 2 on node 0, ranks 1 and 3 on node 1 (round-robin placement)
+    topology = Topology.from_pairs(rank=3, pairs=[(0, 0), (1, 0), (0, 1), (1, 1)])
+    assert topology.nodes == ((0, 2), (1, 3))
+    assert (topology.node_index, topology.local_rank, topology.local_size) == (1, 1, 2)
+    assert topology.cross_ranks(0) == (0, 1) and topology.cross_ranks(1) == (2, 3)
+    assert topology.equal_nodes and topology.size == 4 and topology.num_nodes == 2
+
+
+def test_topology_rejects_unequal_nodes_with_the_sizes() -> None:
+    topology = Topology.from_pairs(rank=0, pairs=[(0, 0), (0, 1), (1, 0)])
+    with pytest.raises(ValueError, match=r"same number of workers on every node.*\{0: 2, 1: 1\}"):
+        topology.require_equal_nodes("sync='hierarchical'")
+
+
+def test_buckets_split_by_dtype_and_size_and_round_trip() -> None:
+    tensors = [torch.ones(10), torch.ones(300), torch.ones(5, dtype=torch.float64), torch.ones(20)]
+    buckets = bucket_tensors(tensors, bucket_bytes=400 * 4)
+    assert sorted(len(b) for b in buckets) == [1, 3]
+    assert all(len({t.dtype for t in bucket}) == 1 for bucket in buckets)
+    small = bucket_tensors(tensors, bucket_bytes=100)
+    assert len(small) == 4
+    flat = flatten([tensors[0], tensors[3]]) * 2
+    unflatten_into(flat, [tensors[0], tensors[3]])
+    assert float(tensors[0].sum()) == 20 and float(tensors[3].sum()) == 40
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"compression": "int8"}, r"compression='int8' is not supported; choose one of \['fp16', 'none'\]"),
+        ({"op": "mean"}, r"op='mean' is not supported; choose one of \['average', 'sum', 'adasum'\]"),
+        ({"sync": "ring"}, r"sync='ring' is not supported; choose one of \['allreduce', 'hierarchical', 'daso'\]"),
+        ({"gradient_predivide_factor": 0}, r"gradient_predivide_factor=0 must be a positive number"),
+        ({"gradient_predivide_factor": 2.0, "op": "sum"}, r"works only with op='average', not op='sum'"),
+        ({"op": "adasum"}, r"op='adasum' needs Horovod's MPI controller"),
+        ({"op": "adasum", "sync": "daso"}, r"op='adasum' works only with sync='allreduce'"),
+        ({"daso": {"warmup_epochs": 1}}, r"DASO settings need sync='daso'"),
+        ({"hierarchical_impl": "nccl"}, r"hierarchical_impl='nccl' is not supported"),
+        ({"bucket_mb": -1}, r"bucket_mb=-1 must be a positive number"),
+    ],
+)
+def test_strategy_rejects_bad_arguments_by_name(kwargs: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        HorovodStrategy(**kwargs)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"warmup_epochs": -1}, r"warmup_epochs=-1 must be >= 0"),
+        ({"max_global_skips": 0}, r"max_global_skips=0 must be >= 1"),
+        ({"stability_level": 1.5}, r"stability_level=1.5 must be in \[0, 1\)"),
+        ({"downcast": "int8"}, r"downcast='int8' is not supported"),
+    ],
+)
+def test_daso_config_rejects_bad_values(kwargs: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        DasoConfig(**kwargs)
+
+
+def test_daso_settings_accept_dicts_and_name_unknown_keys() -> None:
+    strategy = HorovodStrategy(sync="daso", daso={"warmup_epochs": 1, "max_global_skips": 4})
+    assert strategy.daso_config == DasoConfig(warmup_epochs=1, max_global_skips=4)
+    with pytest.raises(ValueError, match=r"unknown DASO setting\(s\) \['warmup'\]"):
+        HorovodStrategy(sync="daso", daso={"warmup": 1})
+
+
+def test_import_registers_strategy_names() -> None:
+    assert hvd_plugins.HorovodStrategy is HorovodStrategy
+    for name in ("horovod", "horovod_fp16", "horovod_hierarchical", "horovod_daso"):
+        assert name in StrategyRegistry
+    assert StrategyRegistry["horovod_fp16"]["init_params"] == {"compression": "fp16"}
+
+
+def test_atomic_checkpoint_leaves_old_file_when_saving_fails(tmp_path: Path) -> None:
+    io = AtomicCheckpointIO()
+    target = tmp_path / "last.ckpt"
+    io.save_checkpoint({"step": 1}, target)
+
+    class Unpicklable:
+        def __reduce__(self) -> tuple:
+            raise RuntimeError("cannot pickle")
+
+    with pytest.raises(RuntimeError, match="cannot pickle"):
+        io.save_checkpoint({"step": 2, "bad": Unpicklable()}, target)
+    assert torch.load(target, weights_only=False) == {"step": 1}
+    assert os.listdir(tmp_path) == ["last.ckpt"]  # the temporary file was removed

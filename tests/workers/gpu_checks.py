@@ -1,0 +1,69 @@
+"""HorovodStrategy on GPUs: NCCL allreduce, cuda:<local_rank>, fp16 AMP with a GradScaler."""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+import horovod.torch as hvd
+import lightning.pytorch as pl
+import torch
+from _common import parse_out, run_checks, write_result
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from hvd_plugins import HorovodStrategy
+
+OUT, _ = parse_out()
+
+
+class Net(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(32, 64), nn.BatchNorm1d(64), nn.ReLU(), nn.Linear(64, 4))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = nn.functional.cross_entropy(self.net(batch[0]), batch[1])
+        self.log("loss", loss, sync_dist=True)
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def fit(precision: str, compression: str) -> dict[str, Any]:
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(512, 32, generator=generator)
+    y = (x[:, :4].argmax(dim=1)).long()
+    model = Net()
+    trainer = pl.Trainer(
+        strategy=HorovodStrategy(compression=compression, sync_batchnorm=True),
+        accelerator="gpu",
+        devices=1,
+        precision=precision,
+        max_epochs=3,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+    )
+    trainer.fit(model, DataLoader(TensorDataset(x, y), batch_size=32))
+    digest = hashlib.sha256(b"".join(p.detach().cpu().numpy().tobytes() for p in model.parameters())).hexdigest()
+    return {
+        "device": str(trainer.strategy.root_device),
+        "local_rank": hvd.local_rank(),
+        "loss": float(trainer.callback_metrics["loss"]),
+        "digests": hvd.allgather_object(digest),
+        "bytes": trainer.strategy.comm_counters.cross_node_bytes + trainer.strategy.comm_counters.node_local_bytes,
+    }
+
+
+if __name__ == "__main__":
+    hvd.init()
+    report = run_checks(
+        {
+            "fp32": lambda: fit("32-true", "none"),
+            "amp_fp16_compressed": lambda: fit("16-mixed", "fp16"),
+        }
+    )
+    write_result(OUT, hvd.rank(), report)

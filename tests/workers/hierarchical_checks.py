@@ -1,0 +1,145 @@
+"""Two-level allreduce and the node-aware strategy modes, on whatever topology horovodrun gives.
+
+Run under ``-np 4 -H localhost:2,127.0.0.1:2`` (two emulated nodes) and ``-np 2`` (one node).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+os.environ["HOROVOD_DYNAMIC_PROCESS_SETS"] = "1"
+
+import horovod.torch as hvd  # noqa: E402
+import lightning.pytorch as pl  # noqa: E402
+import torch  # noqa: E402
+from _common import parse_out, run_checks, write_result  # noqa: E402
+from torch import nn  # noqa: E402
+from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
+
+from hvd_plugins import HorovodStrategy  # noqa: E402
+from hvd_plugins.comm import (  # noqa: E402
+    CommCounters,
+    FP16Compression,
+    build_node_groups,
+    discover_topology,
+    hierarchical_allreduce_,
+)
+
+OUT, _ = parse_out()
+
+
+def rank_tensor(n: int, dtype: torch.dtype, integers: bool, seed: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed * 100 + hvd.rank())
+    if integers:
+        return torch.randint(-1000, 1000, (n,), generator=generator).to(dtype)
+    return torch.randn(n, generator=generator, dtype=torch.float64).to(dtype)
+
+
+def check_topology() -> dict[str, Any]:
+    topology = discover_topology()
+    return {
+        "nodes": [list(node) for node in topology.nodes],
+        "local_rank": topology.local_rank,
+        "hvd_local_rank": hvd.local_rank(),
+        "node_index": topology.node_index,
+        "hvd_cross_rank": hvd.cross_rank(),
+    }
+
+
+def compare_with_flat(dtype: torch.dtype, integers: bool, sizes: list[int], fp16: bool) -> dict[str, Any]:
+    groups = build_node_groups(discover_topology())
+    buffers = [rank_tensor(n, dtype, integers, seed=i) for i, n in enumerate(sizes)]
+    flat = [hvd.allreduce(b.clone(), op=hvd.Average, name=f"flat.{dtype}.{i}.{fp16}") for i, b in enumerate(buffers)]
+    counters = CommCounters()
+    hierarchical_allreduce_(
+        buffers, groups, average=True, compression=FP16Compression() if fp16 else None, counters=counters
+    )
+    return {
+        "max_abs_diff": max(float((h - f).abs().max()) for h, f in zip(buffers, flat, strict=True)),
+        "max_abs_value": max(float(f.abs().max()) for f in flat),
+        "exactly_equal": all(torch.equal(h, f) for h, f in zip(buffers, flat, strict=True)),
+        "counters": counters.as_dict(),
+        "elements": sum(sizes),
+    }
+
+
+class Net(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 1))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = nn.functional.mse_loss(self.net(batch[0]), batch[1])
+        self.log("train_loss", loss, sync_dist=True)
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+
+def fit(strategy: HorovodStrategy, accumulate: int = 1) -> tuple[Net, pl.Trainer]:
+    generator = torch.Generator().manual_seed(11)
+    x = torch.randn(128, 6, generator=generator, dtype=torch.float64)
+    y = torch.sin(x.sum(dim=1, keepdim=True))
+    model = Net()
+    trainer = pl.Trainer(
+        strategy=strategy,
+        accelerator="cpu",
+        precision="64-true",
+        max_epochs=2,
+        accumulate_grad_batches=accumulate,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(model, DataLoader(TensorDataset(x, y), batch_size=4))
+    return model, trainer
+
+
+def parameters_of(model: nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+def check_strategy_modes() -> dict[str, Any]:
+    """sync='hierarchical' trains to the same weights as sync='allreduce', with counted bytes."""
+    flat_model, flat_trainer = fit(HorovodStrategy(sync="allreduce"))
+    hier_model, hier_trainer = fit(HorovodStrategy(sync="hierarchical"))
+    fp16_model, fp16_trainer = fit(HorovodStrategy(sync="hierarchical", compression="fp16"))
+    flat_fp16_model, flat_fp16_trainer = fit(HorovodStrategy(compression="fp16"))
+    accumulated_model, accumulated_trainer = fit(HorovodStrategy(sync="hierarchical"), accumulate=2)
+    reference = parameters_of(flat_model)
+    gathered = hvd.allgather(parameters_of(hier_model).unsqueeze(0))
+    return {
+        "hier_vs_flat": float((parameters_of(hier_model) - reference).abs().max()),
+        "hier_fp16_vs_flat": float((parameters_of(fp16_model) - reference).abs().max()),
+        "flat_fp16_vs_flat": float((parameters_of(flat_fp16_model) - reference).abs().max()),
+        "hier_ranks_identical": bool((gathered == gathered[0]).all()),
+        "parameters": int(reference.numel()),
+        "steps": hier_trainer.global_step,
+        "accumulated_steps": accumulated_trainer.global_step,
+        "flat": flat_trainer.strategy.comm_counters.as_dict(),
+        "flat_fp16": flat_fp16_trainer.strategy.comm_counters.as_dict(),
+        "hierarchical": hier_trainer.strategy.comm_counters.as_dict(),
+        "hierarchical_fp16": fp16_trainer.strategy.comm_counters.as_dict(),
+        "hierarchical_accumulated": accumulated_trainer.strategy.comm_counters.as_dict(),
+        "local_size": hvd.local_size(),
+        "cross_size": hvd.cross_size(),
+    }
+
+
+if __name__ == "__main__":
+    hvd.init()
+    report = run_checks(
+        {
+            "topology": check_topology,
+            "fp64_integers": lambda: compare_with_flat(torch.float64, True, [1, 7, 1000, 4096], fp16=False),
+            "fp64_random": lambda: compare_with_flat(torch.float64, False, [13, 2049], fp16=False),
+            "fp32_random": lambda: compare_with_flat(torch.float32, False, [5, 100_001], fp16=False),
+            "fp32_fp16_wire": lambda: compare_with_flat(torch.float32, False, [999, 4096], fp16=True),
+            "strategy_modes": check_strategy_modes,
+        }
+    )
+    write_result(OUT, hvd.rank(), report)

@@ -1,0 +1,485 @@
+"""Lightning features under HorovodStrategy, checked against single-process references.
+
+Run by tests/test_strategy_multiprocess.py under ``horovodrun -np 2``. Every rank runs every
+check in the same order and writes its report to ``--out/rank<r>.json``.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+from pathlib import Path
+from typing import Any
+
+import horovod.torch as hvd
+import lightning.pytorch as pl
+import torch
+import torchmetrics
+from _common import parse_out, run_checks, write_result
+from lightning.pytorch.callbacks import Callback, GradientAccumulationScheduler, ModelCheckpoint
+from torch import nn
+from torch.utils.data import DataLoader, Subset, TensorDataset
+
+from hvd_plugins import AtomicCheckpointIO, HorovodStrategy
+
+OUT, ARGS = parse_out()
+N_FEATURES = 5
+
+
+def make_data(n: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, N_FEATURES, generator=generator, dtype=torch.float64)
+    w = torch.arange(1, N_FEATURES + 1, dtype=torch.float64)
+    y = x @ w + 0.1 * torch.randn(n, generator=generator, dtype=torch.float64)
+    return x, y.unsqueeze(1)
+
+
+def digest(module: nn.Module) -> str:
+    """A fingerprint of the parameters, to compare ranks exactly."""
+    hasher = hashlib.sha256()
+    for tensor in module.state_dict().values():
+        hasher.update(tensor.detach().cpu().contiguous().numpy().tobytes())
+    return hasher.hexdigest()
+
+
+def all_equal(value: Any) -> bool:
+    return all(other == value for other in hvd.allgather_object(value))
+
+
+class Regression(pl.LightningModule):
+    def __init__(self, lr: float = 0.05, optimizer: str = "sgd") -> None:
+        super().__init__()
+        torch.manual_seed(1)
+        self.layer = nn.Linear(N_FEATURES, 1)
+        self.lr = lr
+        self.optimizer_name = optimizer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layer(x)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = nn.functional.mse_loss(self(x), y)
+        self.log("train_loss", loss, sync_dist=True)
+        return loss
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        self.log("val_loss", nn.functional.mse_loss(self(x), y), sync_dist=True)
+
+    def test_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        self.log("test_loss", nn.functional.mse_loss(self(x), y), sync_dist=True)
+
+    def predict_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self(batch[0])
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        if self.optimizer_name == "adam":
+            return torch.optim.Adam(self.parameters(), lr=self.lr)
+        return torch.optim.SGD(self.parameters(), lr=self.lr)
+
+
+def trainer(**kwargs: Any) -> pl.Trainer:
+    options: dict[str, Any] = dict(
+        strategy=HorovodStrategy(),
+        accelerator="cpu",
+        precision="64-true",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+    )
+    options.update(kwargs)
+    return pl.Trainer(**options)
+
+
+def rank_loader(x: torch.Tensor, y: torch.Tensor, batch_size: int) -> DataLoader:
+    """This rank's strided share, unshuffled (Lightning's own sampler shuffles training data)."""
+    share = range(hvd.rank(), len(x), hvd.size())
+    return DataLoader(Subset(TensorDataset(x, y), list(share)), batch_size=batch_size)
+
+
+def reference_sgd(
+    x: torch.Tensor, y: torch.Tensor, block: int, epochs: int, lr: float, clip: float | None
+) -> nn.Module:
+    """One process, one large batch per step: the update data parallelism must reproduce."""
+    torch.manual_seed(1)
+    model = nn.Linear(N_FEATURES, 1).double()
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    for _ in range(epochs):
+        for start in range(0, len(x), block):
+            optimizer.zero_grad()
+            nn.functional.mse_loss(model(x[start : start + block]), y[start : start + block]).backward()
+            if clip is not None:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+            optimizer.step()
+    return model
+
+
+def max_difference(model: nn.Module, reference: nn.Module) -> float:
+    return max(
+        float((a.detach().cpu() - b.detach().cpu()).abs().max())
+        for a, b in zip(model.parameters(), reference.parameters(), strict=True)
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+def check_accumulation() -> dict[str, Any]:
+    """accumulate_grad_batches=k: one allreduce per k micro-batches, same update as a k*W batch."""
+    world, micro, k, epochs = hvd.size(), 4, 2, 2
+    x, y = make_data(64)
+    model = Regression()
+    t = trainer(max_epochs=epochs, accumulate_grad_batches=k, use_distributed_sampler=False)
+    t.fit(model, rank_loader(x, y, micro))
+    steps = t.global_step
+    counters = t.strategy.comm_counters
+    reference = reference_sgd(x, y, block=world * micro * k, epochs=epochs, lr=0.05, clip=None)
+    return {
+        "steps": steps,
+        "allreduce_calls": counters.node_local_calls + counters.cross_node_calls,
+        "parameter_tensors": len(list(model.parameters())),
+        "max_diff_vs_large_batch": max_difference(model, reference),
+        "ranks_identical": all_equal(digest(model)),
+    }
+
+
+def check_clipping() -> dict[str, Any]:
+    """Clipping by norm must see the averaged gradient, not each rank's own."""
+    world, batch = hvd.size(), 8
+    x, y = make_data(64, seed=3)
+    model = Regression()
+    t = trainer(max_epochs=1, gradient_clip_val=0.5, gradient_clip_algorithm="norm", use_distributed_sampler=False)
+    t.fit(model, rank_loader(x, y, batch))
+    reference = reference_sgd(x, y, block=world * batch, epochs=1, lr=0.05, clip=0.5)
+    unclipped = reference_sgd(x, y, block=world * batch, epochs=1, lr=0.05, clip=None)
+    return {
+        "max_diff_vs_clipped_reference": max_difference(model, reference),
+        "clipping_mattered": max_difference(reference, unclipped),
+        "ranks_identical": all_equal(digest(model)),
+    }
+
+
+def check_scale_lr() -> dict[str, Any]:
+    x, y = make_data(16)
+
+    class WithScheduler(Regression):
+        def configure_optimizers(self) -> Any:
+            optimizer = torch.optim.SGD(self.parameters(), lr=0.01)
+            return {"optimizer": optimizer, "lr_scheduler": torch.optim.lr_scheduler.StepLR(optimizer, 10)}
+
+    seen: dict[str, Any] = {}
+
+    class Spy(Callback):
+        def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+            seen["lr"] = trainer.optimizers[0].param_groups[0]["lr"]
+            seen["base_lrs"] = trainer.lr_scheduler_configs[0].scheduler.base_lrs
+
+    t = trainer(max_epochs=1, strategy=HorovodStrategy(scale_lr=True), callbacks=[Spy()])
+    t.fit(WithScheduler(), DataLoader(TensorDataset(x, y), batch_size=4))
+    unscaled: dict[str, Any] = {}
+
+    class SpyDefault(Callback):
+        def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+            unscaled["lr"] = trainer.optimizers[0].param_groups[0]["lr"]
+
+    trainer(max_epochs=1, callbacks=[SpyDefault()]).fit(WithScheduler(), DataLoader(TensorDataset(x, y), batch_size=4))
+    return {"lr": seen["lr"], "base_lrs": seen["base_lrs"], "default_lr": unscaled["lr"], "world": hvd.size()}
+
+
+def check_collectives() -> dict[str, Any]:
+    t = trainer(max_epochs=1)
+    x, y = make_data(8)
+    t.fit(Regression(), DataLoader(TensorDataset(x, y), batch_size=4))
+    strategy = t.strategy
+    rank = float(hvd.rank())
+    value = torch.tensor([rank + 1.0])
+    gathered = strategy.all_gather(torch.tensor([rank, rank * 10, 7.0]))
+    strategy.barrier("check")
+    return {
+        "is_distributed": strategy.is_distributed,
+        "sum": strategy.reduce(value.clone(), reduce_op="sum").tolist(),
+        "mean": strategy.reduce(value.clone(), reduce_op="mean").tolist(),
+        "max": strategy.reduce(value.clone(), reduce_op="max").tolist(),
+        "int_mean": strategy.reduce(torch.tensor([hvd.rank()]), reduce_op="mean").tolist(),
+        "gathered": gathered.tolist(),
+        "broadcast": strategy.broadcast({"from": hvd.rank()}, src=1),
+        "any_true": strategy.reduce_boolean_decision(hvd.rank() == 1, all=False),
+        "all_true": strategy.reduce_boolean_decision(hvd.rank() == 1, all=True),
+        "sampler_kwargs": strategy.distributed_sampler_kwargs,
+    }
+
+
+def check_metrics() -> dict[str, Any]:
+    """A torchmetrics metric logged under Horovod equals the metric over the full data."""
+    generator = torch.Generator().manual_seed(5)
+    x = torch.randn(80, N_FEATURES, generator=generator, dtype=torch.float64)
+    labels = torch.randint(0, 3, (80,), generator=generator)
+
+    class Classifier(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(2)
+            self.layer = nn.Linear(N_FEATURES, 3)
+            self.accuracy = torchmetrics.classification.MulticlassAccuracy(num_classes=3, average="micro")
+
+        def validation_step(self, batch: Any, batch_idx: int) -> None:
+            self.accuracy(self.layer(batch[0]).argmax(dim=1), batch[1])
+            self.log("val_acc", self.accuracy, on_epoch=True)
+
+    model = Classifier()
+    reference = float((model.layer.double()(x).argmax(dim=1) == labels).double().mean())
+    results = trainer().validate(model, DataLoader(TensorDataset(x, labels), batch_size=8), verbose=False)
+    return {"logged": results[0]["val_acc"], "full_data": reference}
+
+
+def check_loops() -> dict[str, Any]:
+    x, y = make_data(40)
+    loader = DataLoader(TensorDataset(x, y), batch_size=5)
+    model = Regression()
+    t = trainer(max_epochs=1)
+    t.fit(model, loader, loader)
+    validated = t.validate(model, loader, verbose=False)[0]["val_loss"]
+    tested = t.test(model, loader, verbose=False)[0]["test_loss"]
+    predictions = t.predict(model, loader)
+    full = float(nn.functional.mse_loss(model(x.to(model.device)), y))
+    return {
+        "val_loss": validated,
+        "test_loss": tested,
+        "full_data_loss": full,
+        "predicted_rows": sum(len(p) for p in predictions),
+        "ranks_identical": all_equal(digest(model)),
+    }
+
+
+def check_manual_gan() -> dict[str, Any]:
+    """Manual optimization with two optimizers over one model (GAN-style)."""
+
+    class Gan(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(4)
+            self.automatic_optimization = False
+            self.generator = nn.Sequential(nn.Linear(3, 8), nn.Tanh(), nn.Linear(8, N_FEATURES))
+            self.discriminator = nn.Sequential(nn.Linear(N_FEATURES, 8), nn.Tanh(), nn.Linear(8, 1))
+
+        def training_step(self, batch: Any, batch_idx: int) -> None:
+            real = batch[0]
+            opt_g, opt_d = self.optimizers()
+            noise = torch.randn(len(real), 3, dtype=real.dtype, generator=torch.Generator().manual_seed(batch_idx))
+            ones, zeros = torch.ones(len(real), 1, dtype=real.dtype), torch.zeros(len(real), 1, dtype=real.dtype)
+            bce = nn.functional.binary_cross_entropy_with_logits
+
+            self.toggle_optimizer(opt_g)
+            g_loss = bce(self.discriminator(self.generator(noise)), ones)
+            self.manual_backward(g_loss)
+            opt_g.step()
+            opt_g.zero_grad()
+            self.untoggle_optimizer(opt_g)
+
+            self.toggle_optimizer(opt_d)
+            fake = self.generator(noise).detach()
+            d_loss = (bce(self.discriminator(real), ones) + bce(self.discriminator(fake), zeros)) / 2
+            self.manual_backward(d_loss)
+            opt_d.step()
+            opt_d.zero_grad()
+            self.untoggle_optimizer(opt_d)
+            self.log_dict({"g_loss": g_loss, "d_loss": d_loss}, sync_dist=True)
+
+        def configure_optimizers(self) -> Any:
+            return (
+                torch.optim.Adam(self.generator.parameters(), lr=1e-3),
+                torch.optim.Adam(self.discriminator.parameters(), lr=1e-3),
+            )
+
+    x, _ = make_data(64)
+    model = Gan()
+    t = trainer(max_epochs=2)
+    t.fit(model, DataLoader(TensorDataset(x), batch_size=8))
+    counters = t.strategy.comm_counters
+    return {
+        "ranks_identical": all_equal(digest(model)),
+        "steps": t.global_step,
+        "allreduce_calls": counters.node_local_calls + counters.cross_node_calls,
+        "parameter_tensors": len(list(model.parameters())),
+    }
+
+
+def check_bf16_mixed() -> dict[str, Any]:
+    x, y = make_data(64)
+    model = Regression()
+    t = trainer(max_epochs=2, precision="bf16-mixed")
+    t.fit(model.float(), DataLoader(TensorDataset(x.float(), y.float()), batch_size=8))
+    return {
+        "ranks_identical": all_equal(digest(model)),
+        "loss": float(t.callback_metrics["train_loss"]),
+        "first_loss": float(nn.functional.mse_loss(Regression().float()(x.float()), y.float())),
+    }
+
+
+def check_sync_batchnorm() -> dict[str, Any]:
+    """Synchronized BatchNorm on each rank's half == plain BatchNorm on the whole batch."""
+    from hvd_plugins.sync_batchnorm import HorovodSyncBatchNorm, convert_sync_batchnorm
+
+    generator = torch.Generator().manual_seed(7)
+    full = torch.randn(16, 4, generator=generator, dtype=torch.float64) * 3 + 1
+    upstream = torch.randn(16, 4, generator=generator, dtype=torch.float64)
+    plain = nn.BatchNorm1d(4).double()
+    synced = convert_sync_batchnorm(nn.Sequential(copy.deepcopy(plain)))[0]
+    mine = slice(hvd.rank() * 8, (hvd.rank() + 1) * 8)
+
+    x_full = full.clone().requires_grad_()
+    expected = plain(x_full)
+    (expected * upstream).sum().backward()
+    x_mine = full[mine].clone().requires_grad_()
+    out = synced(x_mine)
+    (out * upstream[mine]).sum().backward()
+    # the loss is summed over ranks by data parallelism; the input gradient already includes
+    # the other rank's terms through the synchronized statistics.
+    t = trainer(max_epochs=1, sync_batchnorm=True)
+
+    class WithBatchNorm(Regression):
+        def __init__(self) -> None:
+            super().__init__()
+            self.norm = nn.BatchNorm1d(N_FEATURES).double()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.layer(self.norm(x))
+
+    model = WithBatchNorm()
+    x, y = make_data(32)
+    t.fit(model, DataLoader(TensorDataset(x, y), batch_size=8))
+    return {
+        "type": type(synced).__name__,
+        "output_diff": float((out - expected[mine]).abs().max()),
+        "input_grad_diff": float((x_mine.grad - x_full.grad[mine]).abs().max()),
+        "running_mean_diff": float((synced.running_mean - plain.running_mean).abs().max()),
+        "trainer_converted": isinstance(model.norm, HorovodSyncBatchNorm),
+        "ranks_identical": all_equal(digest(model)),
+    }
+
+
+class CountingCheckpointIO(AtomicCheckpointIO):
+    saves = 0
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any = None) -> None:
+        CountingCheckpointIO.saves += 1
+        super().save_checkpoint(checkpoint, path, storage_options)
+
+
+def check_checkpoint_resume() -> dict[str, Any]:
+    """Rank 0 alone writes; resuming gives every rank the checkpoint's weights and optimizer state."""
+    directory = Path(hvd.broadcast_object(str(OUT / "checkpoints"), root_rank=0))
+    x, y = make_data(48)
+    loader = DataLoader(TensorDataset(x, y), batch_size=6)
+    t = trainer(
+        max_epochs=2,
+        enable_checkpointing=True,
+        callbacks=[ModelCheckpoint(dirpath=directory, save_last=True)],
+        plugins=[CountingCheckpointIO()],
+    )
+    t.fit(Regression(optimizer="adam"), loader)
+    saves = CountingCheckpointIO.saves
+    hvd.barrier()
+    checkpoint = torch.load(directory / "last.ckpt", weights_only=False)
+    expected = {k: v.clone() for k, v in checkpoint["state_dict"].items()}
+    seen: dict[str, Any] = {}
+
+    class AtStart(Callback):
+        def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+            state = pl_module.state_dict()
+            seen["max_diff_vs_checkpoint"] = max(float((state[k].cpu() - v).abs().max()) for k, v in expected.items())
+            seen["weights_digest"] = digest(pl_module)
+            adam = trainer.optimizers[0].state_dict()["state"]
+            seen["adam_steps"] = sorted(float(s["step"]) for s in adam.values())
+
+    # rank 1 starts from different weights: the restore and broadcast must override them
+    resumed = Regression(optimizer="adam")
+    if hvd.rank() == 1:
+        with torch.no_grad():
+            resumed.layer.weight.add_(1.0)
+    trainer(max_epochs=3, callbacks=[AtStart()]).fit(resumed, loader, ckpt_path=directory / "last.ckpt")
+    return {
+        "saves": saves,
+        "files": sorted(p.name for p in directory.iterdir()),
+        "max_diff_vs_checkpoint": seen["max_diff_vs_checkpoint"],
+        "weights_identical": all_equal(seen["weights_digest"]),
+        "adam_state_identical": all_equal(seen["adam_steps"]),
+        "adam_steps": seen["adam_steps"],
+        "final_identical": all_equal(digest(resumed)),
+    }
+
+
+def check_uneven_data() -> dict[str, Any]:
+    """Ranks with different numbers of batches finish without hanging (Horovod join)."""
+    n = 40 if hvd.rank() == 0 else 24
+    x, y = make_data(n, seed=10 + hvd.rank())
+    model = Regression()
+    loader = DataLoader(TensorDataset(x, y), batch_size=4)
+    t = trainer(max_epochs=2, use_distributed_sampler=False, limit_val_batches=2)
+    t.fit(model, loader, loader)
+    return {"batches": t.num_training_batches, "ranks_identical": all_equal(digest(model)), "steps": t.global_step}
+
+
+def check_accumulation_schedule() -> dict[str, Any]:
+    """An accumulation schedule that changes between epochs is followed: allreduces per epoch."""
+    per_epoch: list[int] = []
+
+    class Calls(Callback):
+        def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+            self.start = copy.copy(trainer.strategy.comm_counters)
+
+        def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+            now = trainer.strategy.comm_counters
+            per_epoch.append(now.since(self.start).node_local_calls + now.since(self.start).cross_node_calls)
+
+    x, y = make_data(64)
+    t = trainer(max_epochs=3, callbacks=[GradientAccumulationScheduler({0: 1, 1: 2, 2: 4}), Calls()])
+    model = Regression()
+    t.fit(model, DataLoader(TensorDataset(x, y), batch_size=4))
+    return {
+        "calls_per_epoch": per_epoch,
+        "batches": t.num_training_batches,
+        "ranks_identical": all_equal(digest(model)),
+    }
+
+
+def check_accumulation_change_mid_epoch() -> dict[str, Any]:
+    """A schedule that changes accumulation inside an epoch cannot be expressed: clear error."""
+
+    class ChangeAtBatchThree(Callback):
+        def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, i: int) -> None:
+            if i == 3:
+                trainer.accumulate_grad_batches = 3
+
+    x, y = make_data(64)
+    try:
+        trainer(max_epochs=1, callbacks=[ChangeAtBatchThree()]).fit(
+            Regression(), DataLoader(TensorDataset(x, y), batch_size=4)
+        )
+    except ValueError as error:
+        return {"error": str(error)}
+    return {"error": None}
+
+
+if __name__ == "__main__":
+    hvd.init()
+    checks = {
+        "accumulation": check_accumulation,
+        "clipping": check_clipping,
+        "scale_lr": check_scale_lr,
+        "collectives": check_collectives,
+        "metrics": check_metrics,
+        "loops": check_loops,
+        "manual_gan": check_manual_gan,
+        "bf16_mixed": check_bf16_mixed,
+        "sync_batchnorm": check_sync_batchnorm,
+        "checkpoint_resume": check_checkpoint_resume,
+        "uneven_data": check_uneven_data,
+        "accumulation_schedule": check_accumulation_schedule,
+        "accumulation_change_mid_epoch": check_accumulation_change_mid_epoch,
+    }
+    selected = ARGS.case.split(",") if ARGS.case else list(checks)
+    report = run_checks({name: checks[name] for name in selected})
+    write_result(OUT, hvd.rank(), report)
