@@ -1,0 +1,247 @@
+"""Bytes per epoch on each link, read from ``strategy.comm_counters``, next to the analytic count.
+
+Four workers on two emulated nodes (``horovodrun -np 4 -H localhost:2,127.0.0.1:2``), one launch
+that fits the same MLP once per (sync, compression) pair. Counts are per worker and per epoch and
+are the payload handed to Horovod (after compression), not the ring algorithm's traffic.
+
+    python benchmarks/comm_volume.py            # writes docs/benchmarks/comm_volume.txt
+    python benchmarks/comm_volume.py --smoke    # tiny model, few steps
+
+Expected bytes per worker per epoch, with P parameters, L workers per node, S optimizer steps,
+b bytes per element on the compressed wire (4 for none, 2 for fp16):
+
+    allreduce      cross-node  P*b*S                      (a flat allreduce over two nodes counts as cross-node)
+    hierarchical   node-local  (P + P/L)*4*S              (reduce-scatter input + allgather input, uncompressed)
+                   cross-node  (P/L)*b*S                  (each local rank carries one shard)
+    daso           node-local  P*b*S + (P/L)*4*G          (gradients every step + allgather of merged shards)
+                   cross-node  (P/L)*2*G                  (fp16 parameter shards, G global syncs per epoch)
+
+DASO runs in its cycling phase (no warmup epochs): a global sync every ``global_skips`` = 4 batches
+and on the last batch of the epoch, so G = ceil(S / 4).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
+
+SYNCS = ("allreduce", "hierarchical", "daso")
+FIT_ORDER = ("daso", "hierarchical", "allreduce")
+COMPRESSIONS = ("none", "fp16")
+WIRE_BYTES = {"none": 4, "fp16": 2}
+DASO_CYCLING_GLOBAL_SKIPS = 4
+
+
+@dataclass(frozen=True)
+class Setup:
+    features: int
+    hidden: tuple[int, ...]
+    classes: int
+    batch_size: int
+    steps: int
+
+
+FULL = Setup(features=512, hidden=(1024, 1024), classes=10, batch_size=16, steps=12)
+SMOKE = Setup(features=32, hidden=(64,), classes=4, batch_size=8, steps=4)
+
+
+def daso_available() -> bool:
+    try:
+        from hvd_plugins.daso.sync import DasoSync  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def expected_bytes(sync: str, compression: str, params: int, local_size: int, steps: int) -> dict[str, int]:
+    """Analytic payload per worker per epoch (see the module docstring)."""
+    wire = WIRE_BYTES[compression]
+    shard = math.ceil(params / local_size)  # buckets are padded to a multiple of L
+    if sync == "allreduce":
+        return {"node_local": 0, "cross_node": params * wire * steps}
+    if sync == "hierarchical":
+        return {"node_local": (params + shard) * 4 * steps, "cross_node": shard * wire * steps}
+    global_syncs = math.ceil(steps / DASO_CYCLING_GLOBAL_SKIPS)
+    return {
+        "node_local": params * wire * steps + shard * 4 * global_syncs,
+        "cross_node": shard * WIRE_BYTES["fp16"] * global_syncs,
+    }
+
+
+# ------------------------------------------------------------------------------------------ worker
+def _fit_once(setup: Setup, sync: str, compression: str) -> dict[str, Any]:
+    import lightning.pytorch as pl
+
+    from hvd_plugins import HorovodStrategy
+
+    class Classifier(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.net = common.mlp(setup.features, setup.hidden, setup.classes)
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            inputs, labels = batch
+            return F.cross_entropy(self.net(inputs), labels)
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    class EpochBytes(pl.Callback):
+        """Counter difference over one training epoch."""
+
+        def on_train_epoch_start(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
+            self.start = trainer.strategy.comm_counters.snapshot()
+            self.steps_at_start = trainer.global_step
+
+        def on_train_epoch_end(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
+            self.window = trainer.strategy.comm_counters.since(self.start)
+            self.steps = trainer.global_step - self.steps_at_start
+
+    daso = {"warmup_epochs": 0, "cooldown_epochs": 0} if sync == "daso" else None
+    strategy = HorovodStrategy(sync=sync, compression=compression, daso=daso)
+    strategy.set_world_ranks()
+    meter = EpochBytes()
+    trainer = pl.Trainer(
+        strategy=strategy,
+        accelerator="cpu",
+        devices=1,
+        max_epochs=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        callbacks=[meter],
+    )
+    dataset = common.random_classification(setup.batch_size * setup.steps * strategy.world_size, setup.features, 4)
+    dataset = torch.utils.data.TensorDataset(dataset.tensors[0], dataset.tensors[1] % setup.classes)
+    module = Classifier()
+    trainer.fit(module, torch.utils.data.DataLoader(dataset, batch_size=setup.batch_size, shuffle=True))
+    return {
+        "node_local": meter.window.node_local_bytes,
+        "cross_node": meter.window.cross_node_bytes,
+        "steps": meter.steps,
+        "params": common.parameter_count(module),
+    }
+
+
+def worker_main(args: argparse.Namespace) -> None:
+    import horovod.torch as hvd
+
+    common.one_thread_per_worker()
+    setup = FULL if args.size == "full" else SMOKE
+    hvd.init()  # with HOROVOD_DYNAMIC_PROCESS_SETS=1 (set by the driver), so every sync mode can run here
+    results: dict[str, Any] = {"local_size": hvd.local_size(), "cross_size": hvd.cross_size(), "runs": {}}
+    # Node-aware modes first: their process sets are registered before any flat-allreduce fit ran
+    # (registering them after a flat fit with its end-of-epoch hvd.join() hung in this setup).
+    for sync in args.syncs.split(","):
+        for compression in COMPRESSIONS:
+            results["runs"][f"{sync}/{compression}"] = _fit_once(setup, sync, compression)
+            if hvd.rank() == 0:
+                print(f"comm_volume: fitted sync={sync} compression={compression}", flush=True)
+    common.write_rank_file(args.out, hvd.rank(), results)
+
+
+# ------------------------------------------------------------------------------------------ driver
+def measure(size: str, syncs: list[str], workdir: Path, timeout: float) -> dict[int, dict[str, Any]]:
+    script = [str(Path(__file__).resolve()), "--worker", f"--size={size}", f"--syncs={','.join(syncs)}"]
+    outcome = common.horovodrun(
+        script,
+        workdir,
+        np=4,
+        hosts=common.TWO_EMULATED_NODES,
+        timeout=timeout,
+        env={"HOROVOD_DYNAMIC_PROCESS_SETS": "1", "HOROVOD_GLOO_TIMEOUT_SECONDS": "120"},
+    )
+    if sorted(outcome.ranks) != [0, 1, 2, 3]:
+        outcome.check("comm_volume job")
+        raise RuntimeError(f"expected results from ranks 0-3, got {sorted(outcome.ranks)}:\n{outcome.output[-3000:]}")
+    if outcome.returncode != 0:  # every rank wrote its counts; only the job's exit went wrong
+        print(f"warning: the job exited with code {outcome.returncode} after every rank wrote its counts", flush=True)
+    return outcome.ranks
+
+
+def report(setup: Setup, ranks: dict[int, dict[str, Any]], available: dict[str, bool]) -> tuple[str, bool]:
+    first = ranks[0]
+    local_size = first["local_size"]
+    rows = []
+    all_match = True
+    for sync in SYNCS:
+        for compression in COMPRESSIONS:
+            key = f"{sync}/{compression}"
+            if not available[sync]:
+                rows.append([sync, compression, "not available", "", "", "", ""])
+                continue
+            run = first["runs"][key]
+            expected = expected_bytes(sync, compression, run["params"], local_size, run["steps"])
+            match = all(
+                ranks[r]["runs"][key][scope] == expected[scope] for r in ranks for scope in ("node_local", "cross_node")
+            )
+            all_match &= match
+            rows.append(
+                [
+                    sync,
+                    compression,
+                    _mib(run["node_local"]),
+                    _mib(expected["node_local"]),
+                    _mib(run["cross_node"]),
+                    _mib(expected["cross_node"]),
+                    "yes (all ranks)" if match else "NO",
+                ]
+            )
+    any_run = next(iter(first["runs"].values()))
+    header = (
+        f"comm_volume: 4 workers on 2 emulated nodes (local_size {local_size}, cross_size {first['cross_size']}); "
+        f"MLP {setup.features}-{'-'.join(map(str, setup.hidden))}-{setup.classes}, P = {any_run['params']:,} "
+        f"parameters; {any_run['steps']} optimizer steps per epoch; bytes per worker per epoch"
+    )
+    table = common.format_table(
+        ["sync", "compression", "node-local", "expected", "cross-node", "expected", "exact match"], rows
+    )
+    return f"{header}\n\n{table}", all_match
+
+
+def _mib(nbytes: int) -> str:
+    return f"{nbytes:,}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--smoke", action="store_true", help="tiny model, a few steps")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--size", choices=("full", "smoke"), default="full", help=argparse.SUPPRESS)
+    parser.add_argument("--syncs", default=",".join(SYNCS), help=argparse.SUPPRESS)
+    parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        worker_main(args)
+        return
+    setup = SMOKE if args.smoke else FULL
+    available = {sync: sync != "daso" or daso_available() for sync in SYNCS}
+    syncs = [sync for sync in FIT_ORDER if available[sync]]
+    with tempfile.TemporaryDirectory(prefix="hvd_comm_volume_") as tmp:
+        ranks = measure("smoke" if args.smoke else "full", syncs, Path(tmp), timeout=300 if args.smoke else 600)
+    text, all_match = report(setup, ranks, available)
+    text += "\n\nall measured counts equal the analytic expectation" if all_match else "\n\nSOME COUNTS DIFFER (see NO)"
+    print(text)
+    if not args.smoke:
+        print(f"saved to {common.save_report('comm_volume', text)}")
+    if not all_match:
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

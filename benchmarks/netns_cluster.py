@@ -1,0 +1,184 @@
+"""A two-node cluster on one machine: one network namespace per node, a shaped link between them.
+
+Each node is a namespace with a veth ``eth0`` plugged into a bridge in the root namespace (where
+Horovod's rendezvous server listens). Each node's ``eth0`` egress is shaped with ``tbf`` (netem is
+not available in every kernel), so traffic between nodes is slow while workers inside a node talk
+over the namespace's own unshaped loopback. Everything created here is removed by ``teardown``,
+which is idempotent; ``NamespaceCluster`` also registers it with ``atexit`` and for SIGINT/SIGTERM.
+"""
+
+from __future__ import annotations
+
+import atexit
+import ipaddress
+import os
+import shutil
+import signal
+import subprocess
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import FrameType
+
+SHAPING = "tbf rate 200mbit burst 256kb latency 50ms"
+SUBNET_CANDIDATES = [ipaddress.ip_network(f"10.213.{third}.0/24") for third in range(100, 200)]
+
+
+class ClusterUnavailable(RuntimeError):
+    """Namespaces, veths, bridges or tc cannot be used here (not root, no ip/tc, a locked-down kernel)."""
+
+
+def _run(*command: str) -> str:
+    result = subprocess.run(command, capture_output=True, text=True, timeout=30)
+    if result.returncode != 0:
+        raise subprocess.CalledProcessError(result.returncode, command, result.stdout, result.stderr)
+    return result.stdout
+
+
+def _quiet(*command: str) -> None:
+    subprocess.run(command, capture_output=True, text=True, timeout=30)
+
+
+def pick_free_subnet() -> ipaddress.IPv4Network:
+    """The first candidate /24 that overlaps no address or route on this machine."""
+    used = _run("ip", "-4", "-o", "addr", "show") + _run("ip", "-4", "route", "show", "table", "all")
+    taken = set()
+    for token in used.split():
+        try:
+            taken.add(ipaddress.ip_network(token, strict=False))
+        except ValueError:
+            continue
+    for candidate in SUBNET_CANDIDATES:
+        if not any(candidate.overlaps(net) for net in taken if net.prefixlen > 0):
+            return candidate
+    raise ClusterUnavailable("no free private test subnet among 10.213.100-199.0/24")
+
+
+@dataclass
+class NamespaceCluster:
+    """``nodes`` namespaces joined by a bridge; node ``i`` is host name ``node{i}``."""
+
+    nodes: int = 2
+    shaping: str = SHAPING
+    tag: str = field(default_factory=lambda: f"hb{os.getpid() % 100000}")
+    subnet: ipaddress.IPv4Network | None = None
+    created: bool = False
+
+    @property
+    def bridge(self) -> str:
+        return f"{self.tag}br"
+
+    def namespace(self, node: int) -> str:
+        return f"{self.tag}-node{node}"
+
+    def host_name(self, node: int) -> str:
+        return f"node{node}"
+
+    def _veth(self, node: int) -> str:
+        return f"{self.tag}v{node}"
+
+    def _hosts_file(self, node: int) -> Path:
+        return Path("/etc/netns") / self.namespace(node) / "hosts"
+
+    @property
+    def bridge_ip(self) -> str:
+        assert self.subnet is not None
+        return str(self.subnet.network_address + 1)
+
+    def node_ip(self, node: int) -> str:
+        assert self.subnet is not None
+        return str(self.subnet.network_address + 10 + node)
+
+    # ------------------------------------------------------------------ lifecycle
+    def __enter__(self) -> NamespaceCluster:
+        self.create()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.teardown()
+
+    def create(self) -> None:
+        if os.geteuid() != 0:
+            raise ClusterUnavailable("needs root (network namespaces, veth, bridge and tc)")
+        for tool in ("ip", "tc", "unshare"):
+            if shutil.which(tool) is None:
+                raise ClusterUnavailable(f"`{tool}` is not installed")
+        self.subnet = self.subnet or pick_free_subnet()
+        atexit.register(self.teardown)
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(signum, self._teardown_and_exit)
+        self.created = True
+        try:
+            self._build()
+        except (subprocess.CalledProcessError, OSError) as error:
+            self.teardown()
+            detail = getattr(error, "stderr", "") or str(error)
+            raise ClusterUnavailable(f"could not build the namespaces: {detail.strip()}") from error
+
+    def _build(self) -> None:
+        prefix = self.subnet.prefixlen if self.subnet else 24
+        _run("ip", "link", "add", self.bridge, "type", "bridge")
+        _run("ip", "addr", "add", f"{self.bridge_ip}/{prefix}", "dev", self.bridge)
+        _run("ip", "link", "set", self.bridge, "up")
+        hosts = "127.0.0.1 localhost\n" + "".join(f"{self.node_ip(n)} {self.host_name(n)}\n" for n in range(self.nodes))
+        for node in range(self.nodes):
+            ns, veth, peer = self.namespace(node), self._veth(node), f"{self._veth(node)}p"
+            _run("ip", "netns", "add", ns)
+            _run("ip", "link", "add", veth, "type", "veth", "peer", "name", peer)
+            _run("ip", "link", "set", peer, "netns", ns)
+            _run("ip", "netns", "exec", ns, "ip", "link", "set", peer, "name", "eth0")
+            _run("ip", "netns", "exec", ns, "ip", "addr", "add", f"{self.node_ip(node)}/{prefix}", "dev", "eth0")
+            _run("ip", "netns", "exec", ns, "ip", "link", "set", "eth0", "up")
+            _run("ip", "netns", "exec", ns, "ip", "link", "set", "lo", "up")
+            _run("ip", "link", "set", veth, "master", self.bridge)
+            _run("ip", "link", "set", veth, "up")
+            if self.shaping:
+                _run("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", "eth0", "root", *self.shaping.split())
+            # The node's host name must resolve to its own address (Gloo resolves it), as on a real cluster.
+            self._hosts_file(node).parent.mkdir(parents=True, exist_ok=True)
+            self._hosts_file(node).write_text(hosts)
+
+    def check_reachable(self, python: str) -> None:
+        """Each node reaches the bridge and the other nodes over TCP; raise ClusterUnavailable otherwise.
+
+        A refused connection to the discard port proves the route works (no ping needed).
+        """
+        probe = (
+            "import socket, sys\n"
+            "try:\n socket.create_connection((sys.argv[1], 9), timeout=3)\n"
+            "except ConnectionRefusedError:\n pass\n"
+        )
+        for node in range(self.nodes):
+            for target in [self.bridge_ip] + [self.node_ip(n) for n in range(self.nodes) if n != node]:
+                try:
+                    _run("ip", "netns", "exec", self.namespace(node), python, "-c", probe, target)
+                except subprocess.CalledProcessError as error:
+                    raise ClusterUnavailable(f"node{node} cannot reach {target}: {error.stderr[-300:]}") from error
+
+    def teardown(self) -> None:
+        """Remove namespaces (and with them their veths), the bridge and the hosts files; never raises."""
+        if not self.created:
+            return
+        self.created = False
+        for node in range(self.nodes):
+            _quiet("ip", "netns", "del", self.namespace(node))
+            _quiet("ip", "link", "del", self._veth(node))
+            shutil.rmtree(self._hosts_file(node).parent, ignore_errors=True)
+        _quiet("ip", "link", "del", self.bridge)
+
+    def _teardown_and_exit(self, signum: int, frame: FrameType | None) -> None:
+        self.teardown()
+        raise SystemExit(128 + signum)
+
+    def worker_command(self, node: int, command: str) -> list[str]:
+        """Run ``command`` inside node ``node``: its namespace, and its own host name (new UTS namespace)."""
+        return [
+            "ip",
+            "netns",
+            "exec",
+            self.namespace(node),
+            "unshare",
+            "--uts",
+            "bash",
+            "-c",
+            f"hostname {self.host_name(node)}; {command}",
+        ]
