@@ -64,8 +64,10 @@ def test_reduce_all_gather_broadcast_barrier(features: dict[int, dict]) -> None:
 
 
 def test_torchmetrics_sync_equals_metric_on_full_data(features: dict[int, dict]) -> None:
-    for result in both(features, "metrics"):
-        assert result["logged"] == pytest.approx(result["full_data"], abs=1e-12)
+    results = both(features, "metrics")
+    assert any(abs(r["local"] - r["full_data"]) > 1e-3 for r in results)  # syncing matters on this data
+    for result in results:
+        assert result["logged"] == pytest.approx(result["full_data"], abs=1e-6)  # logged as float32
 
 
 def test_validation_test_predict_loops(features: dict[int, dict]) -> None:
