@@ -10,6 +10,7 @@ from hvd_plugins.checkpoint_io import AtomicCheckpointIO
 from hvd_plugins.comm.counters import CommCounters
 from hvd_plugins.daso.config import DasoConfig
 from hvd_plugins.environment import HorovodEnvironment
+from hvd_plugins.faults import NonFiniteGradientError
 from hvd_plugins.registry import register_named_strategies
 from hvd_plugins.strategy import HorovodStrategy
 
@@ -23,5 +24,6 @@ __all__ = [
     "DasoConfig",
     "HorovodEnvironment",
     "HorovodStrategy",
+    "NonFiniteGradientError",
     "__version__",
 ]

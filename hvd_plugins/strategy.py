@@ -96,9 +96,10 @@ class HorovodStrategy(ParallelStrategy):
         average_buffers: average floating-point buffers (e.g. BatchNorm running stats) over all
             workers at the end of every training epoch, so every rank validates and saves the same model.
         bucket_mb: size of the gradient buckets of the hierarchical allreduce.
-        stall_timeout_seconds: end the job when some rank has been missing from a collective for this
-            long (Horovod's stall inspector, set before ``hvd.init``). ``None`` keeps Horovod's default:
-            warn every 60 s, wait forever. Must exceed the longest legitimate wait between ranks.
+        stall_timeout_seconds: a worker that has waited this long in one gradient allreduce or barrier
+            (some rank never joined) exits with code 75 and horovodrun stops the others; also exported
+            as Horovod's stall-inspector variables before ``hvd.init``. ``None``: wait forever.
+            Must exceed the longest legitimate wait between ranks (e.g. rank 0 saving a checkpoint).
         check_finite_gradients: after the gradient average, stop on every rank with
             ``NonFiniteGradientError`` naming the step and the ranks whose gradients were NaN/Inf.
             Costs one small allreduce per step; not with a GradScaler, which skips such steps itself.
