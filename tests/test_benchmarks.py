@@ -1,0 +1,79 @@
+"""The benchmark scripts run end to end in their --smoke mode and print sane numbers.
+
+These check that each benchmark works and that what it prints is self-consistent (positive
+rates, byte counts equal to the analytic expectation, tables present), never how fast anything is.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+BENCHMARKS = REPO / "benchmarks"
+SKIP_EXIT_CODE = 77  # emulated_cluster.py: namespaces cannot be made here
+
+pytestmark = pytest.mark.multiprocess
+
+
+def run_smoke(script: str, timeout: float) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONWARNINGS": "ignore"}
+    return subprocess.run(
+        [sys.executable, str(BENCHMARKS / script), "--smoke"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def test_overhead_smoke_prints_positive_rates_and_verdicts() -> None:
+    result = run_smoke("overhead.py", timeout=420)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    rates = dict(re.findall(r"(horovod_loop|horovod_strategy|lightning_ddp)=([0-9.]+)", result.stdout))
+    assert set(rates) == {"horovod_loop", "horovod_strategy", "lightning_ddp"}, result.stdout
+    assert all(float(rate) > 0 for rate in rates.values()), rates
+    ratio_lines = [line for line in result.stdout.splitlines() if line.lstrip().startswith(("b/a", "b/c"))]
+    assert len(ratio_lines) == 2, result.stdout
+    for line in ratio_lines:
+        measured = re.search(r"\s([0-9.]+)\s+>=", line)
+        assert measured is not None and float(measured.group(1)) > 0, line
+        assert line.rstrip().endswith(("met", "not met")), line
+
+
+def test_comm_volume_smoke_counts_equal_the_analytic_expectation() -> None:
+    result = run_smoke("comm_volume.py", timeout=420)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "all measured counts equal the analytic expectation" in result.stdout, result.stdout
+    rows = {tuple(line.split()[:2]): line for line in result.stdout.splitlines() if line.split()[:1] in (
+        ["allreduce"], ["hierarchical"], ["daso"])}  # fmt: skip
+    for sync in ("allreduce", "hierarchical"):
+        for compression in ("none", "fp16"):
+            assert rows[(sync, compression)].rstrip().endswith("yes (all ranks)"), rows
+    cross = {c: int(rows[("allreduce", c)].split()[4].replace(",", "")) for c in ("none", "fp16")}
+    assert cross["none"] > 0 and cross["fp16"] * 2 == cross["none"], cross
+    daso_rows = [rows[("daso", c)] for c in ("none", "fp16")]
+    assert all("not available" in row or "yes (all ranks)" in row for row in daso_rows), daso_rows
+
+
+def test_emulated_cluster_smoke_runs_every_mode_across_namespaces() -> None:
+    result = run_smoke("emulated_cluster.py", timeout=600)
+    if result.returncode == SKIP_EXIT_CODE:
+        pytest.skip(result.stdout.strip().splitlines()[-1])
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "cross-node link 'tbf rate 200mbit" in result.stdout, result.stdout
+    table = {tuple(line.split()[:2]): line.split() for line in result.stdout.splitlines() if line.split()[:1] in (
+        ["allreduce"], ["hierarchical"], ["daso"])}  # fmt: skip
+    for key in (("allreduce", "none"), ("hierarchical", "fp16")):
+        cells = table[key]
+        steps_per_second, accuracy = float(cells[3]), float(cells[4])
+        assert steps_per_second > 0 and 0 <= accuracy <= 100, cells
+    assert table[("allreduce", "none")][-1] == "(baseline)"
+    leftovers = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert "-node0" not in leftovers and "-node1" not in leftovers, f"namespaces left behind: {leftovers}"
