@@ -1,4 +1,4 @@
-"""Plumbing shared by the examples: flags -> HorovodStrategy, metric sync, logging, plots.
+"""Plumbing shared by the examples: flags -> HorovodStrategy, logging, plots.
 
 Kept apart so each example script reads top to bottom as data, model, Trainer, result.
 """
@@ -13,12 +13,10 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-import torch
 from lightning.pytorch import Callback, Trainer
 from lightning.pytorch.loggers import CSVLogger
 
 from hvd_plugins import DasoConfig, HorovodStrategy
-from hvd_plugins._horovod import horovod_torch
 from hvd_plugins.comm.compression import COMPRESSORS
 from hvd_plugins.comm.gradient_sync import REDUCE_OPS
 from hvd_plugins.strategy import HIERARCHICAL_IMPLS, SYNC_MODES
@@ -173,38 +171,6 @@ def build_trainer(args: argparse.Namespace, callbacks: list[Callback] | None = N
         enable_model_summary=False,
         log_every_n_steps=1,
     )
-
-
-# ---------------------------------------------------------------------- torchmetrics over Horovod
-def horovod_gather_all(tensor: torch.Tensor, group: Any = None) -> list[torch.Tensor]:
-    """torchmetrics' ``dist_sync_fn`` over Horovod: every worker's tensor, in rank order.
-
-    torchmetrics syncs through ``torch.distributed``, which a Horovod job does not start, so
-    without this each worker would report the metric of its own shard only.
-    """
-    hvd = horovod_torch()
-    original_dtype = tensor.dtype
-    wire = tensor.detach()
-    if wire.dtype in (torch.bool, torch.bfloat16):
-        wire = wire.to(torch.float32)
-    shapes = hvd.allgather(torch.tensor([list(wire.shape)], dtype=torch.int64).reshape(1, -1))
-    flat = hvd.allgather(wire.reshape(-1))
-    pieces, offset = [], 0
-    for shape in shapes.tolist():
-        numel = int(torch.Size(shape).numel())
-        pieces.append(flat[offset : offset + numel].reshape(shape).to(original_dtype))
-        offset += numel
-    return pieces
-
-
-def _horovod_running() -> bool:
-    hvd = horovod_torch()
-    return hvd.is_initialized() and hvd.size() > 1
-
-
-def metric_sync_kwargs() -> dict[str, Any]:
-    """Keyword arguments that make a torchmetrics Metric reduce over all Horovod workers."""
-    return {"dist_sync_fn": horovod_gather_all, "distributed_available_fn": _horovod_running}
 
 
 # ---------------------------------------------------------------------- results

@@ -17,7 +17,6 @@ from common import (
     add_training_flags,
     build_trainer,
     describe_run,
-    metric_sync_kwargs,
     plot_run,
 )
 from lightning.pytorch import LightningDataModule, LightningModule, seed_everything
@@ -72,9 +71,9 @@ class DigitsClassifier(LightningModule):
             nn.Dropout(0.1),
             nn.Linear(hidden, NUM_CLASSES),
         )
-        # States are summed over every worker before compute(), not just this worker's shard.
-        self.train_accuracy = MulticlassAccuracy(NUM_CLASSES, average="micro", **metric_sync_kwargs())
-        self.val_accuracy = MulticlassAccuracy(NUM_CLASSES, average="micro", **metric_sync_kwargs())
+        # HorovodStrategy syncs these over every worker before compute(), not just this shard.
+        self.train_accuracy = MulticlassAccuracy(NUM_CLASSES, average="micro")
+        self.val_accuracy = MulticlassAccuracy(NUM_CLASSES, average="micro")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(x)

@@ -25,7 +25,6 @@ from common import (
     add_training_flags,
     build_trainer,
     describe_run,
-    metric_sync_kwargs,
     plot_run,
 )
 from lightning.pytorch import LightningModule, seed_everything
@@ -90,8 +89,8 @@ class ComplEx(LightningModule):
         nn.init.normal_(self.entity.weight, std=0.1)
         nn.init.normal_(self.relation.weight, std=0.1)
         self.register_buffer("known", known, persistent=False)
-        self.mrr = MeanMetric(**metric_sync_kwargs())
-        self.hits_at_10 = MeanMetric(**metric_sync_kwargs())
+        self.mrr = MeanMetric()
+        self.hits_at_10 = MeanMetric()
 
     def forward(self, heads: torch.Tensor, relations: torch.Tensor) -> torch.Tensor:
         h_re, h_im = self.entity(heads).chunk(2, dim=1)

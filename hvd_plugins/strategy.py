@@ -79,7 +79,8 @@ class HorovodStrategy(ParallelStrategy):
     """Data-parallel training over Horovod (Gloo or MPI controller; NCCL on GPUs).
 
     Args:
-        compression: ``"none"`` or ``"fp16"``: what gradients (and DASO parameters) look like on the wire.
+        compression: ``"none"`` or ``"fp16"``: what gradients look like on the wire. DASO's cross-node
+            parameters follow ``DasoConfig.downcast`` instead (fp16 by default).
         op: ``"average"``, ``"sum"`` or ``"adasum"`` (Adasum needs a Horovod built with MPI).
         gradient_predivide_factor: divide gradients by this before the sum and by ``size/factor``
             after; only with ``op="average"``.
