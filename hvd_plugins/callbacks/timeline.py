@@ -65,6 +65,12 @@ class HorovodTimeline(Callback):
             )
             self._enabled = False
             return
+        if hvd.size() == 1:
+            rank_zero_warn(
+                "HorovodTimeline: a job of one worker runs no Horovod collectives; no timeline will be recorded."
+            )
+            self._enabled = False
+            return
         if TIMELINE_ENV not in os.environ:  # the same environment on every rank: all raise together
             raise RuntimeError(
                 "HorovodTimeline: Horovod was started before the callback was built, without "
