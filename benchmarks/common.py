@@ -90,6 +90,8 @@ def horovodrun(
     """``horovodrun -np N -H hosts --gloo python <script_args> --out out_dir``."""
     command = [_sibling_tool("horovodrun"), "-np", str(np), "-H", hosts or f"localhost:{np}", "--gloo"]
     command += [sys.executable, *script_args, "--out", str(out_dir)]
+    # A busy machine can take longer than Horovod's default 30 s to start every worker.
+    env = {"HOROVOD_GLOO_TIMEOUT_SECONDS": os.environ.get("HOROVOD_GLOO_TIMEOUT_SECONDS", "180"), **(env or {})}
     code, output, seconds = run_bounded(command, timeout, env)
     return JobOutcome(code, output, seconds, read_rank_files(out_dir))
 
