@@ -102,8 +102,7 @@ def _fit_once(setup: Setup, sync: str, compression: str) -> dict[str, Any]:
             self.window = trainer.strategy.comm_counters.since(self.start)
             self.steps = trainer.global_step - self.steps_at_start
 
-    downcast = "fp16" if compression == "fp16" else "fp32"
-    daso = {"warmup_epochs": 0, "cooldown_epochs": 0, "downcast": downcast} if sync == "daso" else None
+    daso = common.daso_settings(compression, warmup_epochs=0, cooldown_epochs=0) if sync == "daso" else None
     strategy = HorovodStrategy(sync=sync, compression=compression, daso=daso)
     strategy.set_world_ranks()
     meter = EpochBytes()

@@ -104,6 +104,15 @@ def torchrun(script_args: Sequence[str], out_dir: Path, nproc: int = 2, timeout:
     return JobOutcome(code, output, seconds, read_rank_files(out_dir))
 
 
+def daso_settings(compression: str, warmup_epochs: int, cooldown_epochs: int) -> dict[str, Any]:
+    """DASO knobs for a benchmark row whose compression column also picks the cross-node wire type.
+
+    ``"fp16"`` sends the parameters as float16, ``"none"`` as float32, so a row's bytes follow its label.
+    """
+    downcast = "fp16" if compression == "fp16" else "fp32"
+    return {"warmup_epochs": warmup_epochs, "cooldown_epochs": cooldown_epochs, "downcast": downcast}
+
+
 # ---------------------------------------------------------------------------------------- numbers
 def median(values: Sequence[float]) -> float:
     if not values:

@@ -141,9 +141,7 @@ def worker_main(args: argparse.Namespace) -> None:
         def on_train_end(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
             self.total = time.perf_counter() - self.start
 
-    # For DASO the compression flag also picks the cross-node parameters' wire type (none = fp32).
-    downcast = "fp16" if args.compression == "fp16" else "fp32"
-    daso = {"warmup_epochs": 1, "cooldown_epochs": 1, "downcast": downcast} if args.sync == "daso" else None
+    daso = common.daso_settings(args.compression, warmup_epochs=1, cooldown_epochs=1) if args.sync == "daso" else None
     strategy = HorovodStrategy(sync=args.sync, compression=args.compression, daso=daso)
     clock = LossClock()
     trainer = pl.Trainer(
