@@ -32,7 +32,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
@@ -78,19 +77,6 @@ def _fit_once(setup: Setup, sync: str, compression: str) -> dict[str, Any]:
 
     from hvd_plugins import HorovodStrategy
 
-    class Classifier(pl.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            torch.manual_seed(0)
-            self.net = common.mlp(setup.features, setup.hidden, setup.classes)
-
-        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-            inputs, labels = batch
-            return F.cross_entropy(self.net(inputs), labels)
-
-        def configure_optimizers(self) -> torch.optim.Optimizer:
-            return torch.optim.SGD(self.parameters(), lr=0.01)
-
     class EpochBytes(pl.Callback):
         """Counter difference over one training epoch."""
 
@@ -106,22 +92,10 @@ def _fit_once(setup: Setup, sync: str, compression: str) -> dict[str, Any]:
     strategy = HorovodStrategy(sync=sync, compression=compression, daso=daso)
     strategy.set_world_ranks()
     meter = EpochBytes()
-    trainer = pl.Trainer(
-        strategy=strategy,
-        accelerator="cpu",
-        devices=1,
-        max_epochs=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        limit_val_batches=0,
-        callbacks=[meter],
-    )
-    dataset = common.random_classification(setup.batch_size * setup.steps * strategy.world_size, setup.features, 4)
-    dataset = torch.utils.data.TensorDataset(dataset.tensors[0], dataset.tensors[1] % setup.classes)
-    module = Classifier()
+    trainer = common.cpu_trainer(strategy, [meter])
+    samples = setup.batch_size * setup.steps * strategy.world_size
+    dataset = common.random_classification(samples, setup.features, setup.classes)
+    module = common.Classifier(setup.features, setup.hidden, setup.classes, lr=0.01)
     trainer.fit(module, torch.utils.data.DataLoader(dataset, batch_size=setup.batch_size, shuffle=True))
     return {
         "node_local": meter.window.node_local_bytes,
@@ -159,12 +133,12 @@ def measure(size: str, syncs: list[str], workdir: Path, timeout: float) -> dict[
         timeout=timeout,
         env={"HOROVOD_DYNAMIC_PROCESS_SETS": "1", "HOROVOD_GLOO_TIMEOUT_SECONDS": "120"},
     )
-    if sorted(outcome.ranks) != [0, 1, 2, 3]:
+    if sorted(outcome.results) != [0, 1, 2, 3]:
         outcome.check("comm_volume job")
-        raise RuntimeError(f"expected results from ranks 0-3, got {sorted(outcome.ranks)}:\n{outcome.output[-3000:]}")
+        raise RuntimeError(f"expected results from ranks 0-3, got {sorted(outcome.results)}:\n{outcome.output[-3000:]}")
     if outcome.returncode != 0:  # every rank wrote its counts; only the job's exit went wrong
         print(f"warning: the job exited with code {outcome.returncode} after every rank wrote its counts", flush=True)
-    return outcome.ranks
+    return outcome.results
 
 
 def report(setup: Setup, ranks: dict[int, dict[str, Any]]) -> tuple[str, bool]:

@@ -1,4 +1,4 @@
-"""Plumbing shared by the benchmark scripts: launching jobs, medians, tables and targets.
+"""Plumbing shared by the benchmark scripts: launching jobs, medians, tables, targets, the model and data.
 
 Every benchmark is one script that plays two roles: run without ``--worker`` it is the driver
 (it launches jobs, gathers what each rank wrote and prints tables); run with ``--worker`` it is
@@ -7,20 +7,22 @@ one training process. Workers write ``rank<N>.json`` into the ``--out`` folder t
 
 from __future__ import annotations
 
-import json
-import os
-import signal
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import lightning.pytorch as pl
 import torch
+import torch.nn.functional as F
 from torch import nn
+
+from hvd_plugins.testing import launch
+from hvd_plugins.testing.launch import JobResult
+from hvd_plugins.testing.launch import read_rank_files as read_rank_files  # for the benchmark scripts
+from hvd_plugins.testing.launch import write_rank_file as write_rank_file
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS_DIR = REPO / "docs" / "benchmarks"
@@ -28,57 +30,6 @@ TWO_EMULATED_NODES = "localhost:2,127.0.0.1:2"
 
 
 # ---------------------------------------------------------------------------------------- launching
-@dataclass
-class JobOutcome:
-    """What a launched job left behind."""
-
-    returncode: int
-    output: str
-    seconds: float
-    ranks: dict[int, dict[str, Any]]
-
-    def check(self, what: str) -> JobOutcome:
-        if self.returncode != 0:
-            raise RuntimeError(f"{what} failed with exit code {self.returncode}:\n{self.output[-4000:]}")
-        return self
-
-
-def _sibling_tool(name: str) -> str:
-    candidate = Path(sys.executable).with_name(name)
-    return str(candidate) if candidate.exists() else name
-
-
-def read_rank_files(out_dir: Path) -> dict[int, dict[str, Any]]:
-    return {int(path.stem[4:]): json.loads(path.read_text()) for path in sorted(out_dir.glob("rank*.json"))}
-
-
-def write_rank_file(out_dir: Path, rank: int, data: dict[str, Any]) -> None:
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / f"rank{rank}.json").write_text(json.dumps(data, default=float))
-
-
-def run_bounded(command: Sequence[str], timeout: float, env: dict[str, str] | None = None) -> tuple[int, str, float]:
-    """Run ``command`` in its own process group; kill the whole group when it outlives ``timeout``."""
-    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONWARNINGS": "ignore", **(env or {})}
-    start = time.monotonic()
-    process = subprocess.Popen(
-        list(command),
-        cwd=REPO,
-        env=full_env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        output, _ = process.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        output, _ = process.communicate()
-        return 124, output + f"\n[killed after {timeout:.0f}s]", time.monotonic() - start
-    return process.returncode, output, time.monotonic() - start
-
-
 def horovodrun(
     script_args: Sequence[str],
     out_dir: Path,
@@ -86,22 +37,18 @@ def horovodrun(
     hosts: str | None = None,
     timeout: float = 300,
     env: dict[str, str] | None = None,
-) -> JobOutcome:
-    """``horovodrun -np N -H hosts --gloo python <script_args> --out out_dir``."""
-    command = [_sibling_tool("horovodrun"), "-np", str(np), "-H", hosts or f"localhost:{np}", "--gloo"]
-    command += [sys.executable, *script_args, "--out", str(out_dir)]
-    # A busy machine can take longer than Horovod's default 30 s to start every worker.
-    env = {"HOROVOD_GLOO_TIMEOUT_SECONDS": os.environ.get("HOROVOD_GLOO_TIMEOUT_SECONDS", "180"), **(env or {})}
-    code, output, seconds = run_bounded(command, timeout, env)
-    return JobOutcome(code, output, seconds, read_rank_files(out_dir))
+) -> JobResult:
+    """``horovodrun -np N -H hosts --gloo python <script_args> --out out_dir``, from the repository root."""
+    return launch.horovodrun(
+        [sys.executable, *script_args], np=np, hosts=hosts, out_dir=out_dir, timeout=timeout, env=env, cwd=REPO
+    )
 
 
-def torchrun(script_args: Sequence[str], out_dir: Path, nproc: int = 2, timeout: float = 300) -> JobOutcome:
+def torchrun(script_args: Sequence[str], out_dir: Path, nproc: int = 2, timeout: float = 300) -> JobResult:
     """``python -m torch.distributed.run --nproc_per_node N <script_args> --out out_dir`` (one node)."""
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
     command += [*script_args, "--out", str(out_dir)]
-    code, output, seconds = run_bounded(command, timeout)
-    return JobOutcome(code, output, seconds, read_rank_files(out_dir))
+    return launch.run_bounded(command, timeout, cwd=REPO, out_dir=out_dir)
 
 
 def daso_settings(compression: str, warmup_epochs: int, cooldown_epochs: int) -> dict[str, Any]:
@@ -160,8 +107,12 @@ def save_report(name: str, text: str) -> Path:
 
 
 # ---------------------------------------------------------------------------------------- models and data
-def mlp(in_features: int, hidden: Sequence[int], classes: int) -> nn.Sequential:
-    """A plain ReLU MLP: parameter count grows with ``hidden``, so communication can be made to matter."""
+def mlp(in_features: int, hidden: Sequence[int], classes: int, seed: int = 0) -> nn.Sequential:
+    """A plain ReLU MLP initialised from ``seed``, so every worker and variant starts from the same weights.
+
+    Its parameter count grows with ``hidden``, so communication can be made to matter.
+    """
+    torch.manual_seed(seed)
     layers: list[nn.Module] = []
     width = in_features
     for size in hidden:
@@ -169,6 +120,60 @@ def mlp(in_features: int, hidden: Sequence[int], classes: int) -> nn.Sequential:
         width = size
     layers.append(nn.Linear(width, classes))
     return nn.Sequential(*layers)
+
+
+class Classifier(pl.LightningModule):
+    """The benchmarks' LightningModule: an ``mlp`` trained with cross-entropy and SGD."""
+
+    def __init__(self, features: int, hidden: Sequence[int], classes: int, lr: float, momentum: float = 0.0) -> None:
+        super().__init__()
+        self.net = mlp(features, hidden, classes)
+        self.lr, self.momentum = lr, momentum
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        inputs, labels = batch
+        return F.cross_entropy(self.net(inputs), labels)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=self.momentum)
+
+
+class StepClock(pl.Callback):
+    """When each training batch ended, in seconds since training started, and with ``losses`` its loss."""
+
+    def __init__(self, losses: bool = False) -> None:
+        self.record_losses = losses
+        self.times: list[float] = []
+        self.losses: list[float] = []
+        self.total = 0.0
+
+    def on_train_start(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
+        self.start = time.perf_counter()
+
+    def on_train_batch_end(self, trainer: pl.Trainer, module: pl.LightningModule, outputs: Any, *rest: Any) -> None:
+        self.times.append(time.perf_counter() - self.start)
+        if self.record_losses:
+            self.losses.append(float(outputs["loss"]))
+
+    def on_train_end(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
+        self.total = time.perf_counter() - self.start
+
+
+def cpu_trainer(strategy: Any, callbacks: Sequence[pl.Callback], devices: int = 1, max_epochs: int = 1) -> pl.Trainer:
+    """A Trainer on CPU that only trains: no logger, checkpoints, progress bar, summary or validation."""
+    return pl.Trainer(
+        strategy=strategy,
+        accelerator="cpu",
+        devices=devices,
+        max_epochs=max_epochs,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        callbacks=list(callbacks),
+    )
 
 
 def parameter_count(model: nn.Module) -> int:

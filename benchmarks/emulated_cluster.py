@@ -31,7 +31,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
@@ -105,7 +104,6 @@ def _data(setup: Setup) -> tuple[torch.utils.data.TensorDataset, torch.utils.dat
 
 
 def worker_main(args: argparse.Namespace) -> None:
-    import lightning.pytorch as pl
 
     from hvd_plugins import HorovodStrategy
 
@@ -113,51 +111,11 @@ def worker_main(args: argparse.Namespace) -> None:
     setup = parse_setup(args.setup, args.hidden)
     train, val = _data(setup)
 
-    class Classifier(pl.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            torch.manual_seed(0)
-            self.net = common.mlp(setup.features, setup.hidden, setup.classes)
-
-        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-            inputs, labels = batch
-            return F.cross_entropy(self.net(inputs), labels)
-
-        def configure_optimizers(self) -> torch.optim.Optimizer:
-            return torch.optim.SGD(self.parameters(), lr=setup.lr, momentum=0.9)
-
-    class LossClock(pl.Callback):
-        """(seconds since training started, loss) for every step on this rank."""
-
-        def __init__(self) -> None:
-            self.points: list[tuple[float, float]] = []
-
-        def on_train_start(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
-            self.start = time.perf_counter()
-
-        def on_train_batch_end(self, trainer: pl.Trainer, module: pl.LightningModule, outputs: Any, *rest: Any) -> None:
-            self.points.append((time.perf_counter() - self.start, float(outputs["loss"])))
-
-        def on_train_end(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
-            self.total = time.perf_counter() - self.start
-
     daso = common.daso_settings(args.compression, warmup_epochs=1, cooldown_epochs=1) if args.sync == "daso" else None
     strategy = HorovodStrategy(sync=args.sync, compression=args.compression, daso=daso)
-    clock = LossClock()
-    trainer = pl.Trainer(
-        strategy=strategy,
-        accelerator="cpu",
-        devices=1,
-        max_epochs=setup.epochs,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        limit_val_batches=0,
-        callbacks=[clock],
-    )
-    module = Classifier()
+    clock = common.StepClock(losses=True)
+    trainer = common.cpu_trainer(strategy, [clock], max_epochs=setup.epochs)
+    module = common.Classifier(setup.features, setup.hidden, setup.classes, lr=setup.lr, momentum=0.9)
     trainer.fit(module, torch.utils.data.DataLoader(train, batch_size=setup.batch_size, shuffle=True))
     module.eval()
     with torch.no_grad():
@@ -167,7 +125,7 @@ def worker_main(args: argparse.Namespace) -> None:
         args.out,
         trainer.global_rank,
         {
-            "points": clock.points,
+            "points": list(zip(clock.times, clock.losses, strict=True)),
             "train_seconds": clock.total,
             "val_accuracy": accuracy,
             "params": sum(p.numel() for p in module.parameters()),

@@ -66,17 +66,11 @@ SMOKE = Setup(features=64, hidden=(128,), classes=4, batch_size=16, steps=12, wa
 
 
 # ------------------------------------------------------------------------------------------ workers
+LR, MOMENTUM = 0.01, 0.9
+
+
 def _dataset(setup: Setup, world: int) -> torch.utils.data.TensorDataset:
     return common.random_classification(setup.batch_size * setup.steps * world, setup.features, setup.classes)
-
-
-def _model(setup: Setup) -> torch.nn.Module:
-    torch.manual_seed(0)
-    return common.mlp(setup.features, setup.hidden, setup.classes)
-
-
-def _optimizer(model: torch.nn.Module) -> torch.optim.Optimizer:
-    return torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
 
 
 def run_horovod_loop(setup: Setup, out: Path) -> None:
@@ -87,10 +81,11 @@ def run_horovod_loop(setup: Setup, out: Path) -> None:
     dataset = _dataset(setup, hvd.size())
     sampler = torch.utils.data.distributed.DistributedSampler(dataset, num_replicas=hvd.size(), rank=hvd.rank())
     loader = torch.utils.data.DataLoader(dataset, batch_size=setup.batch_size, sampler=sampler)
-    model = _model(setup)
-    optimizer = hvd.DistributedOptimizer(_optimizer(model), named_parameters=model.named_parameters())
+    model = common.mlp(setup.features, setup.hidden, setup.classes)
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+    optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-    step_ends: list[float] = []
+    step_ends: list[float] = []  # absolute clock; only differences are used
     for inputs, labels in loader:
         optimizer.zero_grad()
         loss = F.cross_entropy(model(inputs), labels)
@@ -100,67 +95,21 @@ def run_horovod_loop(setup: Setup, out: Path) -> None:
     common.write_rank_file(out, hvd.rank(), {"step_ends": step_ends})
 
 
-def _lightning_module(setup: Setup) -> Any:
-    import lightning.pytorch as pl
-
-    class Classifier(pl.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            self.net = _model(setup)
-
-        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-            inputs, labels = batch
-            return F.cross_entropy(self.net(inputs), labels)
-
-        def configure_optimizers(self) -> torch.optim.Optimizer:
-            return _optimizer(self.net)
-
-    return Classifier()
-
-
-def _step_clock() -> Any:
-    import lightning.pytorch as pl
-
-    class StepClock(pl.Callback):
-        """Records when each training batch ended."""
-
-        def __init__(self) -> None:
-            self.step_ends: list[float] = []
-
-        def on_train_batch_end(self, *args: Any) -> None:
-            self.step_ends.append(time.perf_counter())
-
-    return StepClock()
-
-
 def _fit(setup: Setup, strategy: Any, devices: int, world: int, profile_to: Path | None) -> tuple[list[float], int]:
-    import lightning.pytorch as pl
-
-    clock = _step_clock()
-    trainer = pl.Trainer(
-        strategy=strategy,
-        accelerator="cpu",
-        devices=devices,
-        max_epochs=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        limit_val_batches=0,
-        callbacks=[clock],
-    )
+    clock = common.StepClock()
+    trainer = common.cpu_trainer(strategy, [clock], devices=devices)
+    module = common.Classifier(setup.features, setup.hidden, setup.classes, lr=LR, momentum=MOMENTUM)
     loader = torch.utils.data.DataLoader(_dataset(setup, world), batch_size=setup.batch_size, shuffle=True)
     profiler = cProfile.Profile() if profile_to is not None else None
     if profiler is not None:
         profiler.enable()
-    trainer.fit(_lightning_module(setup), loader)
+    trainer.fit(module, loader)
     if profiler is not None and trainer.global_rank == 0:
         profiler.disable()
         text = io.StringIO()
         pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(25)
         profile_to.write_text(text.getvalue())
-    return clock.step_ends, trainer.global_rank
+    return clock.times, trainer.global_rank
 
 
 def run_horovod_strategy(setup: Setup, out: Path, profile: bool) -> None:
@@ -212,9 +161,9 @@ def launch(variant: str, setup: Setup, out: Path, profile: bool = False, timeout
     else:
         outcome = common.horovodrun(script, out, np=2, timeout=timeout)
     outcome.check(f"{variant} run")
-    if 0 not in outcome.ranks:
+    if 0 not in outcome.results:
         raise RuntimeError(f"{variant} run wrote no result for rank 0:\n{outcome.output[-3000:]}")
-    return common.steps_per_second(outcome.ranks[0]["step_ends"], setup.warmup_steps)
+    return common.steps_per_second(outcome.results[0]["step_ends"], setup.warmup_steps)
 
 
 def measure(setup: Setup, workdir: Path) -> dict[str, list[float]]:
@@ -229,7 +178,7 @@ def measure(setup: Setup, workdir: Path) -> dict[str, list[float]]:
 
 
 def report(setup: Setup, rates: dict[str, list[float]]) -> str:
-    params = common.parameter_count(_model(setup))
+    params = common.parameter_count(common.mlp(setup.features, setup.hidden, setup.classes))
     med = {variant: common.median(values) for variant, values in rates.items()}
     rows = [
         [variant, common.median(values), min(values), max(values), len(values)] for variant, values in rates.items()

@@ -18,8 +18,7 @@ from lightning.pytorch.loggers import CSVLogger
 
 from hvd_plugins import DasoConfig, HorovodStrategy
 from hvd_plugins.comm.compression import COMPRESSORS
-from hvd_plugins.comm.gradient_sync import REDUCE_OPS
-from hvd_plugins.strategy import HIERARCHICAL_IMPLS, SYNC_MODES
+from hvd_plugins.config import GRADIENT_OPS, HIERARCHICAL_IMPLS, SYNC_MODES
 
 PRECISIONS = ("32-true", "64-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true")
 _DASO_HELP = {
@@ -76,7 +75,7 @@ def add_strategy_flags(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("HorovodStrategy")
     group.add_argument("--compression", choices=sorted(COMPRESSORS), default="none", help="gradients on the wire")
     group.add_argument("--sync", choices=SYNC_MODES, default="allreduce", help="how gradients/parameters are synced")
-    group.add_argument("--op", choices=REDUCE_OPS, default="average", help="reduction of the gradients")
+    group.add_argument("--op", choices=GRADIENT_OPS, default="average", help="reduction of the gradients")
     group.add_argument("--scale-lr", action="store_true", help="multiply the learning rate by the number of workers")
     group.add_argument("--gradient-predivide-factor", type=float, default=1.0, help="split the averaging (op=average)")
     group.add_argument("--hierarchical-impl", choices=HIERARCHICAL_IMPLS, default="process_sets")
@@ -137,12 +136,10 @@ def strategy_from_args(args: argparse.Namespace) -> HorovodStrategy:
 
 
 def monitor_callbacks(args: argparse.Namespace) -> list[Callback]:
-    """The callbacks asked for with ``--monitor`` and ``--timeline-steps``."""
-    callbacks: list[Callback] = []
-    if not (args.monitor or args.timeline_steps):
-        return callbacks
-    from hvd_plugins.callbacks import CommunicationMonitor, HorovodTimeline, PeakMemoryMonitor
+    """The callbacks asked for with ``--monitor`` and ``--timeline-steps``, and DASO's schedule log."""
+    from hvd_plugins.callbacks import CommunicationMonitor, DasoScheduleCallback, HorovodTimeline, PeakMemoryMonitor
 
+    callbacks: list[Callback] = [DasoScheduleCallback()] if args.sync == "daso" else []
     if args.monitor:
         callbacks += [PeakMemoryMonitor(), CommunicationMonitor()]
     if args.timeline_steps is not None:

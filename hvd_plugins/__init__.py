@@ -8,6 +8,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 
 from hvd_plugins.checkpoint_io import AtomicCheckpointIO
 from hvd_plugins.comm.counters import CommCounters
+from hvd_plugins.config import HorovodConfig
 from hvd_plugins.daso.config import DasoConfig
 from hvd_plugins.environment import HorovodEnvironment
 from hvd_plugins.faults import NonFiniteGradientError
@@ -22,6 +23,7 @@ __all__ = [
     "AtomicCheckpointIO",
     "CommCounters",
     "DasoConfig",
+    "HorovodConfig",
     "HorovodEnvironment",
     "HorovodStrategy",
     "NonFiniteGradientError",

@@ -17,7 +17,6 @@ import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from types import ModuleType
 from typing import Any
 
 import torch
@@ -26,6 +25,7 @@ from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 
 from hvd_plugins._horovod import horovod_torch
+from hvd_plugins.comm.parameters import indexed_optimizer_parameters, optimizer_parameters
 
 STALL_CHECK_ENV = "HOROVOD_STALL_CHECK_TIME_SECONDS"
 STALL_SHUTDOWN_ENV = "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS"
@@ -150,7 +150,7 @@ class FiniteGradientCheck:
         self._flags: dict[int, Tensor] = {}  # id(optimizer) -> bool scalar: a local gradient was non-finite
         self._handles: list[RemovableHandle] = []
         for optimizer in optimizers:
-            parameters = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
+            parameters = optimizer_parameters(optimizer, trainable_only=True)
             if not parameters:
                 continue
             flag = torch.zeros((), dtype=torch.bool, device=parameters[0].device)
@@ -166,10 +166,9 @@ class FiniteGradientCheck:
         hvd = self._hvd
         size, rank = hvd.size(), hvd.rank()
         averaged_bad = torch.zeros((), dtype=torch.bool, device=flag.device)
-        for group in optimizer.param_groups:
-            for parameter in group["params"]:
-                if parameter.grad is not None:
-                    averaged_bad.logical_or_(~torch.isfinite(parameter.grad).all())
+        for parameter in optimizer_parameters(optimizer):
+            if parameter.grad is not None:
+                averaged_bad.logical_or_(~torch.isfinite(parameter.grad).all())
         votes = torch.zeros(2 * size, dtype=torch.float32)
         votes[rank] = float(flag.item())  # one device sync per step
         votes[size + rank] = float(averaged_bad.item())
@@ -219,28 +218,10 @@ def optimizer_fingerprint(optimizers: Sequence[Optimizer]) -> dict[str, Any]:
     """What must be equal on every rank about the optimizers (Horovod wraps each with its own collectives)."""
     return {
         "optimizers": [
-            (type(optimizer).__name__, [[tuple(p.shape) for p in group["params"]] for group in optimizer.param_groups])
-            for optimizer in optimizers
+            (type(o).__name__, [(group, tuple(p.shape)) for group, _, p in indexed_optimizer_parameters(o)])
+            for o in optimizers
         ]
     }
-
-
-def require_gpu_build(hvd: ModuleType) -> None:
-    """Raise when GPUs are asked for but Horovod was built without CUDA/ROCm operations."""
-    if not (hvd.cuda_built() or hvd.rocm_built()):
-        raise RuntimeError(
-            "Training on GPUs was asked for, but this Horovod build has no GPU support. Rebuild it "
-            "with NCCL: HVD_GPU=nccl bash ci/install_horovod.sh"
-        )
-
-
-def require_gpu_for_local_rank(local_rank: int, gpus_on_node: int, workers_on_node: int) -> None:
-    """Raise when horovodrun started more workers on a node than it has GPUs."""
-    if local_rank >= gpus_on_node:
-        raise RuntimeError(
-            f"local rank {local_rank} has no GPU: this node has {gpus_on_node} GPU(s) "
-            f"but horovodrun started {workers_on_node} workers on it"
-        )
 
 
 # ---------------------------------------------------------------------------- failure reports

@@ -13,8 +13,7 @@ from torch.nn import Module
 
 from hvd_plugins._horovod import horovod_torch
 from hvd_plugins.comm.naming import COLLECTIVE_NAMES
-
-_WIRE_DTYPES = {torch.bool: torch.uint8, torch.bfloat16: torch.float32}
+from hvd_plugins.comm.wire import GATHER, for_wire, from_wire
 
 
 def horovod_available() -> bool:
@@ -36,8 +35,7 @@ def _gather_all_tensors(result: Tensor, group: object) -> list[Tensor]:
         raise ValueError(f"gather_all_tensors got group={group!r}; Horovod metric sync covers all workers only")
     hvd = horovod_torch()
     original_dtype = result.dtype
-    tensor = result.detach().contiguous()
-    tensor = tensor.to(_WIRE_DTYPES.get(original_dtype, original_dtype))
+    tensor = for_wire(result.detach().contiguous(), GATHER)
     scalar = tensor.ndim == 0
     if scalar:
         tensor = tensor.reshape(1)
@@ -52,7 +50,7 @@ def _gather_all_tensors(result: Tensor, group: object) -> list[Tensor]:
     for row, shape in zip(gathered, shapes.tolist(), strict=True):
         piece = row[tuple(slice(0, size) for size in shape)]
         piece = piece.reshape(()) if scalar else piece
-        pieces.append(piece.to(original_dtype))
+        pieces.append(from_wire(piece, original_dtype, GATHER))
     return pieces
 
 

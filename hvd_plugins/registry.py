@@ -2,11 +2,15 @@
 
 A few presets for the common choices; everything else goes through the constructor
 (``Trainer(strategy=HorovodStrategy(...))``) or LightningCLI's ``--trainer.strategy``.
+``import hvd_plugins`` registers them: Lightning never calls ``register_strategies`` on a
+third-party strategy class.
 """
 
 from __future__ import annotations
 
 from typing import Any
+
+from hvd_plugins.strategy import HorovodStrategy
 
 PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
     "horovod": ("Horovod: flat allreduce, no compression", {}),
@@ -18,8 +22,6 @@ PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
 
 def register_named_strategies(strategy_registry: Any) -> None:
     """Register every preset (idempotent: re-importing does not raise)."""
-    from hvd_plugins.strategy import HorovodStrategy
-
     for name, (description, init_params) in PRESETS.items():
         if name in strategy_registry:
             continue

@@ -7,12 +7,36 @@ sums with Horovod's differentiable allreduce, so autograd produces the synchroni
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import Tensor
 from torch.nn import Module
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from hvd_plugins._horovod import horovod_torch
+from hvd_plugins.comm.naming import COLLECTIVE_NAMES
+
+
+class _NamedSumAllreduce(torch.autograd.Function):
+    """A differentiable Sum whose backward allreduce is named too.
+
+    Horovod's own differentiable allreduce leaves its backward op unnamed, so it is named after a
+    per-process counter that drifts apart once ranks ran different numbers of batches (uneven data,
+    ``hvd.join``), and the next epoch's backward deadlocks. Both names here come from
+    ``COLLECTIVE_NAMES``, which all ranks resynchronize at every epoch end.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, tensor: Tensor, kind: str) -> Tensor:
+        ctx.name = COLLECTIVE_NAMES.next(kind)
+        hvd = horovod_torch()
+        return hvd.allreduce(tensor, op=hvd.Sum, name=ctx.name)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+        hvd = horovod_torch()
+        return hvd.allreduce(grad.contiguous(), op=hvd.Sum, name=f"{ctx.name}.grad"), None
 
 
 class HorovodSyncBatchNorm(_BatchNorm):
@@ -31,10 +55,10 @@ class HorovodSyncBatchNorm(_BatchNorm):
 
         x = input if input.dtype in (torch.float32, torch.float64) else input.float()
         dims = [0, *range(2, x.dim())]
-        local = torch.stack([x.sum(dims), (x * x).sum(dims)])
-        count = torch.tensor([float(x.numel() // x.size(1))], dtype=torch.float64)
-        total = hvd.allreduce(local, op=hvd.Sum)  # differentiable: backward allreduces the grad sums
-        n = float(hvd.allreduce(count, op=hvd.Sum).item())
+        count = x.new_full((x.size(1),), float(x.numel() // x.size(1)))
+        # One round for sums, sums of squares and the sample count; backward allreduces the grad sums.
+        total = _NamedSumAllreduce.apply(torch.stack([x.sum(dims), (x * x).sum(dims), count]), "sync_bn")
+        n = float(total[2, 0])
         mean = total[0] / n
         var = (total[1] / n - mean * mean).clamp_min(0.0)
 
@@ -61,7 +85,9 @@ def convert_sync_batchnorm(module: Module) -> Module:
         )
         replacement.load_state_dict(module.state_dict())
         replacement.train(module.training)
-        return replacement.to(next(iter(module.state_dict().values()), torch.empty(0)).device)
+        floating = [tensor for tensor in module.state_dict().values() if tensor.is_floating_point()]
+        reference = floating[0] if floating else torch.empty(0)
+        return replacement.to(device=reference.device, dtype=reference.dtype)  # keep the precision's dtype
     for name, child in module.named_children():
         module.add_module(name, convert_sync_batchnorm(child))
     return module

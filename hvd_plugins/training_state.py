@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
-import torch
+from collections.abc import Sequence
+from typing import Any
+
 from torch.nn import Module, Parameter
 from torch.optim import Optimizer
 
 from hvd_plugins._horovod import horovod_torch
+from hvd_plugins.comm.buffers import finish_buffer_average, start_buffer_average
+from hvd_plugins.comm.parameters import indexed_optimizer_parameters
 
 
 def named_parameters_for(optimizer: Optimizer, model: Module, prefix: str) -> list[tuple[str, Parameter]]:
@@ -18,22 +22,18 @@ def named_parameters_for(optimizer: Optimizer, model: Module, prefix: str) -> li
     """
     model_names = {id(parameter): name for name, parameter in model.named_parameters()}
     named = []
-    for group_index, group in enumerate(optimizer.param_groups):
-        for position, parameter in enumerate(group["params"]):
-            name = model_names.get(id(parameter), f"group{group_index}.param{position}")
-            named.append((f"{prefix}.{name}", parameter))
+    for group_index, position, parameter in indexed_optimizer_parameters(optimizer):
+        name = model_names.get(id(parameter), f"group{group_index}.param{position}")
+        named.append((f"{prefix}.{name}", parameter))
     return named
 
 
 def average_buffers_(model: Module, name: str) -> None:
-    """Average floating-point buffers (BatchNorm running statistics) over all workers, in place."""
-    hvd = horovod_torch()
-    handles = []
-    for buffer_name, buffer in model.named_buffers():
-        if buffer.is_floating_point() and buffer.dtype != torch.bfloat16:
-            handles.append((buffer, hvd.allreduce_async(buffer.detach(), op=hvd.Average, name=f"{name}.{buffer_name}")))
-    for buffer, handle in handles:
-        buffer.copy_(hvd.synchronize(handle))
+    """Average floating-point buffers (BatchNorm running statistics) over all workers, in place.
+
+    Blocking form of ``comm.buffers``' start/finish pair (which DASO overlaps with its own sync).
+    """
+    finish_buffer_average(start_buffer_average(model, name))
 
 
 def broadcast_optimizer_state_(optimizer: Optimizer, root_rank: int, name: str) -> None:
@@ -50,3 +50,15 @@ def broadcast_optimizer_state_(optimizer: Optimizer, root_rank: int, name: str) 
     )
     if hvd.rank() != root_rank:
         optimizer.load_state_dict(state)
+
+
+def scale_learning_rates_(optimizers: Sequence[Optimizer], schedulers: Sequence[Any], factor: float) -> None:
+    """Multiply every learning rate, and the base lrs schedulers restart from, by ``factor``."""
+    for optimizer in optimizers:
+        for group in optimizer.param_groups:
+            group["lr"] = group["lr"] * factor
+            if "initial_lr" in group:
+                group["initial_lr"] = group["initial_lr"] * factor
+    for scheduler in schedulers:
+        if hasattr(scheduler, "base_lrs"):
+            scheduler.base_lrs = [lr * factor for lr in scheduler.base_lrs]

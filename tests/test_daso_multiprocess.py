@@ -76,9 +76,43 @@ def test_cycling_epoch_sends_at_most_one_global_skip_share_and_fp16_halves_it(tw
         assert fp16 == fp32 / 2  # SGD without momentum: only parameters cross the nodes
 
 
-def test_one_worker_per_node(tmp_path: Path) -> None:
-    job = run_job("daso_training.py", "--case", "lean", np=2, hosts="localhost:1,127.0.0.1:1", out_dir=tmp_path)
-    job.check()
+def check_merge_weight_exact(job: JobResult, ranks: int) -> None:
+    """The non-blocking merge equals ``(2B * p_local + S) / (2B + N)`` for B = 1 and 2 (see check_merge_weight)."""
+    for rank in range(ranks):
+        check = job.results[rank]["checks"]["merge_weight"]  # this check only: the others have their own tests
+        assert check["ok"], check["error"] + "\n" + check["trace"]
+        result = check["value"]
+        assert result["nodes"] == 2 and result["downcast"] == "fp32" and result["merges"] == 2
+        cases = result["cases"]
+        assert [(case["global_skips"], case["batches_to_wait"]) for case in cases] == [(4, 1), (8, 2)]
+        for case in cases:
+            assert not case["idle_steps_communicated"]
+            assert case["send_plan"] == [True, False, False]  # send, no receive, not blocking
+            assert case["receive_plan"] == [True, False, case["batches_to_wait"]]  # merged, not superseded
+            assert case["error"] < 1e-6
+            # other weights would have given other parameters (B + 1 equals 2B only for B = 1)
+            assert case["error_if_weight_b"] > 0.1
+            assert case["error_if_plain_average"] > 0.1 and case["error_if_local_kept"] > 0.1
+        assert cases[1]["error_if_weight_b_plus_1"] > 0.05
+
+
+def test_merge_weight_is_exact_on_two_nodes_of_two(two_nodes_of_two: JobResult) -> None:
+    check_merge_weight_exact(two_nodes_of_two, ranks=4)
+
+
+@pytest.fixture(scope="module")
+def one_worker_per_node(tmp_path_factory: pytest.TempPathFactory) -> JobResult:
+    out: Path = tmp_path_factory.mktemp("daso_one_per_node")
+    job = run_job("daso_training.py", "--case", "lean", np=2, hosts="localhost:1,127.0.0.1:1", out_dir=out)
+    return job.check()
+
+
+def test_merge_weight_is_exact_with_one_worker_per_node(one_worker_per_node: JobResult) -> None:
+    check_merge_weight_exact(one_worker_per_node, ranks=2)
+
+
+def test_one_worker_per_node(one_worker_per_node: JobResult) -> None:
+    job = one_worker_per_node
     for rank in range(2):
         daso = values(job, rank)["daso"]
         blocking, between = daso["after_blocking"], daso["between"]
@@ -86,3 +120,16 @@ def test_one_worker_per_node(tmp_path: Path) -> None:
         assert blocking["state_equal"] == blocking["checked"] and blocking["buffers_equal"] == blocking["checked"]
         assert between["checked"] > 0 and between["nodes_differ"] == between["checked"]
         assert daso["merges"] > 0
+
+
+def test_resume_mid_cycling_continues_like_an_uninterrupted_run(tmp_path: Path) -> None:
+    job = run_job("daso_resume.py", np=2, hosts="localhost:1,127.0.0.1:1", out_dir=tmp_path, timeout=600).check()
+    for rank in range(2):
+        resume = values(job, rank)["resume"]
+        whole, interrupted = resume["whole_history"], resume["interrupted_history"]
+        assert len(interrupted) == 4 and interrupted == whole[:4]
+        assert interrupted[-1][1] == "cycling"  # the checkpoint was taken while cycling
+        assert len({tuple(record[2:4]) for record in whole if record[1] == "cycling"}) > 1  # the schedule moved
+        assert resume["resumed_history"] == whole
+        assert resume["interrupted_vs_whole_diff"] > 1e-3  # the comparison below can fail
+        assert resume["max_parameter_diff"] < 1e-6

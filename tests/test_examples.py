@@ -51,7 +51,7 @@ def test_every_daso_setting_has_a_flag_and_reaches_the_strategy() -> None:
     for flag in flags:
         argv += [flag, values.get(flag, "3")]
     strategy = common.strategy_from_args(_parser().parse_args(argv))
-    config = strategy.daso_config
+    config = strategy.config.daso
     assert config is not None and config.downcast == "fp32" and config.stability_level == 0.1
     assert config.warmup_epochs == 3 and config.max_global_skips == 3 and config.verbose is True
 
@@ -61,8 +61,9 @@ def test_strategy_flags_reach_the_strategy() -> None:
         ["--compression", "fp16", "--sync", "hierarchical", "--op", "sum", "--scale-lr", "--sync-batchnorm"]
     )
     strategy = common.strategy_from_args(args)
-    assert (strategy.compression, strategy.sync, strategy.op) == ("fp16", "hierarchical", "sum")
-    assert strategy.scale_lr and strategy.sync_batchnorm and strategy.daso_config is None
+    config = strategy.config
+    assert (config.compression, config.sync, config.op) == ("fp16", "hierarchical", "sum")
+    assert config.scale_lr and config.sync_batchnorm and config.daso is None
 
 
 def test_daso_flags_without_sync_daso_are_refused() -> None:

@@ -14,11 +14,10 @@ from hvd_plugins.faults import (
     STALL_CHECK_ENV,
     STALL_SHUTDOWN_ENV,
     optimizer_fingerprint,
-    require_gpu_build,
-    require_gpu_for_local_rank,
     stall_environment,
     validate_stall_timeout,
 )
+from hvd_plugins.horovod_adapter import require_gpu_build, require_gpu_for_local_rank
 from hvd_plugins.strategy import HorovodStrategy
 
 

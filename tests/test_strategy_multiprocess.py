@@ -101,6 +101,38 @@ def test_sync_batchnorm_equals_batchnorm_on_the_global_batch(features: dict[int,
         assert result["trainer_converted"] and result["ranks_identical"]
 
 
+def test_sync_batchnorm_layers_keep_the_precision_dtype(features: dict[int, dict]) -> None:
+    for result in both(features, "sync_batchnorm"):
+        # precision="64-true" converts the module to float64 before the BatchNorm layers are swapped
+        assert result["trainer_norm_dtypes"] == ["torch.float64"]
+
+
+def test_epoch_end_averages_buffers_over_ranks(features: dict[int, dict]) -> None:
+    for result in both(features, "average_buffers"):
+        assert result["buffer_elements"] == 10  # running_mean and running_var of 5 features
+        # without averaging the ranks' BatchNorm statistics differ, so the comparison below can fail
+        assert result["own_spread_across_ranks"] > 1e-2 and not result["own_ranks_identical"]
+        assert result["parameters_diff_between_runs"] == 0.0  # training itself does not read the statistics
+        assert result["averaged_ranks_identical"]
+        assert result["max_diff_vs_mean_of_own"] < 1e-12
+
+
+def test_sum_op_and_gradient_predivide_factor_match_one_process_on_the_global_batch(
+    features: dict[int, dict],
+) -> None:
+    for result in both(features, "reduce_ops"):
+        assert result["world"] == 2
+        for case in ("predivide", "sum"):
+            outcome = result[case]
+            assert outcome["steps"] == 8 and outcome["ranks_identical"]
+            # the first step's gradients: the global batch's mean gradient (x world for op="sum")
+            assert outcome["first_gradient_diff"] < 1e-12
+            # after 2 epochs of SGD: the single-process run with lr (x world for op="sum")
+            assert outcome["max_diff_vs_reference"] < 1e-12
+        assert result["predivide"]["max_diff_vs_average_reference"] < 1e-12
+        assert result["sum"]["max_diff_vs_average_reference"] > 1e-2  # summing is not averaging
+
+
 def test_checkpoint_written_by_rank0_only_and_resume_is_identical(features: dict[int, dict]) -> None:
     rank0, rank1 = both(features, "checkpoint_resume")
     assert rank0["saves"] >= 2 and rank1["saves"] == 0
@@ -118,6 +150,15 @@ def test_uneven_batches_do_not_hang(features: dict[int, dict]) -> None:
     assert (rank0["batches"], rank1["batches"]) == (10, 6)
     assert rank0["ranks_identical"] and rank1["ranks_identical"]
     assert rank0["steps"] == 20 and rank1["steps"] == 12
+
+
+def test_uneven_batches_with_sync_batchnorm_do_not_hang(features: dict[int, dict]) -> None:
+    # The worker gives up on this check after 120 s and reports a hang instead of blocking the job.
+    rank0, rank1 = both(features, "uneven_sync_batchnorm")
+    assert (rank0["batches"], rank1["batches"]) == (10, 6)
+    assert rank0["norm_type"] == rank1["norm_type"] == "HorovodSyncBatchNorm"
+    assert rank0["steps"] == 20 and rank1["steps"] == 12
+    assert rank0["ranks_identical"] and rank1["ranks_identical"]
 
 
 def test_accumulation_schedule_changes_between_epochs(features: dict[int, dict]) -> None:
@@ -194,6 +235,26 @@ def test_strategy_hierarchical_matches_flat_and_counts_bytes(two_nodes: dict[int
         assert result["accumulated_steps"] == steps // 2
 
 
+def compressed_node_local(result: dict[str, Any], local_elements: int) -> None:
+    """fp16 on the node-local legs: 2 bytes per element instead of the float64 gradients' 8; cross-node unchanged."""
+    compressed, uncompressed, steps = result["counters"], result["uncompressed_node_local_counters"], result["steps"]
+    assert uncompressed["node_local_bytes"] == steps * local_elements * 8
+    assert compressed["node_local_bytes"] == steps * local_elements * 2
+    assert compressed["node_local_calls"] == uncompressed["node_local_calls"]
+    assert compressed["cross_node_bytes"] == uncompressed["cross_node_bytes"]
+    assert result["vs_flat"] < 5e-3  # fp16 tolerance, as for compression="fp16" alone
+    assert result["vs_uncompressed_node_local"] > 0  # the node-local legs really went through fp16
+    assert result["ranks_identical"]
+
+
+def test_compress_node_local_compresses_the_node_local_legs_on_two_nodes(two_nodes: dict[int, dict]) -> None:
+    for rank in range(4):
+        result = value(two_nodes[rank], "compress_node_local")
+        assert result["steps"] == 16
+        padded = result["parameters"] + result["parameters"] % 2  # padded to a multiple of the 2 local workers
+        compressed_node_local(result, local_elements=padded + padded // 2)  # reduce-scatter + allgather
+
+
 def test_hierarchical_on_one_node_equals_flat(tmp_path: Path) -> None:
     job = run_job("hierarchical_checks.py", np=2, out_dir=tmp_path, timeout=600).check()
     for rank in range(2):
@@ -203,6 +264,10 @@ def test_hierarchical_on_one_node_equals_flat(tmp_path: Path) -> None:
         assert modes["hier_vs_flat"] < 1e-12
         assert modes["hierarchical"]["cross_node_bytes"] == 0  # nothing leaves the node
         assert modes["flat"]["cross_node_bytes"] == 0
+        # one node: a single node-local allreduce, compressed to fp16 only with compress_node_local=True
+        compress = value(job.results[rank], "compress_node_local")
+        assert compress["steps"] == 32
+        compressed_node_local(compress, local_elements=compress["parameters"])
 
 
 def test_single_plain_process(tmp_path: Path) -> None:

@@ -14,7 +14,9 @@ from hvd_plugins import AtomicCheckpointIO, HorovodStrategy
 from hvd_plugins.comm.buckets import bucket_tensors, flatten, unflatten_into
 from hvd_plugins.comm.compression import CountingCompressor, FP16Compression, NoCompression, compressor_by_name
 from hvd_plugins.comm.counters import CommCounters, Scope
+from hvd_plugins.comm.parameters import indexed_optimizer_parameters, optimizer_parameters
 from hvd_plugins.comm.topology import Topology
+from hvd_plugins.comm.wire import for_wire, from_wire, nbytes, reduce_op_name, wire_dtype
 from hvd_plugins.daso.config import DasoConfig
 
 
@@ -108,23 +110,9 @@ def test_strategy_rejects_bad_arguments_by_name(kwargs: dict, message: str) -> N
         HorovodStrategy(**kwargs)
 
 
-@pytest.mark.parametrize(
-    ("kwargs", "message"),
-    [
-        ({"warmup_epochs": -1}, r"warmup_epochs=-1 must be >= 0"),
-        ({"max_global_skips": 0}, r"max_global_skips=0 must be >= 1"),
-        ({"stability_level": 1.5}, r"stability_level=1.5 must be in \[0, 1\)"),
-        ({"downcast": "int8"}, r"downcast='int8' is not supported"),
-    ],
-)
-def test_daso_config_rejects_bad_values(kwargs: dict, message: str) -> None:
-    with pytest.raises(ValueError, match=message):
-        DasoConfig(**kwargs)
-
-
 def test_daso_settings_accept_dicts_and_name_unknown_keys() -> None:
     strategy = HorovodStrategy(sync="daso", daso={"warmup_epochs": 1, "max_global_skips": 4})
-    assert strategy.daso_config == DasoConfig(warmup_epochs=1, max_global_skips=4)
+    assert strategy.config.daso == DasoConfig(warmup_epochs=1, max_global_skips=4)
     with pytest.raises(ValueError, match=r"unknown DASO setting\(s\) \['warmup'\]"):
         HorovodStrategy(sync="daso", daso={"warmup": 1})
 
@@ -149,3 +137,42 @@ def test_atomic_checkpoint_leaves_old_file_when_saving_fails(tmp_path: Path) -> 
         io.save_checkpoint({"step": 2, "bad": Unpicklable()}, target)
     assert torch.load(target, weights_only=False) == {"step": 1}
     assert os.listdir(tmp_path) == ["last.ckpt"]  # the temporary file was removed
+
+
+@pytest.mark.parametrize(
+    ("dtype", "op", "wire", "back"),
+    [
+        (torch.bfloat16, "sum", torch.float32, torch.bfloat16),
+        (torch.bfloat16, "gather", torch.float32, torch.bfloat16),
+        (torch.bool, "sum", torch.int64, torch.bool),
+        (torch.bool, "max", torch.int64, torch.bool),
+        (torch.bool, "gather", torch.uint8, torch.bool),
+        (torch.bool, "average", torch.float64, torch.float64),
+        (torch.int32, "average", torch.float64, torch.float64),  # an average of integers stays a float
+        (torch.int32, "sum", torch.int32, torch.int32),
+        (torch.float16, "average", torch.float16, torch.float16),
+        (torch.float64, "gather", torch.float64, torch.float64),
+    ],
+)
+def test_wire_dtype_and_the_way_back(dtype: torch.dtype, op: str, wire: torch.dtype, back: torch.dtype) -> None:
+    tensor = torch.ones(3, dtype=dtype)
+    assert wire_dtype(dtype, op) == wire and for_wire(tensor, op).dtype == wire
+    assert from_wire(for_wire(tensor, op), dtype, op).dtype == back
+
+
+def test_reduce_op_names_accept_aliases_and_enums_only() -> None:
+    assert [reduce_op_name(op) for op in (None, "mean", "AVG", "sum", "max", "min")] == [
+        "average", "average", "average", "sum", "max", "min"]  # fmt: skip
+    assert reduce_op_name(torch.distributed.ReduceOp.SUM) == "sum"
+    with pytest.raises(ValueError, match=r"reduce_op='product' is not supported; choose one of \['average', 'avg'"):
+        reduce_op_name("product")
+    assert nbytes(torch.zeros(3, 4, dtype=torch.float16)) == 24
+
+
+def test_optimizer_parameters_walk_groups_in_order() -> None:
+    a, b, c = (torch.nn.Parameter(torch.zeros(n)) for n in (1, 2, 3))
+    b.requires_grad_(False)
+    optimizer = torch.optim.SGD([{"params": [a, b]}, {"params": [c], "lr": 0.5}], lr=0.1)
+    assert optimizer_parameters(optimizer) == [a, b, c]
+    assert optimizer_parameters(optimizer, trainable_only=True) == [a, c]
+    assert [(g, i) for g, i, _ in indexed_optimizer_parameters(optimizer)] == [(0, 0), (0, 1), (1, 0)]

@@ -6,6 +6,8 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
+from hvd_plugins.comm.wire import nbytes
+
 
 def bucket_tensors(tensors: Iterable[torch.Tensor], bucket_bytes: int) -> list[list[torch.Tensor]]:
     """Group tensors by dtype and device into lists of at most ``bucket_bytes`` each."""
@@ -13,13 +15,12 @@ def bucket_tensors(tensors: Iterable[torch.Tensor], bucket_bytes: int) -> list[l
     open_bucket: dict[tuple[torch.dtype, torch.device], tuple[list[torch.Tensor], int]] = {}
     for tensor in tensors:
         key = (tensor.dtype, tensor.device)
-        nbytes = tensor.numel() * tensor.element_size()
         members, size = open_bucket.get(key, ([], 0))
-        if members and size + nbytes > bucket_bytes:
+        if members and size + nbytes(tensor) > bucket_bytes:
             buckets.append(members)
             members, size = [], 0
         members.append(tensor)
-        open_bucket[key] = (members, size + nbytes)
+        open_bucket[key] = (members, size + nbytes(tensor))
     buckets.extend(members for members, _ in open_bucket.values() if members)
     return buckets
 

@@ -1,7 +1,9 @@
 """Wire compression for gradients and parameters, pluggable by name.
 
 A compressor has Horovod's interface (``compress(t) -> (t, ctx)``, ``decompress(t, ctx)``),
-so it can be handed straight to ``hvd.DistributedOptimizer``. Compressors are stateless.
+so it can be handed straight to ``hvd.DistributedOptimizer``. The named compressors are
+stateless, so one instance can serve every tensor; ``CountingCompressor`` only adds byte
+counters around one of them and changes nothing on the wire.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from typing import Any, Protocol
 import torch
 
 from hvd_plugins.comm.counters import CommCounters, Scope
+from hvd_plugins.comm.wire import nbytes
 
 
 class Compressor(Protocol):
@@ -82,7 +85,7 @@ class CountingCompressor:
 
     def compress(self, tensor: torch.Tensor) -> tuple[torch.Tensor, Any]:
         compressed, ctx = self.inner.compress(tensor)
-        self.counters.record(self.scope, compressed.numel() * compressed.element_size())
+        self.counters.record(self.scope, nbytes(compressed))
         return compressed, ctx
 
     def decompress(self, tensor: torch.Tensor, ctx: Any) -> torch.Tensor:

@@ -11,19 +11,23 @@ from __future__ import annotations
 import contextlib
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.optim import Optimizer
 
 from hvd_plugins._horovod import horovod_torch
 from hvd_plugins.comm.buckets import bucket_tensors, flatten, unflatten_into
-from hvd_plugins.comm.compression import Compressor, CountingCompressor
+from hvd_plugins.comm.compression import Compressor, CountingCompressor, compressor_by_name
 from hvd_plugins.comm.counters import CommCounters, Scope
 from hvd_plugins.comm.hierarchical import hierarchical_allreduce_
+from hvd_plugins.comm.parameters import optimizer_parameters
 from hvd_plugins.comm.topology import NodeGroups
+from hvd_plugins.comm.wire import horovod_op
+from hvd_plugins.horovod_adapter import set_backward_passes
 
-REDUCE_OPS = ("average", "sum", "adasum")
+if TYPE_CHECKING:
+    from hvd_plugins.config import HorovodConfig
 
 
 class GradientSync(ABC):
@@ -66,29 +70,27 @@ class HorovodOptimizerSync(GradientSync):
 
     def __init__(
         self,
-        compression: Compressor,
+        compressor: Compressor,
         op: str,
         counters: CommCounters,
         scope: Scope,
         gradient_predivide_factor: float = 1.0,
         process_set: Any = None,
     ) -> None:
-        self.compression = CountingCompressor(compression, counters, scope)
+        self.compressor = CountingCompressor(compressor, counters, scope)
         self.op = op
         self.counters = counters
         self.gradient_predivide_factor = gradient_predivide_factor
         self.process_set = process_set
 
     def wrap(self, optimizer: Optimizer, named_parameters: list[tuple[str, torch.nn.Parameter]]) -> Optimizer:
-        hvd = horovod_torch()
-        op = {"average": hvd.Average, "sum": hvd.Sum, "adasum": hvd.Adasum}[self.op]
         extra = {} if self.process_set is None else {"process_set": self.process_set}
-        return hvd.DistributedOptimizer(
+        return horovod_torch().DistributedOptimizer(
             optimizer,
             named_parameters=named_parameters,
-            compression=self.compression,
+            compression=self.compressor,
             backward_passes_per_step=self.backward_passes,
-            op=op,
+            op=horovod_op(self.op),
             gradient_predivide_factor=self.gradient_predivide_factor,
             **extra,
         )
@@ -103,12 +105,8 @@ class HorovodOptimizerSync(GradientSync):
             optimizer.synchronize()
 
     def set_backward_passes(self, optimizer: Optimizer, passes: int) -> None:
-        # Safe between steps: no allreduce is pending, so the per-parameter countdowns can restart.
         self.backward_passes = passes
-        if hasattr(optimizer, "backward_passes_per_step"):
-            optimizer.backward_passes_per_step = passes
-            for parameter in optimizer._allreduce_delay:
-                optimizer._allreduce_delay[parameter] = passes
+        set_backward_passes(optimizer, passes)
 
 
 class HierarchicalGradientSync(GradientSync):
@@ -117,7 +115,7 @@ class HierarchicalGradientSync(GradientSync):
     def __init__(
         self,
         groups: NodeGroups,
-        compression: Compressor,
+        compressor: Compressor,
         op: str,
         counters: CommCounters,
         compress_node_local: bool = False,
@@ -126,7 +124,7 @@ class HierarchicalGradientSync(GradientSync):
         if op not in ("average", "sum"):
             raise ValueError(f"op={op!r} is not supported with sync='hierarchical'; choose 'average' or 'sum'")
         self.groups = groups
-        self.compression = compression
+        self.compressor = compressor
         self.average = op == "average"
         self.counters = counters
         self.compress_node_local = compress_node_local
@@ -145,7 +143,7 @@ class HierarchicalGradientSync(GradientSync):
             flats,
             self.groups,
             average=self.average,
-            compression=self.compression,
+            compression=self.compressor,
             compress_node_local=self.compress_node_local,
             counters=self.counters,
             name=self._names[id(optimizer)],
@@ -161,11 +159,35 @@ def _gradients_of(optimizer: Optimizer) -> Sequence[torch.Tensor]:
     gradient on this worker (e.g. an unused branch).
     """
     grads = []
-    for group in optimizer.param_groups:
-        for parameter in group["params"]:
-            if not parameter.requires_grad:
-                continue
-            if parameter.grad is None:
-                parameter.grad = torch.zeros_like(parameter)
-            grads.append(parameter.grad)
+    for parameter in optimizer_parameters(optimizer, trainable_only=True):
+        if parameter.grad is None:
+            parameter.grad = torch.zeros_like(parameter)
+        grads.append(parameter.grad)
     return grads
+
+
+def make_gradient_sync(config: HorovodConfig, groups: NodeGroups | None, counters: CommCounters) -> GradientSync:
+    """The gradient sync ``config`` asks for; ``groups`` are the process sets of the node-aware syncs."""
+    compressor = compressor_by_name(config.compression)
+    if config.sync == "hierarchical" and not config.native_hierarchical:
+        if groups is None:
+            raise ValueError("sync='hierarchical' needs the node groups (build_node_groups) before its gradient sync")
+        return HierarchicalGradientSync(
+            groups,
+            compressor,
+            config.op,
+            counters,
+            compress_node_local=config.compress_node_local,
+            bucket_bytes=config.bucket_bytes,
+        )
+    if config.sync == "daso":
+        if groups is None:
+            raise ValueError("sync='daso' needs the node groups (build_node_groups) before its gradient sync")
+        # Inside the node every step; the cross-node parameter sync is DASO's job.
+        if groups.local is None:
+            return NoGradientSync()  # one worker per node: nobody to average with locally
+        return HorovodOptimizerSync(compressor, config.op, counters, Scope.NODE_LOCAL, process_set=groups.local)
+    scope = Scope.CROSS_NODE if horovod_torch().cross_size() > 1 else Scope.NODE_LOCAL
+    return HorovodOptimizerSync(
+        compressor, config.op, counters, scope, gradient_predivide_factor=config.gradient_predivide_factor
+    )

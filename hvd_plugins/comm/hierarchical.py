@@ -9,7 +9,8 @@ result.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -17,10 +18,37 @@ from hvd_plugins._horovod import horovod_torch
 from hvd_plugins.comm.compression import Compressor, NoCompression
 from hvd_plugins.comm.counters import CommCounters, Scope
 from hvd_plugins.comm.topology import NodeGroups
+from hvd_plugins.comm.wire import nbytes
 
 
-def _nbytes(tensor: torch.Tensor) -> int:
-    return tensor.numel() * tensor.element_size()
+def _leg(
+    inputs: Sequence[torch.Tensor],
+    codec: Compressor,
+    scope: Scope,
+    counters: CommCounters,
+    start: Callable[..., Any],
+    name: str,
+    **options: Any,
+) -> list[torch.Tensor]:
+    """One stage on every input: compress, count the bytes and start each; then wait for all and decompress.
+
+    ``start(wire, name=f"{name}.{index}", **options)`` starts the Horovod op of input ``index``.
+    Starting every input before waiting on any lets Horovod fuse and overlap them.
+    """
+    pending = []
+    for index, tensor in enumerate(inputs):
+        wire, ctx = codec.compress(tensor)
+        counters.record(scope, nbytes(wire))
+        pending.append((start(wire, name=f"{name}.{index}", **options), ctx))
+    hvd = horovod_torch()
+    with counters.waiting():
+        return [codec.decompress(hvd.synchronize(handle), ctx) for handle, ctx in pending]
+
+
+def _pad_to_multiple(buffer: torch.Tensor, parts: int) -> torch.Tensor:
+    """``buffer`` zero-padded so it splits into ``parts`` equal shards."""
+    remainder = buffer.numel() % parts
+    return torch.cat([buffer, buffer.new_zeros(parts - remainder)]) if remainder else buffer
 
 
 def hierarchical_allreduce_(
@@ -44,62 +72,25 @@ def hierarchical_allreduce_(
     cross_codec = compression or NoCompression()
     local_codec = cross_codec if compress_node_local else NoCompression()
     counters = counters if counters is not None else CommCounters()
-    topology = groups.topology
-    world = topology.size
-    local_size = topology.local_size
+    local, cross = groups.local, groups.cross
 
-    if groups.local is None or groups.cross is None:
+    if local is None or cross is None:
         # One leg only: a single node (allreduce inside it) or one worker per node.
-        process_set = groups.local if groups.local is not None else groups.cross
-        codec, scope = (local_codec, Scope.NODE_LOCAL) if groups.local is not None else (cross_codec, Scope.CROSS_NODE)
-        if process_set is None:  # a job of one worker
+        if local is None and cross is None:  # a job of one worker
             return
-        pending = []
-        for index, buffer in enumerate(buffers):
-            wire, ctx = codec.compress(buffer)
-            counters.record(scope, _nbytes(wire))
-            handle = hvd.allreduce_async(wire, op=hvd.Sum, name=f"{name}.ar.{index}", process_set=process_set)
-            pending.append((buffer, handle, ctx))
-        with counters.waiting():
-            for buffer, handle, ctx in pending:
-                buffer.copy_(codec.decompress(hvd.synchronize(handle), ctx))
-                if average:
-                    buffer.div_(world)
-        return
-
-    # Leg 1: reduce-scatter inside the node. Pad so the buffer splits into L equal shards.
-    padded, scattered = [], []
-    for index, buffer in enumerate(buffers):
-        remainder = buffer.numel() % local_size
-        full = torch.cat([buffer, buffer.new_zeros(local_size - remainder)]) if remainder else buffer
-        padded.append(full)
-        wire, ctx = local_codec.compress(full)
-        counters.record(Scope.NODE_LOCAL, _nbytes(wire))
-        handle = hvd.reducescatter_async(wire, op=hvd.Sum, name=f"{name}.rs.{index}", process_set=groups.local)
-        scattered.append((handle, ctx))
-    with counters.waiting():
-        shards = [local_codec.decompress(hvd.synchronize(handle), ctx) for handle, ctx in scattered]
-
-    # Leg 2: allreduce each shard across nodes, among the workers with this local rank.
-    crossing = []
-    for index, shard in enumerate(shards):
-        wire, ctx = cross_codec.compress(shard)
-        counters.record(Scope.CROSS_NODE, _nbytes(wire))
-        handle = hvd.allreduce_async(wire, op=hvd.Sum, name=f"{name}.xr.{index}", process_set=groups.cross)
-        crossing.append((handle, ctx))
-    with counters.waiting():
-        shards = [cross_codec.decompress(hvd.synchronize(handle), ctx) for handle, ctx in crossing]
-
-    # Leg 3: allgather the reduced shards inside the node.
-    gathering = []
-    for index, shard in enumerate(shards):
-        wire, ctx = local_codec.compress(shard)
-        counters.record(Scope.NODE_LOCAL, _nbytes(wire))
-        handle = hvd.allgather_async(wire, name=f"{name}.ag.{index}", process_set=groups.local)
-        gathering.append((handle, ctx))
-    with counters.waiting():
-        for buffer, (handle, ctx) in zip(buffers, gathering, strict=True):
-            total = local_codec.decompress(hvd.synchronize(handle), ctx)[: buffer.numel()]
-            buffer.copy_(total)
-            if average:
-                buffer.div_(world)
+        process_set = local if local is not None else cross
+        codec, scope = (local_codec, Scope.NODE_LOCAL) if local is not None else (cross_codec, Scope.CROSS_NODE)
+        ar = hvd.allreduce_async
+        totals = _leg(buffers, codec, scope, counters, ar, f"{name}.ar", op=hvd.Sum, process_set=process_set)
+    else:
+        # Reduce-scatter inside the node (each local worker gets 1/L of the node's sum), allreduce
+        # each shard across nodes among the workers with this local rank, allgather inside the node.
+        padded = [_pad_to_multiple(buffer, groups.topology.local_size) for buffer in buffers]
+        rs, xr, ag = hvd.reducescatter_async, hvd.allreduce_async, hvd.allgather_async
+        shards = _leg(padded, local_codec, Scope.NODE_LOCAL, counters, rs, f"{name}.rs", op=hvd.Sum, process_set=local)
+        shards = _leg(shards, cross_codec, Scope.CROSS_NODE, counters, xr, f"{name}.xr", op=hvd.Sum, process_set=cross)
+        totals = _leg(shards, local_codec, Scope.NODE_LOCAL, counters, ag, f"{name}.ag", process_set=local)
+    for buffer, total in zip(buffers, totals, strict=True):
+        buffer.copy_(total[: buffer.numel()])
+        if average:
+            buffer.div_(groups.topology.size)

@@ -44,14 +44,13 @@ from torch.optim import Optimizer
 
 from hvd_plugins._horovod import horovod_torch
 from hvd_plugins.comm.buckets import flatten, unflatten_into
+from hvd_plugins.comm.buffers import finish_buffer_average, start_buffer_average
 from hvd_plugins.comm.counters import CommCounters, Scope
+from hvd_plugins.comm.parameters import optimizer_parameters
 from hvd_plugins.comm.topology import NodeGroups
+from hvd_plugins.comm.wire import nbytes
 from hvd_plugins.daso.config import DasoConfig
 from hvd_plugins.daso.schedule import DasoSchedule, StepPlan
-
-
-def _nbytes(tensor: torch.Tensor) -> int:
-    return tensor.numel() * tensor.element_size()
 
 
 def to_wire(values: torch.Tensor, downcast: str) -> torch.Tensor:
@@ -116,7 +115,7 @@ class CrossNodeSharding:
             hvd.allreduce_async(chunk, op=hvd.Sum, name=f"{name}.{index}", process_set=self.groups.cross)
             for index, chunk in enumerate(chunks)
         ]
-        self.counters.record(Scope.CROSS_NODE, _nbytes(wire), calls=len(handles))
+        self.counters.record(Scope.CROSS_NODE, nbytes(wire), calls=len(handles))
         return PendingSum(handles, wire.dtype)
 
     def finish_sum(self, pending: PendingSum, dtype: torch.dtype) -> torch.Tensor:
@@ -138,7 +137,7 @@ class CrossNodeSharding:
             return [shard[: layout.numel] for shard, layout in zip(shards, layouts, strict=True)]
         hvd = horovod_torch()
         mine = torch.cat(list(shards))
-        self.counters.record(Scope.NODE_LOCAL, _nbytes(mine))
+        self.counters.record(Scope.NODE_LOCAL, nbytes(mine))
         with self.counters.waiting():
             rows = hvd.allgather(mine, name="daso.gather", process_set=self.groups.local)
         rows = rows.view(self.groups.topology.local_size, mine.numel())[self._shard_order_of_rows]
@@ -152,9 +151,9 @@ class CrossNodeSharding:
 class DasoSync:
     """Runs the cross-node half of DASO after each optimizer step, as the schedule says.
 
-    The strategy calls :meth:`setup` once the optimizers are wrapped and
-    :meth:`after_optimizer_step` after every batch that stepped; ``DasoScheduleCallback``
-    calls :meth:`on_train_epoch_end` with the epoch's loss averaged over all workers.
+    The strategy calls :meth:`setup` once the optimizers are wrapped; its training-loop events
+    (``hvd_plugins.loop_events``) call :meth:`after_optimizer_step` after every batch that stepped
+    and :meth:`on_train_epoch_end` with the epoch's loss averaged over all workers.
     ``schedule`` is public for callbacks (phase, global_skips, batches_to_wait, history).
     """
 
@@ -246,7 +245,9 @@ class DasoSync:
     def _blocking_sync(self) -> None:
         """``p = S / N`` plus optimizer state and buffers; all messages start before any wait."""
         self.blocking_syncs += 1
-        buffers = self._start_buffer_average()
+        scope = Scope.CROSS_NODE if self.across_nodes else Scope.NODE_LOCAL
+        model = self._model
+        buffers = None if model is None else start_buffer_average(model, "daso.buffers", self.counters, scope)
         if self.across_nodes:
             drift = self._layout.shard_of(self._flat_parameters()) - self._reference
             params = self.sharding.start_sum(to_wire(drift, self.config.downcast), "daso.params_blocking")
@@ -262,34 +263,13 @@ class DasoSync:
             with torch.no_grad():
                 unflatten_into(full_params, self._parameters)
                 unflatten_into(full_state, state_tensors)
-        self._finish_buffer_average(buffers)
+        finish_buffer_average(buffers)
 
     def _install(self, shard: torch.Tensor) -> None:
         """Assemble the node's shards and write them into the parameters."""
         (full,) = self.sharding.gather_in_node([shard], [self._layout])
         with torch.no_grad():
             unflatten_into(full, self._parameters)
-
-    # ------------------------------------------------------------------ buffers
-    def _start_buffer_average(self) -> tuple[list[torch.Tensor], Any] | None:
-        """Average floating buffers over every worker (their batches, hence statistics, differ)."""
-        hvd = horovod_torch()
-        if self._model is None or hvd.size() == 1:
-            return None
-        buffers = [b for b in self._model.buffers() if b.is_floating_point()]
-        if not buffers:
-            return None
-        flat = _flatten_as(buffers, torch.float32)
-        self.counters.record(Scope.CROSS_NODE if self.across_nodes else Scope.NODE_LOCAL, _nbytes(flat))
-        return buffers, hvd.allreduce_async(flat, op=hvd.Average, name="daso.buffers")
-
-    def _finish_buffer_average(self, pending: tuple[list[torch.Tensor], Any] | None) -> None:
-        if pending is None:
-            return
-        buffers, handle = pending
-        with self.counters.waiting():
-            averaged = horovod_torch().synchronize(handle)
-        unflatten_into(averaged, buffers)
 
 
 def _flatten_as(tensors: Sequence[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
@@ -312,11 +292,10 @@ def _optimizer_state_tensors(optimizers: Sequence[Optimizer]) -> list[torch.Tens
     """Floating-point state tensors of every optimizer, in the same order on every worker."""
     tensors = []
     for optimizer in optimizers:
-        for group in optimizer.param_groups:
-            for parameter in group["params"]:
-                state = optimizer.state.get(parameter, {})
-                for key in sorted(state, key=str):
-                    value = state[key]
-                    if isinstance(value, torch.Tensor) and value.is_floating_point() and value.numel():
-                        tensors.append(value)
+        for parameter in optimizer_parameters(optimizer):
+            state = optimizer.state.get(parameter, {})
+            for key in sorted(state, key=str):
+                value = state[key]
+                if isinstance(value, torch.Tensor) and value.is_floating_point() and value.numel():
+                    tensors.append(value)
     return tensors

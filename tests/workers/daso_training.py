@@ -22,7 +22,10 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from hvd_plugins import HorovodStrategy
 from hvd_plugins.comm.counters import CommCounters
+from hvd_plugins.comm.topology import build_node_groups, discover_topology
+from hvd_plugins.daso.config import DasoConfig
 from hvd_plugins.daso.schedule import Phase
+from hvd_plugins.daso.sync import DasoSync
 
 BATCH_SIZE = 16
 FEATURES, CLASSES = 20, 4
@@ -74,6 +77,11 @@ def model_state(model: LightningModule) -> tuple[torch.Tensor, torch.Tensor, tor
     return params, torch.cat(state) if state else empty, torch.cat(buffers) if buffers else empty
 
 
+def daso_of(strategy: Any) -> Any:
+    """The strategy's DASO syncer (``daso_sync``; ``daso`` before the attribute was renamed)."""
+    return getattr(strategy, "daso_sync", None) or getattr(strategy, "daso", None)
+
+
 def gather_rows(flat: torch.Tensor, name: str) -> torch.Tensor:
     return hvd.allgather(flat.unsqueeze(0), name=name)
 
@@ -88,7 +96,7 @@ class ConsistencyProbe(Callback):
         self.daso: Any = None
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self.daso = trainer.strategy.daso
+        self.daso = daso_of(trainer.strategy)
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         if batch_idx == 0:
@@ -171,7 +179,7 @@ def fit(
 
     class KeepDaso(Callback):
         def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-            daso_holder["daso"] = trainer.strategy.daso
+            daso_holder["daso"] = daso_of(trainer.strategy)
 
     trainer.callbacks.append(KeepDaso())
     trainer.fit(model, DataLoader(data, batch_size=BATCH_SIZE, shuffle=True))
@@ -200,6 +208,83 @@ def fit(
     return result
 
 
+def set_parameters(model: nn.Module, values: torch.Tensor) -> None:
+    with torch.no_grad():
+        offset = 0
+        for parameter in model.parameters():
+            parameter.copy_(values[offset : offset + parameter.numel()].view_as(parameter))
+            offset += parameter.numel()
+
+
+def check_merge_weight() -> dict[str, Any]:
+    """DasoSync's non-blocking merge is exactly ``p = (2B * p_local + S) / (2B + N)``, for B = 1 and B = 2.
+
+    Drives a DasoSync directly with parameters set to known per-node values: what each node holds
+    when it sends (``sent``) and when the sum arrives B steps later (``local``). Values are multiples
+    of 1/4, so float64 parameters with an fp32 wire give the formula exactly. Constant epoch losses
+    walk the schedule from its cycling start (4 skips, B=1) over two plateaus to its reset (8, B=2).
+    """
+    topology = discover_topology()
+    groups = build_node_groups(topology)
+    config = DasoConfig(
+        warmup_epochs=0, cooldown_epochs=0, stable_epochs=1, max_global_skips=8, local_skip_factor=4, downcast="fp32"
+    )
+    daso = DasoSync(config, groups, CommCounters(), total_epochs=None)
+    model = nn.Linear(4, 3).double()  # 15 parameters: an odd count, so the shards of a node are padded
+    numel = sum(p.numel() for p in model.parameters())
+    set_parameters(model, torch.full((numel,), 0.5, dtype=torch.float64))  # equal everywhere, as setup requires
+    daso.setup(model, [torch.optim.SGD(model.parameters(), lr=0.1)])
+    nodes, node = topology.num_nodes, topology.node_index
+    ramp = torch.arange(numel, dtype=torch.float64) * 0.25
+
+    def node_values(k: int, shift: float) -> torch.Tensor:
+        return ramp * (k + 1) + shift * (k + 1)  # equal inside a node, different across nodes
+
+    cases = []
+    for epoch in range(5):
+        skips, wait = daso.schedule.global_skips, daso.schedule.batches_to_wait
+        if epoch in (0, 4):
+            plans = []
+            for _ in range(skips - 1):  # no communication before the sync step
+                daso.after_optimizer_step(last_batch_of_epoch=False)
+                plans.append(daso.schedule.last_plan.communicates)
+            sent = [node_values(k, 1.0) for k in range(nodes)]
+            set_parameters(model, sent[node])
+            daso.after_optimizer_step(last_batch_of_epoch=False)  # the sync step: send
+            send_plan = daso.schedule.last_plan
+            for _ in range(wait - 1):  # steps while the message is in flight
+                daso.after_optimizer_step(last_batch_of_epoch=False)
+                plans.append(daso.schedule.last_plan.communicates)
+            local = node_values(node, -2.0 + 0.5 * epoch)
+            set_parameters(model, local)
+            daso.after_optimizer_step(last_batch_of_epoch=False)  # B steps after the send: receive and merge
+            receive_plan = daso.schedule.last_plan
+            merged = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+            total = torch.stack(sent).sum(dim=0)
+            weight = 2 * wait
+
+            def error(expected: torch.Tensor, merged: torch.Tensor = merged) -> float:
+                return float((merged - expected).abs().max())
+
+            cases.append(
+                {
+                    "global_skips": skips,
+                    "batches_to_wait": wait,
+                    "idle_steps_communicated": any(plans),
+                    "send_plan": [send_plan.send, send_plan.receive, send_plan.blocking],
+                    "receive_plan": [receive_plan.receive, receive_plan.blocking, receive_plan.merge_wait],
+                    "error": error((weight * local + total) / (weight + nodes)),
+                    # what other weights would give: the check tells them apart
+                    "error_if_weight_b": error((wait * local + total) / (wait + nodes)),
+                    "error_if_weight_b_plus_1": error(((wait + 1) * local + total) / (wait + 1 + nodes)),
+                    "error_if_plain_average": error(total / nodes),
+                    "error_if_local_kept": error(local),
+                }
+            )
+        daso.on_train_epoch_end(1.0)  # closes the epoch with a blocking sync; a constant loss is a plateau
+    return {"cases": cases, "nodes": nodes, "merges": daso.merges, "downcast": config.downcast}
+
+
 EPOCHS = 5
 CYCLING = {"warmup_epochs": 1, "cooldown_epochs": 1, "stable_epochs": 2}
 
@@ -215,9 +300,13 @@ def main() -> None:
         return results[name]
 
     if args.case == "lean":
-        checks = {"daso": lambda: run("daso", sync="daso", epochs=3, daso=CYCLING, probe=True)}
+        checks = {
+            "daso": lambda: run("daso", sync="daso", epochs=3, daso=CYCLING, probe=True),
+            "merge_weight": check_merge_weight,
+        }
     else:
         checks = {
+            "merge_weight": check_merge_weight,
             "daso_adam_fp16": lambda: run("daso_adam_fp16", sync="daso", epochs=EPOCHS, daso=CYCLING, probe=True),
             "allreduce_adam": lambda: run("allreduce_adam", sync="allreduce", epochs=EPOCHS),
             "daso_sgd_fp16": lambda: run(

@@ -103,6 +103,9 @@ def parameters_of(model: nn.Module) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
 
 
+STRATEGY_MODES: dict[str, Any] = {}  # results of check_strategy_modes that later checks compare with
+
+
 def check_strategy_modes() -> dict[str, Any]:
     """sync='hierarchical' trains to the same weights as sync='allreduce', with counted bytes."""
     flat_model, flat_trainer = fit(HorovodStrategy(sync="allreduce"))
@@ -111,6 +114,8 @@ def check_strategy_modes() -> dict[str, Any]:
     flat_fp16_model, flat_fp16_trainer = fit(HorovodStrategy(compression="fp16"))
     accumulated_model, accumulated_trainer = fit(HorovodStrategy(sync="hierarchical"), accumulate=2)
     reference = parameters_of(flat_model)
+    STRATEGY_MODES["flat"] = reference
+    STRATEGY_MODES["hierarchical_fp16"] = (parameters_of(fp16_model), fp16_trainer.strategy.comm_counters.as_dict())
     gathered = hvd.allgather(parameters_of(hier_model).unsqueeze(0))
     return {
         "hier_vs_flat": float((parameters_of(hier_model) - reference).abs().max()),
@@ -130,6 +135,23 @@ def check_strategy_modes() -> dict[str, Any]:
     }
 
 
+def check_compress_node_local() -> dict[str, Any]:
+    """compress_node_local=True: fp16 on the node-local legs too; compared with the runs of strategy_modes."""
+    model, trainer = fit(HorovodStrategy(sync="hierarchical", compression="fp16", compress_node_local=True))
+    params = parameters_of(model)
+    fp16_params, fp16_counters = STRATEGY_MODES["hierarchical_fp16"]  # compress_node_local=False
+    gathered = hvd.allgather(params.unsqueeze(0), name="test.compress_node_local")
+    return {
+        "vs_flat": float((params - STRATEGY_MODES["flat"]).abs().max()),
+        "vs_uncompressed_node_local": float((params - fp16_params).abs().max()),
+        "ranks_identical": bool((gathered == gathered[0]).all()),
+        "parameters": int(params.numel()),
+        "steps": trainer.global_step,
+        "counters": trainer.strategy.comm_counters.as_dict(),
+        "uncompressed_node_local_counters": fp16_counters,
+    }
+
+
 if __name__ == "__main__":
     hvd.init()
     report = run_checks(
@@ -140,6 +162,7 @@ if __name__ == "__main__":
             "fp32_random": lambda: compare_with_flat(torch.float32, False, [5, 100_001], fp16=False),
             "fp32_fp16_wire": lambda: compare_with_flat(torch.float32, False, [999, 4096], fp16=True),
             "strategy_modes": check_strategy_modes,
+            "compress_node_local": check_compress_node_local,
         }
     )
     write_result(OUT, hvd.rank(), report)

@@ -95,6 +95,52 @@ def trainer(**kwargs: Any) -> pl.Trainer:
     return pl.Trainer(**options)
 
 
+class WithBatchNorm(Regression):
+    """Regression behind a BatchNorm layer: running statistics that depend on each rank's data."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.BatchNorm1d(N_FEATURES)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layer(self.norm(x))
+
+
+class HiddenBatchNorm(pl.LightningModule):
+    """BatchNorm after a trainable layer, so backward flows through the synchronized statistics."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(1)
+        self.hidden = nn.Linear(N_FEATURES, 8)
+        self.norm = nn.BatchNorm1d(8)
+        self.head = nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.norm(self.hidden(x))))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = nn.functional.mse_loss(self(x), y)
+        self.log("train_loss", loss, sync_dist=True)
+        return loss
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        self.log("val_loss", nn.functional.mse_loss(self(x), y), sync_dist=True)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+
+def floating_buffers(module: nn.Module) -> torch.Tensor:
+    return torch.cat([b.detach().reshape(-1).double() for b in module.buffers() if b.is_floating_point()])
+
+
+def flat_parameters(module: nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1).double() for p in module.parameters()])
+
+
 def rank_loader(x: torch.Tensor, y: torch.Tensor, batch_size: int) -> DataLoader:
     """This rank's strided share, unshuffled (Lightning's own sampler shuffles training data)."""
     share = range(hvd.rank(), len(x), hvd.size())
@@ -358,6 +404,9 @@ def check_sync_batchnorm() -> dict[str, Any]:
         "input_grad_diff": float((x_mine.grad - x_full.grad[mine]).abs().max()),
         "running_mean_diff": float((synced.running_mean - plain.running_mean).abs().max()),
         "trainer_converted": isinstance(model.norm, HorovodSyncBatchNorm),
+        "trainer_norm_dtypes": sorted(
+            {str(t.dtype) for t in model.norm.state_dict().values() if t.is_floating_point()}
+        ),
         "ranks_identical": all_equal(digest(model)),
     }
 
@@ -465,6 +514,93 @@ def check_accumulation_change_mid_epoch() -> dict[str, Any]:
     return {"error": None}
 
 
+def check_average_buffers() -> dict[str, Any]:
+    """average_buffers=True: after each epoch every rank holds the mean of the ranks' own BatchNorm statistics."""
+    x, y = make_data(64, seed=20)
+    models = {}
+    for average in (True, False):
+        model = WithBatchNorm()
+        t = trainer(max_epochs=2, strategy=HorovodStrategy(average_buffers=average), use_distributed_sampler=False)
+        t.fit(model, rank_loader(x, y, 8))  # each rank normalizes its own half: its own running statistics
+        models[average] = model
+    averaged, own = floating_buffers(models[True]), floating_buffers(models[False])
+    # BatchNorm trains on batch statistics, so both runs take the same steps; the running statistics
+    # follow a linear recurrence, so averaging them after every epoch equals averaging the ranks'
+    # own final statistics once.
+    rows = hvd.allgather(own.unsqueeze(0), name="test.average_buffers.own")
+    return {
+        "max_diff_vs_mean_of_own": float((averaged - rows.mean(dim=0)).abs().max()),
+        "own_spread_across_ranks": float((rows.max(dim=0).values - rows.min(dim=0).values).max()),
+        "own_ranks_identical": all_equal(digest(models[False])),
+        "averaged_ranks_identical": all_equal(digest(models[True])),
+        "parameters_diff_between_runs": max_difference(models[True], models[False]),
+        "buffer_elements": averaged.numel(),
+    }
+
+
+class FirstGradients(Callback):
+    """The gradients the optimizer sees at its first step (after the strategy's allreduce)."""
+
+    def __init__(self) -> None:
+        self.gradients: torch.Tensor | None = None
+
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
+        if self.gradients is None:
+            self.gradients = torch.cat([p.grad.detach().reshape(-1).clone() for p in pl_module.parameters()])
+
+
+def check_reduce_ops() -> dict[str, Any]:
+    """op='sum' and gradient_predivide_factor against one process on the global batch (float64)."""
+    world, batch, epochs, lr = hvd.size(), 8, 2, 0.05
+    x, y = make_data(64, seed=4)
+    torch.manual_seed(1)
+    probe = nn.Linear(N_FEATURES, 1).double()  # Regression's initial weights
+    nn.functional.mse_loss(probe(x[: world * batch]), y[: world * batch]).backward()
+    mean_gradient = torch.cat([p.grad.reshape(-1) for p in probe.parameters()])  # over the first global batch
+    average_reference = reference_sgd(x, y, block=world * batch, epochs=epochs, lr=lr, clip=None)
+    # Sum of the ranks' mean gradients = world x the global batch's mean gradient: SGD steps world x larger.
+    sum_reference = reference_sgd(x, y, block=world * batch, epochs=epochs, lr=lr * world, clip=None)
+    result: dict[str, Any] = {"world": world}
+    for label, strategy, scale, reference in (
+        ("predivide", HorovodStrategy(op="average", gradient_predivide_factor=2.0), 1.0, average_reference),
+        ("sum", HorovodStrategy(op="sum"), float(world), sum_reference),
+    ):
+        model, spy = Regression(lr=lr), FirstGradients()
+        t = trainer(max_epochs=epochs, strategy=strategy, use_distributed_sampler=False, callbacks=[spy])
+        t.fit(model, rank_loader(x, y, batch))
+        assert spy.gradients is not None
+        result[label] = {
+            "first_gradient_diff": float((spy.gradients - scale * mean_gradient).abs().max()),
+            "max_diff_vs_reference": max_difference(model, reference),
+            "max_diff_vs_average_reference": max_difference(model, average_reference),
+            "steps": t.global_step,
+            "ranks_identical": all_equal(digest(model)),
+        }
+    return result
+
+
+def check_uneven_sync_batchnorm() -> dict[str, Any]:
+    """SyncBatchNorm while ranks hold different numbers of batches: no hang, identical ranks after."""
+    n = 40 if hvd.rank() == 0 else 24
+    x, y = make_data(n, seed=30 + hvd.rank())
+    model = HiddenBatchNorm()
+    loader = DataLoader(TensorDataset(x.float(), y.float()), batch_size=4)
+    t = trainer(
+        max_epochs=2,
+        strategy=HorovodStrategy(sync_batchnorm=True),
+        use_distributed_sampler=False,
+        limit_val_batches=2,
+        precision="32-true",  # float32: the float64 dtype of converted layers is checked in "sync_batchnorm"
+    )
+    t.fit(model, loader, loader)
+    return {
+        "batches": t.num_training_batches,
+        "steps": t.global_step,
+        "norm_type": type(model.norm).__name__,
+        "ranks_identical": all_equal(digest(model)),
+    }
+
+
 if __name__ == "__main__":
     hvd.init()
     checks = {
@@ -481,7 +617,15 @@ if __name__ == "__main__":
         "uneven_data": check_uneven_data,
         "accumulation_schedule": check_accumulation_schedule,
         "accumulation_change_mid_epoch": check_accumulation_change_mid_epoch,
+        "average_buffers": check_average_buffers,
+        "reduce_ops": check_reduce_ops,
+        # Last, and bounded: if it hangs, the checks above are still reported and only this one fails.
+        "uneven_sync_batchnorm": check_uneven_sync_batchnorm,
     }
     selected = ARGS.case.split(",") if ARGS.case else list(checks)
-    report = run_checks({name: checks[name] for name in selected})
+    report = run_checks(
+        {name: checks[name] for name in selected},
+        time_limits={"uneven_sync_batchnorm": 120.0},
+        on_time_limit=lambda partial: write_result(OUT, hvd.rank(), partial),
+    )
     write_result(OUT, hvd.rank(), report)

@@ -1,0 +1,126 @@
+"""HorovodStrategy's settings as one frozen, validated value.
+
+The strategy keeps its keyword arguments as the public face and builds this config from them,
+so validation, the rules between arguments and what every rank must agree on live in one place.
+Nothing here imports Horovod or Lightning: a bad argument is refused before any process starts
+a collective.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from hvd_plugins.comm.compression import compressor_by_name
+from hvd_plugins.daso.config import DasoConfig
+from hvd_plugins.faults import validate_stall_timeout
+
+SYNC_MODES = ("allreduce", "hierarchical", "daso")
+"""``allreduce``: flat; ``hierarchical``: inside the node, then across nodes; ``daso``: see DasoConfig."""
+HIERARCHICAL_IMPLS = ("process_sets", "native")
+GRADIENT_OPS = ("average", "sum", "adasum")
+
+
+def _choice(argument: str, value: Any, allowed: tuple[str, ...]) -> str:
+    if value not in allowed:
+        raise ValueError(f"{argument}={value!r} is not supported; choose one of {list(allowed)}")
+    return value
+
+
+@dataclass(frozen=True)
+class HorovodConfig:
+    """What HorovodStrategy was asked to do; see HorovodStrategy for each argument's meaning."""
+
+    compression: str = "none"
+    """Name of the gradient wire format: ``"none"`` or ``"fp16"``."""
+    op: str = "average"
+    """How gradients combine across workers: ``"average"``, ``"sum"`` or ``"adasum"``."""
+    gradient_predivide_factor: float = 1.0
+    """Divide gradients by this before the sum and by ``size / factor`` after (average only)."""
+    scale_lr: bool = False
+    """Multiply learning rates by the number of workers (never done silently)."""
+    sync: str = "allreduce"
+    """One of SYNC_MODES."""
+    hierarchical_impl: str = "process_sets"
+    """``"process_sets"`` (every build) or ``"native"`` (Horovod's own: MPI controller + NCCL)."""
+    compress_node_local: bool = False
+    """With ``sync="hierarchical"``, compress the node-local legs as well as the cross-node one."""
+    daso: DasoConfig | None = None
+    """DASO settings; set (to defaults when not given) exactly when ``sync="daso"``."""
+    sync_batchnorm: bool = False
+    """Replace BatchNorm layers by HorovodSyncBatchNorm."""
+    average_buffers: bool = True
+    """Average floating buffers over all workers at the end of every training epoch."""
+    bucket_mb: float = 32.0
+    """Gradient bucket size of the hierarchical allreduce, in MiB."""
+    stall_timeout_seconds: int | None = None
+    """Longest wait in one collective before the worker ends the job; None waits forever."""
+    check_finite_gradients: bool = False
+    """Stop every rank at the first step whose gradients hold NaN/Inf."""
+
+    def __post_init__(self) -> None:
+        compressor_by_name(self.compression)  # raises naming the choices
+        _choice("op", self.op, GRADIENT_OPS)
+        _choice("sync", self.sync, SYNC_MODES)
+        _choice("hierarchical_impl", self.hierarchical_impl, HIERARCHICAL_IMPLS)
+        if not self.gradient_predivide_factor > 0:
+            raise ValueError(f"gradient_predivide_factor={self.gradient_predivide_factor!r} must be a positive number")
+        if self.gradient_predivide_factor != 1.0 and self.op != "average":
+            raise ValueError(
+                f"gradient_predivide_factor={self.gradient_predivide_factor!r} works only with op='average', "
+                f"not op={self.op!r}"
+            )
+        if self.gradient_predivide_factor != 1.0 and self.sync != "allreduce":
+            raise ValueError(
+                f"gradient_predivide_factor={self.gradient_predivide_factor!r} works only with sync='allreduce', "
+                f"not sync={self.sync!r}, whose collectives do not pre-divide"
+            )
+        if self.op == "adasum" and self.sync != "allreduce":
+            raise ValueError(f"op='adasum' works only with sync='allreduce', not sync={self.sync!r}")
+        if self.op not in ("average", "sum") and self.sync == "hierarchical":
+            raise ValueError(f"op={self.op!r} is not supported with sync='hierarchical'; choose 'average' or 'sum'")
+        if self.compress_node_local and self.sync != "hierarchical":
+            raise ValueError(f"compress_node_local=True works only with sync='hierarchical', not sync={self.sync!r}")
+        if self.hierarchical_impl != "process_sets" and self.sync != "hierarchical":
+            raise ValueError(
+                f"hierarchical_impl={self.hierarchical_impl!r} works only with sync='hierarchical', "
+                f"not sync={self.sync!r}"
+            )
+        if self.daso is not None and self.sync != "daso":
+            raise ValueError(f"daso={self.daso!r} was given but sync={self.sync!r}; DASO settings need sync='daso'")
+        if self.sync == "daso" and self.daso is None:
+            object.__setattr__(self, "daso", DasoConfig())
+        if not self.bucket_mb > 0:
+            raise ValueError(f"bucket_mb={self.bucket_mb!r} must be a positive number of megabytes")
+        if self.stall_timeout_seconds is not None and (
+            isinstance(self.stall_timeout_seconds, bool) or not isinstance(self.stall_timeout_seconds, int)
+        ):
+            raise ValueError(f"stall_timeout_seconds={self.stall_timeout_seconds!r} must be whole seconds or None")
+
+    @staticmethod
+    def build(
+        daso: DasoConfig | dict[str, Any] | None = None, stall_timeout_seconds: float | None = None, **settings: Any
+    ) -> HorovodConfig:
+        """Build from the strategy's keyword arguments: a dict of DASO fields, seconds as any number."""
+        return HorovodConfig(
+            daso=None if daso is None else DasoConfig.from_any(daso),
+            stall_timeout_seconds=validate_stall_timeout(stall_timeout_seconds),
+            **settings,
+        )
+
+    @property
+    def node_aware(self) -> bool:
+        """Whether the sync needs to know which workers share a node (our own process sets)."""
+        return self.sync == "daso" or (self.sync == "hierarchical" and self.hierarchical_impl == "process_sets")
+
+    @property
+    def native_hierarchical(self) -> bool:
+        return self.sync == "hierarchical" and self.hierarchical_impl == "native"
+
+    @property
+    def bucket_bytes(self) -> int:
+        return int(self.bucket_mb * 2**20)
+
+    def fingerprint(self) -> dict[str, Any]:
+        """The settings every rank must share, or the first collective would deadlock."""
+        return asdict(self)

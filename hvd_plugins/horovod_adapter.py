@@ -1,0 +1,119 @@
+"""Everything that depends on how Horovod 0.28 works inside: start-up, capabilities, private attributes.
+
+``_horovod.py`` imports the module; this file is the only one that knows the rest: which
+environment variables ``hvd.init`` reads, which builds can do what, and the private attributes of
+Horovod's ``DistributedOptimizer`` that the strategy has to touch. A future Horovod release should
+need changes here only.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
+
+from torch.optim import Optimizer
+
+from hvd_plugins._horovod import horovod_torch
+from hvd_plugins.faults import apply_stall_timeout
+
+if TYPE_CHECKING:
+    from hvd_plugins.config import HorovodConfig
+
+DYNAMIC_PROCESS_SETS_ENV = "HOROVOD_DYNAMIC_PROCESS_SETS"
+NATIVE_HIERARCHICAL_ENV = "HOROVOD_HIERARCHICAL_ALLREDUCE"
+
+
+# ---------------------------------------------------------------------------- start-up
+def init_horovod(config: HorovodConfig) -> ModuleType:
+    """Start Horovod with what ``config`` needs (idempotent); refuse an earlier start that lacks it."""
+    hvd = horovod_torch()
+    apply_stall_timeout(config.stall_timeout_seconds, horovod_initialized=hvd.is_initialized())
+    if hvd.is_initialized():
+        if config.node_aware and os.environ.get(DYNAMIC_PROCESS_SETS_ENV) != "1":
+            raise RuntimeError(
+                f"sync={config.sync!r} needs Horovod's dynamic process sets, but hvd.init() was already "
+                f"called without them. Let the strategy call hvd.init(), or set {DYNAMIC_PROCESS_SETS_ENV}=1 "
+                "before calling it."
+            )
+        return hvd
+    if config.node_aware:
+        os.environ[DYNAMIC_PROCESS_SETS_ENV] = "1"
+    if config.native_hierarchical:
+        os.environ[NATIVE_HIERARCHICAL_ENV] = "1"
+    hvd.init()
+    return hvd
+
+
+# ---------------------------------------------------------------------------- capabilities
+def require_build_supports(config: HorovodConfig) -> None:
+    """Checks that need only the build, so a bad choice fails when the strategy is created."""
+    if config.op == "adasum" and not horovod_torch().mpi_built():
+        raise ValueError(
+            "op='adasum' needs Horovod's MPI controller, but this Horovod build has no MPI. Use op='average' or "
+            "'sum', or build Horovod with MPI (HVD_MPI=yes bash ci/install_horovod.sh)."
+        )
+
+
+def require_job_supports(config: HorovodConfig, on_gpu: bool) -> None:
+    """Checks that need the running job (controller, GPUs), after ``hvd.init``."""
+    hvd = horovod_torch()
+    if on_gpu:
+        require_gpu_build(hvd)
+    if config.op == "adasum" and not hvd.mpi_enabled():
+        raise ValueError(
+            "op='adasum' needs Horovod's MPI controller, but this job runs without MPI (launched with --gloo?). "
+            "Use op='average' or 'sum', or launch with MPI."
+        )
+    if config.native_hierarchical and not (hvd.mpi_enabled() and hvd.nccl_built() and on_gpu):
+        raise ValueError(
+            "hierarchical_impl='native' needs the MPI controller, NCCL and GPUs; this job has "
+            f"mpi={hvd.mpi_enabled()}, nccl={bool(hvd.nccl_built())}, gpu={on_gpu}. "
+            "Use hierarchical_impl='process_sets', which works on every build."
+        )
+
+
+def require_gpu_build(hvd: ModuleType) -> None:
+    """Raise when GPUs are asked for but Horovod was built without CUDA/ROCm operations."""
+    if not (hvd.cuda_built() or hvd.rocm_built()):
+        raise RuntimeError(
+            "Training on GPUs was asked for, but this Horovod build has no GPU support. Rebuild it "
+            "with NCCL: HVD_GPU=nccl bash ci/install_horovod.sh"
+        )
+
+
+def require_gpu_for_local_rank(local_rank: int, gpus_on_node: int, workers_on_node: int) -> None:
+    """Raise when horovodrun started more workers on a node than it has GPUs."""
+    if local_rank >= gpus_on_node:
+        raise RuntimeError(
+            f"local rank {local_rank} has no GPU: this node has {gpus_on_node} GPU(s) "
+            f"but horovodrun started {workers_on_node} workers on it"
+        )
+
+
+# ---------------------------------------------------------------------------- DistributedOptimizer internals
+def set_backward_passes(optimizer: Optimizer, passes: int) -> None:
+    """Change how many backward passes a DistributedOptimizer accumulates before it allreduces.
+
+    Safe between steps only: no allreduce is pending, so the per-parameter countdowns can restart.
+    """
+    if hasattr(optimizer, "backward_passes_per_step"):
+        optimizer.backward_passes_per_step = passes
+        for parameter in optimizer._allreduce_delay:
+            optimizer._allreduce_delay[parameter] = passes
+
+
+def drop_gradient_hooks(optimizer: Optimizer) -> None:
+    """Forget a DistributedOptimizer's gradient hooks, so a later fit in this process starts clean."""
+    getattr(optimizer, "_grad_accs", []).clear()
+
+
+def pin_zero_grad(lightning_optimizers: Iterable[Any]) -> None:
+    """Make each LightningOptimizer's ``zero_grad`` the one of the Horovod optimizer it wraps.
+
+    Horovod's ``zero_grad`` calls ``super(self.__class__, self)``; on a LightningOptimizer (which
+    subclasses the wrapped class) that recurses forever.
+    """
+    for lightning_optimizer in lightning_optimizers:
+        lightning_optimizer.zero_grad = lightning_optimizer._optimizer.zero_grad

@@ -1,0 +1,102 @@
+"""The one owner of the training-loop events HorovodStrategy needs but Lightning gives only to callbacks.
+
+Lightning calls a strategy at batch start, never at batch or epoch end, so the strategy installs
+this callback. It turns the loop into three events and drives everything that hangs on them:
+
+- epoch start: follow accumulation schedules, refuse uneven data for the node-aware syncs;
+- batch end: DASO's cross-node step (when the batch stepped the optimizer);
+- the epoch's last batch: DASO settles the epoch and its schedule picks the next epoch's settings
+  from the epoch's training loss averaged over all workers; the epoch-end policy joins uneven
+  ranks and averages buffers. This runs before validation and checkpointing, so both see the
+  state the next epoch starts from.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from lightning.pytorch import Callback, LightningModule, Trainer
+from typing_extensions import override
+
+from hvd_plugins.daso.sync import DasoSync
+from hvd_plugins.epoch_end import EpochEndPolicy
+
+
+def batch_loss(outputs: Any) -> float | None:
+    """The loss a training step returned (a tensor, or a dict with ``"loss"``), if any."""
+    loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
+    if isinstance(loss, torch.Tensor) and loss.numel() == 1:
+        return float(loss.detach())
+    if isinstance(loss, (int, float)):
+        return float(loss)
+    return None
+
+
+def is_last_batch(trainer: Trainer, batch_idx: int) -> bool:
+    """Whether the batch that just ended is the epoch's last one (data end, limit or max_steps)."""
+    return (
+        trainer.fit_loop.epoch_loop.batch_progress.is_last_batch
+        or batch_idx + 1 >= trainer.num_training_batches
+        or (trainer.max_steps >= 0 and trainer.global_step >= trainer.max_steps)
+    )
+
+
+class TrainingLoopEvents(Callback):
+    """Drives the epoch-end policy and DASO from Lightning's loop; installed by HorovodStrategy."""
+
+    def __init__(
+        self,
+        epoch_end: EpochEndPolicy,
+        on_epoch_start: Callable[[Trainer], None],
+        daso_sync: DasoSync | None,
+        all_rank_mean: Callable[[float, int], float | None],
+    ) -> None:
+        self.epoch_end = epoch_end
+        self.on_epoch_start = on_epoch_start
+        self.daso_sync = daso_sync
+        self.all_rank_mean = all_rank_mean
+        self._epoch_open = False
+        self._step_at_batch_start = 0
+        self._loss_sum = 0.0
+        self._loss_count = 0
+
+    @override
+    def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._epoch_open = True
+        self._loss_sum, self._loss_count = 0.0, 0
+        self.epoch_end.check_even_batches(trainer.num_training_batches)
+        self.on_epoch_start(trainer)
+
+    @override
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        self._step_at_batch_start = trainer.global_step
+
+    @override
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        loss = batch_loss(outputs)
+        if loss is not None and math.isfinite(loss):
+            self._loss_sum += loss
+            self._loss_count += 1
+        last = is_last_batch(trainer, batch_idx)
+        if self.daso_sync is not None and trainer.global_step > self._step_at_batch_start:
+            self.daso_sync.after_optimizer_step(last_batch_of_epoch=last)
+        if last:
+            self._close_epoch(trainer, pl_module)
+
+    @override
+    def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self._epoch_open:  # the loop ended without a batch we recognised as the last
+            self._close_epoch(trainer, pl_module)
+
+    def _close_epoch(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._epoch_open = False
+        model = trainer.strategy.model
+        self.epoch_end.finish(model, trainer.strategy.optimizers, trainer.global_step)
+        if self.daso_sync is not None:
+            # Every worker takes part, so every worker's schedule sees the same loss.
+            self.daso_sync.on_train_epoch_end(self.all_rank_mean(self._loss_sum, self._loss_count))

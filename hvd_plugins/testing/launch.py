@@ -1,0 +1,128 @@
+"""Launch real Horovod jobs from a driver process, bounded in time, and collect what each rank wrote.
+
+Used by the multi-process tests and by the benchmarks. A worker writes ``rank<N>.json`` into the
+``--out`` folder it is given; the launcher appends ``--out`` and reads those files back. Only
+the standard library is imported here, so a driver stays light.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+TIMEOUT_EXIT_CODE = 124
+GLOO_TIMEOUT_SECONDS = "180"
+"""Horovod's default of 30 s to start every worker is too short on a loaded machine."""
+LAUNCHER_ENV_PREFIXES = ("HOROVOD_", "OMPI_", "PMI_")
+
+
+class JobFailed(RuntimeError):
+    """A launched job exited non-zero or outlived its time limit."""
+
+
+@dataclass
+class JobResult:
+    """What a launched job left behind; ``results`` maps rank to the JSON it wrote."""
+
+    returncode: int
+    output: str
+    seconds: float
+    results: dict[int, dict[str, Any]] = field(default_factory=dict)
+    timed_out: bool = False
+
+    def check(self, what: str = "horovodrun") -> JobResult:
+        """Raise JobFailed with the tail of the job's output when it failed."""
+        if self.returncode != 0:
+            raise JobFailed(f"{what} failed with exit code {self.returncode}:\n{self.output[-6000:]}")
+        return self
+
+
+def sibling_tool(name: str) -> str:
+    """The console script ``name`` of this interpreter's environment, else ``name`` on PATH."""
+    candidate = Path(sys.executable).with_name(name)
+    return str(candidate) if candidate.exists() else name
+
+
+def horovodrun_path() -> str:
+    return sibling_tool("horovodrun")
+
+
+def read_rank_files(out_dir: Path) -> dict[int, dict[str, Any]]:
+    return {int(path.stem[4:]): json.loads(path.read_text()) for path in sorted(out_dir.glob("rank*.json"))}
+
+
+def write_rank_file(out_dir: Path, rank: int, data: dict[str, Any]) -> None:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / f"rank{rank}.json").write_text(json.dumps(data, default=float))
+
+
+def run_bounded(
+    command: Sequence[str],
+    timeout: float,
+    *,
+    env: Mapping[str, str] | None = None,
+    cwd: Path | None = None,
+    out_dir: Path | None = None,
+    drop_launcher_env: bool = False,
+) -> JobResult:
+    """Run ``command`` in its own process group; kill the whole group when it outlives ``timeout``.
+
+    Killing the group, not just the launcher, keeps a hung worker from outliving the driver.
+    ``env`` is added to this process's environment (unbuffered, warnings off); with
+    ``drop_launcher_env`` Horovod/MPI variables are removed so a plain process runs alone.
+    """
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONWARNINGS": "ignore", **(env or {})}
+    if drop_launcher_env:
+        full_env = {name: value for name, value in full_env.items() if not name.startswith(LAUNCHER_ENV_PREFIXES)}
+    start = time.monotonic()
+    process = subprocess.Popen(
+        list(command),
+        cwd=cwd,
+        env=full_env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        output, _ = process.communicate(timeout=timeout)
+        returncode, timed_out = process.returncode, False
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        output, _ = process.communicate()
+        output += f"\n[killed after {timeout:.0f}s]"
+        returncode, timed_out = TIMEOUT_EXIT_CODE, True
+    results = read_rank_files(out_dir) if out_dir is not None else {}
+    return JobResult(returncode, output, time.monotonic() - start, results, timed_out)
+
+
+def horovodrun(
+    worker: Sequence[str],
+    *,
+    np: int = 2,
+    hosts: str | None = None,
+    out_dir: Path | None = None,
+    timeout: float = 300,
+    env: Mapping[str, str] | None = None,
+    cwd: Path | None = None,
+) -> JobResult:
+    """``horovodrun -np N -H hosts --gloo <worker> [--out out_dir]``, bounded by ``timeout``.
+
+    ``worker`` is the full worker command (e.g. ``[sys.executable, script, *args]``); ``hosts``
+    defaults to ``localhost:N``. ``HOROVOD_GLOO_TIMEOUT_SECONDS`` defaults to 180 s unless this
+    process's environment or ``env`` sets it.
+    """
+    command = [horovodrun_path(), "-np", str(np), "-H", hosts or f"localhost:{np}", "--gloo", *worker]
+    if out_dir is not None:
+        command += ["--out", str(out_dir)]
+    full_env = {"HOROVOD_GLOO_TIMEOUT_SECONDS": os.environ.get("HOROVOD_GLOO_TIMEOUT_SECONDS", GLOO_TIMEOUT_SECONDS)}
+    full_env.update(env or {})
+    return run_bounded(command, timeout, env=full_env, cwd=cwd, out_dir=out_dir)

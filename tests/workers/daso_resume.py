@@ -1,0 +1,97 @@
+"""A DASO run resumed from a checkpoint taken mid-cycling continues exactly like an uninterrupted run.
+
+    horovodrun -np 2 -H localhost:1,127.0.0.1:1 --gloo python tests/workers/daso_resume.py --out DIR
+
+No DasoScheduleCallback is passed: the strategy itself saves and restores the schedule.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import horovod.torch as hvd
+import torch
+from _common import parse_out, run_checks, write_result
+from daso_training import BATCH_SIZE, Classifier, noisy_classification
+from lightning.pytorch import Callback, LightningModule, Trainer, seed_everything
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch.utils.data import DataLoader
+
+from hvd_plugins import HorovodStrategy
+
+EPOCHS = 6
+STOP_AFTER_EPOCH = 3  # 0-based: epochs 1-4 cycle, so the interrupted run stops in the middle of cycling
+DASO = {"warmup_epochs": 1, "cooldown_epochs": 1, "stable_epochs": 1, "stability_level": 0.5}
+
+
+class StopAfterEpoch(Callback):
+    def __init__(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if trainer.current_epoch == self.epoch:
+            trainer.should_stop = True
+
+
+def fit(checkpoints: Path | None = None, stop_after: int | None = None, ckpt_path: Path | None = None) -> dict:
+    seed_everything(0)
+    model = Classifier("adam", batchnorm=True)
+    callbacks: list[Callback] = []
+    if checkpoints is not None:
+        callbacks.append(ModelCheckpoint(dirpath=checkpoints, save_last=True, save_top_k=0))
+    if stop_after is not None:
+        callbacks.append(StopAfterEpoch(stop_after))
+    trainer = Trainer(
+        strategy=HorovodStrategy(sync="daso", daso=DASO),
+        accelerator="cpu",
+        devices=1,
+        max_epochs=EPOCHS,
+        limit_train_batches=8,
+        callbacks=callbacks,
+        logger=False,
+        enable_checkpointing=checkpoints is not None,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    data = DataLoader(noisy_classification(), batch_size=BATCH_SIZE, shuffle=True)
+    daso_sync: dict[str, Any] = {}
+
+    class KeepDaso(Callback):
+        def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+            daso_sync["schedule"] = trainer.strategy.daso_sync.schedule
+
+    trainer.callbacks.append(KeepDaso())
+    trainer.fit(model, data, ckpt_path=ckpt_path)
+    schedule = daso_sync["schedule"]
+    return {
+        "history": [(r.epoch, r.phase.value, r.global_skips, r.batches_to_wait, r.loss) for r in schedule.history],
+        "parameters": torch.cat([p.detach().reshape(-1) for p in model.parameters()]),
+    }
+
+
+def resume_matches_uninterrupted(out: Path) -> dict[str, Any]:
+    whole = fit()
+    checkpoints = out / "checkpoints"
+    first = fit(checkpoints=checkpoints, stop_after=STOP_AFTER_EPOCH)
+    resumed = fit(ckpt_path=checkpoints / "last.ckpt")
+    return {
+        "whole_history": whole["history"],
+        "interrupted_history": first["history"],
+        "resumed_history": resumed["history"],
+        "max_parameter_diff": float((whole["parameters"] - resumed["parameters"]).abs().max()),
+        "interrupted_vs_whole_diff": float((whole["parameters"] - first["parameters"]).abs().max()),
+    }
+
+
+def main() -> None:
+    out, _ = parse_out()
+    os.environ["HOROVOD_DYNAMIC_PROCESS_SETS"] = "1"  # DASO registers node and cross-node process sets
+    hvd.init()
+    report = run_checks({"resume": lambda: resume_matches_uninterrupted(out)})
+    write_result(out, hvd.rank(), {"checks": report})
+
+
+if __name__ == "__main__":
+    main()
