@@ -21,6 +21,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from hvd_plugins import HorovodStrategy
+from hvd_plugins.callbacks import DasoScheduleCallback
 from hvd_plugins.comm.counters import CommCounters
 from hvd_plugins.comm.topology import build_node_groups, discover_topology
 from hvd_plugins.daso.config import DasoConfig
@@ -162,6 +163,8 @@ def fit(
     model = Classifier(optimizer, batchnorm)
     probe_callback, bytes_callback = ConsistencyProbe(), EpochBytes()
     callbacks: list[Callback] = [bytes_callback] + ([probe_callback] if probe else [])
+    if sync == "daso":
+        callbacks.append(DasoScheduleCallback())  # logs daso/* per epoch
     strategy = HorovodStrategy(sync=sync, daso=daso)
     trainer = Trainer(
         strategy=strategy,
