@@ -84,7 +84,10 @@ def add_strategy_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--no-average-buffers", action="store_true", help="keep each worker's BatchNorm running stats")
     group.add_argument("--bucket-mb", type=float, default=32.0, help="gradient bucket size of sync=hierarchical")
     group.add_argument(
-        "--stall-timeout", type=float, default=None, help="end the job when a rank is missing this many seconds"
+        "--stall-timeout",
+        type=_seconds_or_auto,
+        default="auto",
+        help="end the job when a rank is missing this many seconds (auto: horovodrun's setting, else 1800)",
     )
     group.add_argument(
         "--check-finite-gradients", action="store_true", help="stop on every rank when a gradient is NaN/Inf"
@@ -101,6 +104,10 @@ def add_strategy_flags(parser: argparse.ArgumentParser) -> None:
             daso.add_argument(flag, choices=DOWNCAST_TYPES, default=None, help=help_text)
         else:
             daso.add_argument(flag, type=type(field.default), default=None, help=help_text)
+
+
+def _seconds_or_auto(text: str) -> float | str:
+    return text if text == "auto" else float(text)
 
 
 def daso_settings(args: argparse.Namespace) -> dict[str, Any]:

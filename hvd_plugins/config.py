@@ -13,7 +13,7 @@ from typing import Any
 
 from hvd_plugins.comm.compression import compressor_by_name
 from hvd_plugins.daso.config import DasoConfig
-from hvd_plugins.faults import validate_stall_timeout
+from hvd_plugins.faults import DEFAULT_STALL_TIMEOUT_SECONDS, validate_stall_timeout
 
 SYNC_MODES = ("allreduce", "hierarchical", "daso")
 """``allreduce``: flat; ``hierarchical``: inside the node, then across nodes; ``daso``: see DasoConfig."""
@@ -53,7 +53,7 @@ class HorovodConfig:
     """Average floating buffers over all workers at the end of every training epoch."""
     bucket_mb: float = 32.0
     """Gradient bucket size of the hierarchical allreduce, in MiB."""
-    stall_timeout_seconds: int | None = None
+    stall_timeout_seconds: int | None = DEFAULT_STALL_TIMEOUT_SECONDS
     """Longest wait in one collective before the worker ends the job; None waits forever."""
     check_finite_gradients: bool = False
     """Stop every rank at the first step whose gradients hold NaN/Inf."""
@@ -99,9 +99,11 @@ class HorovodConfig:
 
     @staticmethod
     def build(
-        daso: DasoConfig | dict[str, Any] | None = None, stall_timeout_seconds: float | None = None, **settings: Any
+        daso: DasoConfig | dict[str, Any] | None = None,
+        stall_timeout_seconds: float | str | None = "auto",
+        **settings: Any,
     ) -> HorovodConfig:
-        """Build from the strategy's keyword arguments: a dict of DASO fields, seconds as any number."""
+        """Build from the strategy's keyword arguments: a dict of DASO fields, seconds as any number or "auto"."""
         return HorovodConfig(
             daso=None if daso is None else DasoConfig.from_any(daso),
             stall_timeout_seconds=validate_stall_timeout(stall_timeout_seconds),

@@ -34,14 +34,35 @@ HOROVOD_DEFAULT_STALL_CHECK_SECONDS = 60
 
 
 # ---------------------------------------------------------------------------- stalls
-def validate_stall_timeout(seconds: Any) -> int | None:
-    """Return the stall timeout as whole seconds (Horovod reads integers), or None to keep Horovod's default."""
+DEFAULT_STALL_TIMEOUT_SECONDS = 1800
+"""30 minutes, as torch.distributed's default: far above a checkpoint write or a slow first batch."""
+
+
+def validate_stall_timeout(seconds: Any, environ: Mapping[str, str] = os.environ) -> int | None:
+    """The stall timeout in whole seconds (Horovod reads integers), or None to wait forever.
+
+    ``"auto"`` (the strategy's default) takes horovodrun's ``--stall-check-shutdown-time-seconds``
+    (``HOROVOD_STALL_SHUTDOWN_TIME_SECONDS``) when it was given, waits forever under
+    ``--no-stall-check``, and is ``DEFAULT_STALL_TIMEOUT_SECONDS`` otherwise.
+    """
+    if seconds == "auto":
+        if environ.get(STALL_DISABLE_ENV, "0").strip() not in ("", "0"):
+            return None
+        from_launcher = environ.get(STALL_SHUTDOWN_ENV, "").strip()
+        if from_launcher in ("", "0"):
+            return DEFAULT_STALL_TIMEOUT_SECONDS
+        try:
+            return validate_stall_timeout(float(from_launcher))
+        except ValueError:
+            raise ValueError(
+                f"{STALL_SHUTDOWN_ENV}={from_launcher!r} must be a number of seconds >= 1 (or 0 for the default)"
+            ) from None
     if seconds is None:
         return None
     if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not math.isfinite(seconds) or seconds < 1:
         raise ValueError(
-            f"stall_timeout_seconds={seconds!r} must be a number of seconds >= 1, or None to keep Horovod's "
-            "default (warn about a stalled collective every 60 s, never stop)"
+            f"stall_timeout_seconds={seconds!r} must be a number of seconds >= 1, 'auto' (horovodrun's "
+            f"--stall-check-shutdown-time-seconds, else {DEFAULT_STALL_TIMEOUT_SECONDS} s) or None (wait forever)"
         )
     return math.ceil(seconds)
 
@@ -57,25 +78,19 @@ def stall_environment(timeout_seconds: int, environ: Mapping[str, str]) -> dict[
 
 
 def apply_stall_timeout(timeout_seconds: int | None, horovod_initialized: bool) -> None:
-    """Export the stall variables; Horovod reads them in ``hvd.init()``, so this must run before it."""
-    if timeout_seconds is None:
+    """Export the stall variables for Horovod's own stall inspector, which reads them in ``hvd.init()``.
+
+    When a script started Horovod itself, its inspector keeps the settings it started with; the
+    bound still holds, because ``CollectiveWatchdog`` enforces it in the package's own waits.
+    """
+    if timeout_seconds is None or horovod_initialized:
         return
     if os.environ.get(STALL_DISABLE_ENV, "0").strip() not in ("", "0"):
         raise ValueError(
             f"stall_timeout_seconds={timeout_seconds} cannot work while {STALL_DISABLE_ENV}="
             f"{os.environ[STALL_DISABLE_ENV]!r} switches Horovod's stall inspector off; unset one of them"
         )
-    wanted = stall_environment(timeout_seconds, os.environ)
-    missing = {name: value for name, value in wanted.items() if os.environ.get(name) != value}
-    if not missing:
-        return
-    if horovod_initialized:
-        settings = " ".join(f"{name}={value}" for name, value in wanted.items())
-        raise RuntimeError(
-            f"stall_timeout_seconds={timeout_seconds} must be set before hvd.init(), which already ran. "
-            f"Let the strategy call hvd.init(), or export {settings} before calling it."
-        )
-    os.environ.update(missing)
+    os.environ.update(stall_environment(timeout_seconds, os.environ))
 
 
 STALL_EXIT_CODE = 75

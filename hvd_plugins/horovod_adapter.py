@@ -9,7 +9,7 @@ need changes here only.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
@@ -27,16 +27,18 @@ NATIVE_HIERARCHICAL_ENV = "HOROVOD_HIERARCHICAL_ALLREDUCE"
 
 # ---------------------------------------------------------------------------- start-up
 def init_horovod(config: HorovodConfig) -> ModuleType:
-    """Start Horovod with what ``config`` needs (idempotent); refuse an earlier start that lacks it."""
+    """Start Horovod with what ``config`` needs (idempotent).
+
+    A script may have called ``hvd.init()`` itself before building the Trainer, as Horovod's own
+    docs do. When that start lacks the dynamic process sets a node-aware sync needs, Horovod is
+    shut down and started again with them: every rank builds the same Trainer at the same point,
+    so all of them restart together, and ranks and sizes stay what the launcher set.
+    """
     hvd = horovod_torch()
+    if hvd.is_initialized() and config.node_aware and os.environ.get(DYNAMIC_PROCESS_SETS_ENV) != "1":
+        hvd.shutdown()
     apply_stall_timeout(config.stall_timeout_seconds, horovod_initialized=hvd.is_initialized())
     if hvd.is_initialized():
-        if config.node_aware and os.environ.get(DYNAMIC_PROCESS_SETS_ENV) != "1":
-            raise RuntimeError(
-                f"sync={config.sync!r} needs Horovod's dynamic process sets, but hvd.init() was already "
-                f"called without them. Let the strategy call hvd.init(), or set {DYNAMIC_PROCESS_SETS_ENV}=1 "
-                "before calling it."
-            )
         return hvd
     if config.node_aware:
         os.environ[DYNAMIC_PROCESS_SETS_ENV] = "1"
@@ -110,10 +112,30 @@ def drop_gradient_hooks(optimizer: Optimizer) -> None:
 
 
 def pin_zero_grad(lightning_optimizers: Iterable[Any]) -> None:
-    """Make each LightningOptimizer's ``zero_grad`` the one of the Horovod optimizer it wraps.
+    """Give each LightningOptimizer a ``zero_grad`` that works as it does under DDP.
 
-    Horovod's ``zero_grad`` calls ``super(self.__class__, self)``; on a LightningOptimizer (which
-    subclasses the wrapped class) that recurses forever.
+    Horovod's own ``zero_grad`` calls ``super(self.__class__, self)``, which recurses forever on a
+    LightningOptimizer (it subclasses the wrapped class), so each gets a function bound to the
+    optimizer it wraps instead.
     """
     for lightning_optimizer in lightning_optimizers:
-        lightning_optimizer.zero_grad = lightning_optimizer._optimizer.zero_grad
+        lightning_optimizer.zero_grad = _zero_grad_completing_allreduces(lightning_optimizer._optimizer)
+
+
+def _zero_grad_completing_allreduces(optimizer: Optimizer) -> Callable[..., None]:
+    """``zero_grad`` that first completes allreduces a backward started for this optimizer.
+
+    In a GAN step written the DDP way (no ``toggle_optimizer``), the generator's backward also
+    produces discriminator gradients, whose hooks start allreduces; Horovod's ``zero_grad`` then
+    refuses to run. Every rank ran the same backward, so every rank waits for the same
+    allreduces here, and the gradients are then dropped, as DDP drops them.
+    """
+    if not hasattr(optimizer, "_handles"):  # not a DistributedOptimizer (node-aware syncs wrap nothing)
+        return optimizer.zero_grad
+
+    def zero_grad(set_to_none: bool = True) -> None:
+        if optimizer._handles:
+            optimizer.synchronize()
+        super(type(optimizer), optimizer).zero_grad(set_to_none=set_to_none)
+
+    return zero_grad

@@ -79,7 +79,8 @@ class HorovodStrategy(ParallelStrategy):
         sync_batchnorm: use ``HorovodSyncBatchNorm`` (CPU and GPU); ``Trainer(sync_batchnorm=True)`` too.
         average_buffers: average floating buffers over all workers at every training epoch's end.
         bucket_mb: gradient bucket size of the hierarchical allreduce.
-        stall_timeout_seconds: a worker waiting this long in one collective ends the job (exit 75);
+        stall_timeout_seconds: a worker waiting this long in a gradient allreduce or barrier ends the job
+            (exit 75). ``"auto"``: horovodrun's ``--stall-check-shutdown-time-seconds`` if given, else 1800;
             ``None`` waits forever. Must exceed the longest legitimate wait (e.g. a checkpoint write).
         check_finite_gradients: stop every rank with ``NonFiniteGradientError`` at the first NaN/Inf
             gradient (one small allreduce per step; not with a GradScaler).
@@ -103,7 +104,7 @@ class HorovodStrategy(ParallelStrategy):
         sync_batchnorm: bool = False,
         average_buffers: bool = True,
         bucket_mb: float = 32.0,
-        stall_timeout_seconds: float | None = None,
+        stall_timeout_seconds: float | str | None = "auto",
         check_finite_gradients: bool = False,
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,

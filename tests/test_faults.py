@@ -11,6 +11,7 @@ import torch
 from hvd_launch import TWO_NODES, JobResult, run_job
 
 from hvd_plugins.faults import (
+    DEFAULT_STALL_TIMEOUT_SECONDS,
     STALL_CHECK_ENV,
     STALL_SHUTDOWN_ENV,
     optimizer_fingerprint,
@@ -100,6 +101,25 @@ def test_a_rank_that_skips_a_collective_ends_the_job_after_the_stall_timeout(tmp
     assert "hvd_plugins: rank 0 of 2" in job.output and "stall_timeout_seconds=5" in job.output
     assert "Process 0 exit with status code 75" in job.output
     assert_no_worker_survives(tmp_path, 2)
+
+
+@pytest.mark.multiprocess
+def test_by_default_a_stalled_rank_ends_the_job_after_horovodruns_stall_shutdown_time(tmp_path: Path) -> None:
+    """No stall_timeout_seconds given: the default honours what horovodrun's
+    --stall-check-shutdown-time-seconds exports to every worker, instead of waiting forever."""
+    env = {"HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": "5"}
+    job = run_job("faults_crash.py", "--case", "stall", out_dir=tmp_path, timeout=240, env=env)
+    assert_failed(job)
+    assert "stall_timeout_seconds=5" in job.output and "Process 0 exit with status code 75" in job.output
+    assert_no_worker_survives(tmp_path, 2)
+
+
+def test_the_default_stall_timeout_is_bounded_and_follows_horovodrun() -> None:
+    assert validate_stall_timeout("auto", {}) == DEFAULT_STALL_TIMEOUT_SECONDS == 1800
+    assert validate_stall_timeout("auto", {STALL_SHUTDOWN_ENV: "120"}) == 120
+    assert validate_stall_timeout("auto", {"HOROVOD_STALL_CHECK_DISABLE": "1"}) is None  # --no-stall-check
+    with pytest.raises(ValueError, match="HOROVOD_STALL_SHUTDOWN_TIME_SECONDS='soon'"):
+        validate_stall_timeout("auto", {STALL_SHUTDOWN_ENV: "soon"})
 
 
 # ---------------------------------------------------------------------------- checkpoints

@@ -86,6 +86,13 @@ def test_manual_optimization_with_two_optimizers(features: dict[int, dict]) -> N
         assert result["allreduce_calls"] == 2 * 4 * result["parameter_tensors"]
 
 
+def test_ddp_style_gan_loop_without_toggle_optimizer_trains_like_the_toggled_one(features: dict[int, dict]) -> None:
+    for result in both(features, "manual_gan_ddp_style"):
+        assert result["ranks_identical"]
+        assert result["steps"] == 2 * 2 * 4
+        assert result["max_diff_vs_toggled"] < 1e-12
+
+
 def test_bf16_mixed_precision_trains_identically_on_all_ranks(features: dict[int, dict]) -> None:
     for result in both(features, "bf16_mixed"):
         assert result["ranks_identical"]

@@ -2,7 +2,8 @@
 
 ``--case raise``: the victim raises. ``--case kill``: the victim SIGKILLs itself. ``--case stall``:
 the victim stays alive but never joins the step's gradient allreduce (it sleeps).
-``--stall-timeout T`` is passed to ``HorovodStrategy(stall_timeout_seconds=T)``.
+``--stall-timeout T`` is passed to ``HorovodStrategy(stall_timeout_seconds=T)``; without it the
+strategy keeps its default ("auto").
 """
 
 from __future__ import annotations
@@ -39,7 +40,8 @@ def inject(module: Net, batch_idx: int) -> None:
     return None
 
 
-strategy = HorovodStrategy(stall_timeout_seconds=ARGS.stall_timeout)
+timeout = {} if ARGS.stall_timeout is None else {"stall_timeout_seconds": ARGS.stall_timeout}
+strategy = HorovodStrategy(**timeout)
 fit = trainer(strategy, epochs=3)
 record_pid(OUT, hvd.rank())
 fit.fit(Net(on_step=inject), loader(n=512))

@@ -301,50 +301,59 @@ def check_loops() -> dict[str, Any]:
     }
 
 
-def check_manual_gan() -> dict[str, Any]:
-    """Manual optimization with two optimizers over one model (GAN-style)."""
+class Gan(pl.LightningModule):
+    """Manual optimization with two optimizers over one model; ``toggle=False`` is the plain DDP-style loop."""
 
-    class Gan(pl.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            torch.manual_seed(4)
-            self.automatic_optimization = False
-            self.generator = nn.Sequential(nn.Linear(3, 8), nn.Tanh(), nn.Linear(8, N_FEATURES))
-            self.discriminator = nn.Sequential(nn.Linear(N_FEATURES, 8), nn.Tanh(), nn.Linear(8, 1))
+    def __init__(self, toggle: bool) -> None:
+        super().__init__()
+        torch.manual_seed(4)
+        self.toggle = toggle
+        self.automatic_optimization = False
+        self.generator = nn.Sequential(nn.Linear(3, 8), nn.Tanh(), nn.Linear(8, N_FEATURES))
+        self.discriminator = nn.Sequential(nn.Linear(N_FEATURES, 8), nn.Tanh(), nn.Linear(8, 1))
 
-        def training_step(self, batch: Any, batch_idx: int) -> None:
-            real = batch[0]
-            opt_g, opt_d = self.optimizers()
-            noise = torch.randn(len(real), 3, dtype=real.dtype, generator=torch.Generator().manual_seed(batch_idx))
-            ones, zeros = torch.ones(len(real), 1, dtype=real.dtype), torch.zeros(len(real), 1, dtype=real.dtype)
-            bce = nn.functional.binary_cross_entropy_with_logits
-
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        real = batch[0]
+        opt_g, opt_d = self.optimizers()
+        noise = torch.randn(len(real), 3, dtype=real.dtype, generator=torch.Generator().manual_seed(batch_idx))
+        ones, zeros = torch.ones(len(real), 1, dtype=real.dtype), torch.zeros(len(real), 1, dtype=real.dtype)
+        bce = nn.functional.binary_cross_entropy_with_logits
+        if self.toggle:
             self.toggle_optimizer(opt_g)
-            g_loss = bce(self.discriminator(self.generator(noise)), ones)
-            self.manual_backward(g_loss)
-            opt_g.step()
-            opt_g.zero_grad()
+        opt_g.zero_grad()
+        g_loss = bce(self.discriminator(self.generator(noise)), ones)  # also produces discriminator gradients
+        self.manual_backward(g_loss)
+        opt_g.step()
+        if self.toggle:
             self.untoggle_optimizer(opt_g)
-
             self.toggle_optimizer(opt_d)
-            fake = self.generator(noise).detach()
-            d_loss = (bce(self.discriminator(real), ones) + bce(self.discriminator(fake), zeros)) / 2
-            self.manual_backward(d_loss)
-            opt_d.step()
-            opt_d.zero_grad()
+        opt_d.zero_grad()  # drops the discriminator gradients of the generator's backward
+        fake = self.generator(noise).detach()
+        d_loss = (bce(self.discriminator(real), ones) + bce(self.discriminator(fake), zeros)) / 2
+        self.manual_backward(d_loss)
+        opt_d.step()
+        if self.toggle:
             self.untoggle_optimizer(opt_d)
-            self.log_dict({"g_loss": g_loss, "d_loss": d_loss}, sync_dist=True)
+        self.log_dict({"g_loss": g_loss, "d_loss": d_loss}, sync_dist=True)
 
-        def configure_optimizers(self) -> Any:
-            return (
-                torch.optim.Adam(self.generator.parameters(), lr=1e-3),
-                torch.optim.Adam(self.discriminator.parameters(), lr=1e-3),
-            )
+    def configure_optimizers(self) -> Any:
+        return (
+            torch.optim.Adam(self.generator.parameters(), lr=1e-3),
+            torch.optim.Adam(self.discriminator.parameters(), lr=1e-3),
+        )
 
+
+def fit_gan(toggle: bool) -> tuple[Gan, pl.Trainer]:
     x, _ = make_data(64)
-    model = Gan()
+    model = Gan(toggle)
     t = trainer(max_epochs=2)
     t.fit(model, DataLoader(TensorDataset(x), batch_size=8))
+    return model, t
+
+
+def check_manual_gan() -> dict[str, Any]:
+    """GAN-style manual optimization with toggle_optimizer, as Lightning recommends."""
+    model, t = fit_gan(toggle=True)
     counters = t.strategy.comm_counters
     return {
         "ranks_identical": all_equal(digest(model)),
@@ -352,6 +361,14 @@ def check_manual_gan() -> dict[str, Any]:
         "allreduce_calls": counters.node_local_calls + counters.cross_node_calls,
         "parameter_tensors": len(list(model.parameters())),
     }
+
+
+def check_manual_gan_ddp_style() -> dict[str, Any]:
+    """The same GAN written the DDP way (no toggle_optimizer) trains to the same parameters."""
+    toggled, _ = fit_gan(toggle=True)
+    plain, t = fit_gan(toggle=False)
+    difference = max(float((a - b).abs().max()) for a, b in zip(toggled.parameters(), plain.parameters(), strict=True))
+    return {"ranks_identical": all_equal(digest(plain)), "steps": t.global_step, "max_diff_vs_toggled": difference}
 
 
 def check_bf16_mixed() -> dict[str, Any]:
@@ -611,6 +628,7 @@ if __name__ == "__main__":
         "metrics": check_metrics,
         "loops": check_loops,
         "manual_gan": check_manual_gan,
+        "manual_gan_ddp_style": check_manual_gan_ddp_style,
         "bf16_mixed": check_bf16_mixed,
         "sync_batchnorm": check_sync_batchnorm,
         "checkpoint_resume": check_checkpoint_resume,
