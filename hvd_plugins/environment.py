@@ -9,8 +9,17 @@ from typing_extensions import override
 
 from hvd_plugins._horovod import horovod_torch
 
-# Variables that horovodrun sets for every worker (Gloo launch) or that MPI launchers set.
+# Variables that horovodrun sets for every worker (Gloo launch) or that MPI launchers set: the global rank.
 _LAUNCH_VARIABLES = ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK")
+
+
+def launcher_rank() -> int | None:
+    """The global rank the launcher gave this process, known before Horovod starts; None without a launcher."""
+    for name in _LAUNCH_VARIABLES:
+        value = os.environ.get(name, "")
+        if value.isdigit():
+            return int(value)
+    return None
 
 
 class HorovodEnvironment(ClusterEnvironment):

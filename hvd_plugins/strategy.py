@@ -21,7 +21,6 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.strategies.strategy import TBroadcast
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from torch import Tensor
 from torch.nn import Module
 from torch.optim import Optimizer
@@ -37,6 +36,7 @@ from hvd_plugins.comm.topology import NodeGroups, Topology, build_node_groups, d
 from hvd_plugins.comm.wire import GATHER, for_wire, from_wire, horovod_op, reduce_op_name
 from hvd_plugins.config import HorovodConfig
 from hvd_plugins.config_check import assert_ranks_agree
+from hvd_plugins.console import follow_rank, progress_bar_given_to_trainer, use_line_progress_bar
 from hvd_plugins.daso.config import DasoConfig
 from hvd_plugins.daso.sync import DasoSync
 from hvd_plugins.environment import HorovodEnvironment
@@ -144,6 +144,7 @@ class HorovodStrategy(ParallelStrategy):
         self._watchdog: CollectiveWatchdog | None = None
         self._backward_passes = 1
         self._restored_daso_schedule: dict[str, Any] | None = None
+        self._progress_bar_given: bool | None = None
 
     @property
     @override
@@ -194,7 +195,8 @@ class HorovodStrategy(ParallelStrategy):
     def set_world_ranks(self) -> None:
         """Called when the Trainer is built: start Horovod so rank-zero-only output works at once."""
         horovod_adapter.init_horovod(self.config)
-        rank_zero_only.rank = self.global_rank
+        follow_rank(self.global_rank)
+        self._progress_bar_given = progress_bar_given_to_trainer()  # before Lightning adds its default bar
 
     @override
     def setup_environment(self) -> None:
@@ -211,6 +213,8 @@ class HorovodStrategy(ParallelStrategy):
         if on_gpu:
             horovod_adapter.require_gpu_for_local_rank(self.local_rank, torch.cuda.device_count(), local_size)
             torch.cuda.set_device(self.root_device)
+        if self.lightning_module is not None:  # before callbacks' setup, so a swapped-in bar is set up too
+            use_line_progress_bar(self.lightning_module.trainer, self._progress_bar_given, self.world_size)
         super().setup_environment()
 
     # ------------------------------------------------------------------ setup

@@ -1,8 +1,9 @@
-"""Callbacks that show what a distributed run is doing (rank 0 prints, every rank measures)."""
+"""Callbacks that show what a distributed run is doing (rank 0 prints, every rank measures), and its progress."""
 
 from hvd_plugins.callbacks.comm_stats import CommunicationMonitor, EpochTraffic
 from hvd_plugins.callbacks.daso import DasoScheduleCallback
 from hvd_plugins.callbacks.memory import MemorySnapshot, PeakMemoryMonitor, peak_memory_mb
+from hvd_plugins.callbacks.progress import LineProgressBar
 from hvd_plugins.callbacks.timeline import HorovodTimeline
 
 __all__ = [
@@ -10,6 +11,7 @@ __all__ = [
     "DasoScheduleCallback",
     "EpochTraffic",
     "HorovodTimeline",
+    "LineProgressBar",
     "MemorySnapshot",
     "PeakMemoryMonitor",
     "peak_memory_mb",
