@@ -1,8 +1,13 @@
-"""Cluster environment read from Horovod: ranks and sizes come from ``hvd``, never guessed."""
+"""Cluster environment read from Horovod: ranks and sizes come from ``hvd``, never guessed.
+
+The one exception is a plain process that will start its workers itself (``launch_size``): until
+it has started them and Horovod, it answers as rank 0 of the job it is about to launch.
+"""
 
 from __future__ import annotations
 
 import os
+from types import ModuleType
 
 from lightning.fabric.plugins.environments import ClusterEnvironment
 from typing_extensions import override
@@ -25,10 +30,20 @@ def launcher_rank() -> int | None:
 class HorovodEnvironment(ClusterEnvironment):
     """Rank and size queries answered by an initialised Horovod."""
 
+    def __init__(self) -> None:
+        super().__init__()
+        self.launch_size = 0
+        """Workers this process starts itself (``python train.py`` with ``devices=N``); 0 under a launcher."""
+
     @property
     @override
     def creates_processes_externally(self) -> bool:
-        return True  # horovodrun (or mpirun) starts every worker
+        return self.launch_size == 0  # horovodrun (or mpirun) starts every worker, unless this process does
+
+    def _started(self) -> ModuleType | None:
+        """Horovod, or None while this process has yet to start the workers of its own launch."""
+        hvd = horovod_torch()
+        return None if self.launch_size and not hvd.is_initialized() else hvd
 
     @property
     @override
@@ -48,7 +63,8 @@ class HorovodEnvironment(ClusterEnvironment):
 
     @override
     def world_size(self) -> int:
-        return horovod_torch().size()
+        hvd = self._started()
+        return self.launch_size if hvd is None else hvd.size()
 
     @override
     def set_world_size(self, size: int) -> None:
@@ -56,7 +72,8 @@ class HorovodEnvironment(ClusterEnvironment):
 
     @override
     def global_rank(self) -> int:
-        return horovod_torch().rank()
+        hvd = self._started()
+        return 0 if hvd is None else hvd.rank()
 
     @override
     def set_global_rank(self, rank: int) -> None:
@@ -64,17 +81,21 @@ class HorovodEnvironment(ClusterEnvironment):
 
     @override
     def local_rank(self) -> int:
-        return horovod_torch().local_rank()
+        hvd = self._started()
+        return 0 if hvd is None else hvd.local_rank()
 
     @override
     def node_rank(self) -> int:
-        return horovod_torch().cross_rank()
+        hvd = self._started()
+        return 0 if hvd is None else hvd.cross_rank()
 
     def local_size(self) -> int:
-        return horovod_torch().local_size()
+        hvd = self._started()
+        return self.launch_size if hvd is None else hvd.local_size()
 
     def num_nodes(self) -> int:
-        return horovod_torch().cross_size()
+        hvd = self._started()
+        return 1 if hvd is None else hvd.cross_size()
 
     @override
     def validate_settings(self, num_devices: int, num_nodes: int) -> None:

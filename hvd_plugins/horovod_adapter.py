@@ -94,6 +94,19 @@ def require_gpu_for_local_rank(local_rank: int, gpus_on_node: int, workers_on_no
         )
 
 
+# ---------------------------------------------------------------------------- rendezvous server internals
+def rendezvous_arrivals(server: Any) -> set[int]:
+    """Ranks that have reached ``hvd.init()`` and put their address into a Gloo ``RendezvousServer``.
+
+    Each rank's Gloo context writes the keys ``<rank>`` and ``rank_<rank>`` in the ``global``
+    scope of the server's key-value cache; the scope is cleared only once every rank has connected.
+    """
+    httpd = server._httpd
+    with httpd.cache_lock:
+        keys = list(httpd.cache.get("global", {}))
+    return {int(key.removeprefix("rank_")) for key in keys if key.removeprefix("rank_").isdigit()}
+
+
 # ---------------------------------------------------------------------------- DistributedOptimizer internals
 def set_backward_passes(optimizer: Optimizer, passes: int) -> None:
     """Change how many backward passes a DistributedOptimizer accumulates before it allreduces.

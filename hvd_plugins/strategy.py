@@ -2,13 +2,15 @@
 
 It wires algorithms from ``comm``, ``daso`` and ``epoch_end`` into Lightning's hooks; it does not
 implement them. Settings live in ``HorovodConfig``, Horovod's start-up and internals in
-``horovod_adapter``. Launch with ``horovodrun -np N python train.py`` or run as one plain process.
+``horovod_adapter``. Launch with ``horovodrun -np N python train.py``, or run ``python train.py``: with
+``devices=N`` it starts its N workers itself (``launcher.py``), with one device it is one process.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -48,6 +50,7 @@ from hvd_plugins.faults import (
     report_failure,
     require_no_grad_scaler,
 )
+from hvd_plugins.launcher import HorovodScriptLauncher, local_launch_size
 from hvd_plugins.loop_events import TrainingLoopEvents
 from hvd_plugins.metrics_sync import attach_horovod_metric_sync
 from hvd_plugins.sync_batchnorm import convert_sync_batchnorm
@@ -193,10 +196,27 @@ class HorovodStrategy(ParallelStrategy):
         self.model.to(self.root_device)
 
     def set_world_ranks(self) -> None:
-        """Called when the Trainer is built: start Horovod so rank-zero-only output works at once."""
-        horovod_adapter.init_horovod(self.config)
+        """Called when the Trainer is built: start Horovod so rank-zero-only output works at once.
+
+        A plain process given several devices is rank 0 of the workers it will start; its launcher
+        starts Horovod once they run.
+        """
+        environment = self._horovod_environment()
+        environment.launch_size = local_launch_size(self.parallel_devices or [], self.num_nodes)
+        if not environment.launch_size:
+            horovod_adapter.init_horovod(self.config)
         follow_rank(self.global_rank)
         self._progress_bar_given = progress_bar_given_to_trainer()  # before Lightning adds its default bar
+
+    @override
+    def _configure_launcher(self) -> None:
+        size = self._horovod_environment().launch_size
+        start_horovod = partial(horovod_adapter.init_horovod, self.config)
+        self._launcher = HorovodScriptLauncher(size, start_horovod) if size else None
+
+    def _horovod_environment(self) -> HorovodEnvironment:
+        assert isinstance(self.cluster_environment, HorovodEnvironment)
+        return self.cluster_environment
 
     @override
     def setup_environment(self) -> None:

@@ -3,9 +3,11 @@
 The snippets run in one plain python process (tests/workers/readme_snippets.py), in order, each
 from a fresh start unless its first line is ``# continues the example above ...``, in which case
 it runs in the namespace of the snippet before it. A snippet whose first line is
-``# needs horovodrun ...`` or ``# needs a GPU ...`` is only compiled: one process without a
-launcher or a GPU cannot show what it claims. Today no snippet needs that: every one runs as one
-process (a job of one worker), which is what ``python train.py`` gives a user.
+``# needs horovodrun ...``, ``# needs a GPU ...`` or ``# needs its own script ...`` is only
+compiled here: one process without a launcher or a GPU cannot show what it claims, and a script
+that starts its workers by running itself again cannot be run by this runner. Every other snippet
+runs as one process (a job of one worker), which is what ``python train.py`` gives a user; the
+``# needs its own script`` snippet runs as ``train.py`` in tests/test_launcher.py.
 """
 
 from __future__ import annotations
@@ -51,7 +53,7 @@ class Snippet:
 
     @property
     def runs(self) -> bool:
-        return re.match(r"# needs (horovodrun|a GPU)", self.first_line) is None
+        return re.match(r"# needs (horovodrun|a GPU|its own script)", self.first_line) is None
 
     @property
     def fits(self) -> bool:

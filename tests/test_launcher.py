@@ -1,0 +1,126 @@
+"""``python train.py`` with ``Trainer(devices=N)`` starts its workers itself, and matches horovodrun."""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import horovod.torch as hvd
+import pytest
+import torch
+from hvd_launch import run_job, run_single
+from lightning.pytorch import Trainer
+from test_readme import SNIPPETS
+
+from hvd_plugins import HorovodEnvironment, HorovodStrategy
+from hvd_plugins.launcher import HorovodScriptLauncher, local_launch_size
+from hvd_plugins.testing.launch import run_bounded
+
+
+def _running(pid: int) -> bool:
+    """True while ``pid`` exists and is not a zombie (a killed worker waits to be reaped by init)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state != "Z"
+
+
+def _worker_pids(out: Path) -> list[int]:
+    return [int(path.read_text()) for path in sorted(out.glob("pid*.txt"))]
+
+
+def _all_gone(pids: list[int], within: float = 10.0) -> bool:
+    """The processes end within ``within`` seconds (a killed process needs a moment to finish exiting)."""
+    deadline = time.monotonic() + within
+    while any(_running(pid) for pid in pids):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+    return True
+
+
+# ---------------------------------------------------------------------- in this process: no workers started
+plain_process = pytest.mark.skipif(
+    HorovodEnvironment.detect() or hvd.is_initialized(), reason="needs a plain process without Horovod running"
+)
+
+
+@plain_process
+def test_a_plain_trainer_with_two_devices_plans_two_workers_and_starts_nothing_until_fit() -> None:
+    trainer = Trainer(strategy=HorovodStrategy(), accelerator="cpu", devices=2, logger=False)
+    strategy = trainer.strategy
+    assert isinstance(strategy.launcher, HorovodScriptLauncher) and strategy.launcher.size == 2
+    assert strategy.cluster_environment is not None
+    assert not strategy.cluster_environment.creates_processes_externally  # so Lightning uses the launcher
+    assert (trainer.world_size, trainer.global_rank, trainer.local_rank, trainer.node_rank) == (2, 0, 0, 0)
+    assert not hvd.is_initialized()  # Horovod starts in the launcher, once the workers run
+    with pytest.raises(ValueError, match="needs horovodrun"):
+        Trainer(strategy=HorovodStrategy(), accelerator="cpu", devices=2, num_nodes=2, logger=False)
+
+
+@plain_process
+def test_what_a_plain_process_launches() -> None:
+    cpu = torch.device("cpu")
+    assert local_launch_size([cpu], num_nodes=1) == 0  # one device: one process, no launcher
+    assert local_launch_size([cpu] * 4, num_nodes=1) == 4
+    with pytest.raises(ValueError, match="CUDA_VISIBLE_DEVICES"):
+        local_launch_size([torch.device("cuda", 1), torch.device("cuda", 3)], num_nodes=1)
+
+
+# ---------------------------------------------------------------------- real jobs
+@pytest.mark.multiprocess
+def test_plain_python_with_two_devices_runs_two_workers_that_match_horovodrun(tmp_path: Path) -> None:
+    plain = run_single("self_launch.py", out_dir=tmp_path / "plain", timeout=300)
+    assert plain.returncode == 0, plain.output[-6000:]
+    assert sorted(plain.results) == [0, 1], plain.output[-6000:]
+    rank0, rank1 = plain.results[0], plain.results[1]
+    for rank, result in plain.results.items():
+        assert result["rank"] == rank
+        assert result["world_size"] == result["horovod_size"] == result["local_size"] == 2
+        assert result["global_step"] == 12  # 64 samples / 2 ranks / batches of 8, 3 epochs
+    assert rank1["parent_pid"] == rank0["pid"]  # rank 1 was started by the process we started
+    assert rank0["parameters"] == rank1["parameters"]
+    assert rank0["parameters"] != rank0["initial"]  # it trained
+
+    launched = run_job("self_launch.py", np=2, out_dir=tmp_path / "horovodrun", timeout=300).check()
+    assert sorted(launched.results) == [0, 1]
+    for rank in (0, 1):
+        assert launched.results[rank]["world_size"] == 2
+        expected = torch.tensor([v for p in launched.results[rank]["parameters"] for v in p])
+        got = torch.tensor([v for p in plain.results[rank]["parameters"] for v in p])
+        assert torch.allclose(got, expected, rtol=0, atol=1e-6), (got, expected)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("rank_0", ["waits_in_a_collective", "sleeps"])
+def test_a_failing_worker_ends_a_plain_python_launch_naming_its_rank(tmp_path: Path, rank_0: str) -> None:
+    # a sleeping rank 0 learns of the failure from no collective: the launcher must end it
+    sleep = ["--others-sleep"] if rank_0 == "sleeps" else []
+    job = run_single("self_launch.py", "--fail-rank", "1", *sleep, out_dir=tmp_path, timeout=240)
+    assert job.returncode == 1, job.output[-6000:]
+    assert "hvd_plugins: worker rank 1 (pid" in job.output and "exited with status 1" in job.output, job.output[-6000:]
+    assert job.seconds < 120
+    assert job.results == {}  # no rank finished training
+    assert len(_worker_pids(tmp_path)) == 2 and _all_gone(_worker_pids(tmp_path))
+
+
+@pytest.mark.multiprocess
+def test_killing_rank_0_takes_its_workers_with_it(tmp_path: Path) -> None:
+    # rank 1 sleeps for 600 s outside any collective: without the parent-death signal it would outlive
+    # rank 0 and keep the job's output open, and run_single would fail on its timeout
+    job = run_single("self_launch.py", "--kill-rank", "0", "--others-sleep", out_dir=tmp_path, timeout=180)
+    assert job.returncode == -9, job.output[-6000:]
+    pids = _worker_pids(tmp_path)
+    assert len(pids) == 2 and _all_gone(pids), job.output[-6000:]
+
+
+@pytest.mark.multiprocess
+def test_the_readme_script_runs_two_workers_with_plain_python(tmp_path: Path) -> None:
+    (snippet,) = [s for s in SNIPPETS if s.first_line.startswith("# needs its own script")]
+    script = tmp_path / "train.py"
+    script.write_text(snippet.source)
+    job = run_bounded([sys.executable, str(script)], 300, cwd=tmp_path, drop_launcher_env=True)
+    assert job.returncode == 0, job.output[-6000:]
+    assert "rank 0 of 2 done" in job.output and "rank 1 of 2 done" in job.output, job.output[-6000:]
