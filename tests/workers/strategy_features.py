@@ -106,31 +106,18 @@ class WithBatchNorm(Regression):
         return self.layer(self.norm(x))
 
 
-class HiddenBatchNorm(pl.LightningModule):
+class HiddenBatchNorm(Regression):
     """BatchNorm after a trainable layer, so backward flows through the synchronized statistics."""
 
     def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(1)
+        super().__init__(lr=0.05)
         self.hidden = nn.Linear(N_FEATURES, 8)
         self.norm = nn.BatchNorm1d(8)
         self.head = nn.Linear(8, 1)
+        del self.layer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(torch.tanh(self.norm(self.hidden(x))))
-
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        x, y = batch
-        loss = nn.functional.mse_loss(self(x), y)
-        self.log("train_loss", loss, sync_dist=True)
-        return loss
-
-    def validation_step(self, batch: Any, batch_idx: int) -> None:
-        x, y = batch
-        self.log("val_loss", nn.functional.mse_loss(self(x), y), sync_dist=True)
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.SGD(self.parameters(), lr=0.05)
 
 
 def floating_buffers(module: nn.Module) -> torch.Tensor:
