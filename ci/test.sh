@@ -6,4 +6,4 @@ cd "$ROOT"
 # shellcheck disable=SC1091
 source ci/setup_env.sh
 ruff check hvd_plugins tests examples benchmarks setup.py
-python -m pytest -q -p no:cacheprovider --timeout=900 "$@"
+python -m pytest -q -p no:cacheprovider --timeout=900 --durations=15 "$@"
