@@ -77,8 +77,6 @@ class HorovodConfig:
             )
         if self.op == "adasum" and self.sync != "allreduce":
             raise ValueError(f"op='adasum' works only with sync='allreduce', not sync={self.sync!r}")
-        if self.op not in ("average", "sum") and self.sync == "hierarchical":
-            raise ValueError(f"op={self.op!r} is not supported with sync='hierarchical'; choose 'average' or 'sum'")
         if self.compress_node_local and self.sync != "hierarchical":
             raise ValueError(f"compress_node_local=True works only with sync='hierarchical', not sync={self.sync!r}")
         if self.hierarchical_impl != "process_sets" and self.sync != "hierarchical":

@@ -373,11 +373,7 @@ class HorovodStrategy(ParallelStrategy):
     def load_checkpoint(self, checkpoint_path: _PATH, *args: Any, **kwargs: Any) -> dict[str, Any]:
         """Keep DASO's schedule for ``_setup_daso``: Lightning restores checkpoints before ``setup``."""
         checkpoint = super().load_checkpoint(checkpoint_path, *args, **kwargs)
-        schedule = checkpoint.get(CHECKPOINT_KEY, {}).get("daso_schedule")
-        if schedule is not None and self.daso_sync is not None:
-            self.daso_sync.schedule.load_state_dict(schedule)
-        else:
-            self._restored_daso_schedule = schedule
+        self._restored_daso_schedule = checkpoint.get(CHECKPOINT_KEY, {}).get("daso_schedule")
         return checkpoint
 
     @override
