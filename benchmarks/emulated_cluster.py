@@ -1,23 +1,34 @@
-"""Time to a target training loss on an emulated two-node cluster with a slow link between nodes.
+"""Should I turn DASO or the two-level allreduce on? Time to a target loss on an emulated cluster.
 
-Two nodes of two workers, each node in its own network namespace; the cross-node link is shaped
-to 200 Mbit/s (``tc ... tbf``) while workers inside a node talk over unshaped loopback. Horovod is
-launched across the namespaces without ssh (``horovod.runner.gloo_run.launch_gloo`` with an
-``exec_command`` that enters the node's namespace). For each sync mode and compression the same
-MLP is trained from the same seed for a fixed number of epochs; the script reports the wall time
-until the training loss (rank 0, mean of the last steps) first reaches the target, the final
-validation accuracy, and ratios against flat allreduce; it also plots loss against wall time.
+Each node is a network namespace; the link between nodes is shaped with ``tc ... tbf`` to a rate
+you choose (or left unshaped), while the workers inside a node talk over unshaped loopback.
+Horovod is launched across the namespaces without ssh (``horovod.runner.gloo_run.launch_gloo``
+with an ``exec_command`` that enters the node's namespace). Every run trains the same MLP from
+the same seed on the same data with the same global batch; the metric is the wall time until
+rank 0's training loss (mean of the last steps) first reaches a target, and its speedup over
+flat fp32 allreduce on the same link and topology.
 
-    sudo python benchmarks/emulated_cluster.py           # full run: table + docs/benchmarks/emulated_cluster.{txt,png}
-    sudo python benchmarks/emulated_cluster.py --smoke   # tiny: checks that the cluster and every mode work
+The target of a (model, topology) group comes from its reference run: flat fp32 allreduce on the
+first link of the list (unshaped in the sweep) trains every epoch, and the target is
+``BASELINE_MARGIN`` x its final loss. Every other run stops at the end of the epoch in which it
+reached the target, or once it has used its time budget, so slow links cost what they must and
+no more. Each run keeps per-step records (wall time, loss, DASO phase, the strategy's
+``comm_counters``) for ``scaling_model.py``.
 
-Needs root (namespaces, veth, bridge, tc); skips with a message where they cannot be made.
-Every run is bounded in time, and the namespaces, bridge and links are removed at the end.
+    python benchmarks/emulated_cluster.py --sweep    # the grid -> docs/benchmarks/emulated_sweep.{txt,json,csv,png}
+    python benchmarks/emulated_cluster.py --link-mbit 50 --topology 2x2 --model large --modes daso/fp16
+    python benchmarks/emulated_cluster.py --smoke    # tiny model, 2x1 and 2x2 at 50 Mbit/s: checks that it works
+
+Needs root (namespaces, veth, bridge, tc); exits with code 77 and a message where they cannot be
+made. Every run is bounded in time, and the namespaces, bridge and links are removed at the end,
+also after an error or Ctrl-C.
 """
 
 from __future__ import annotations
 
 import argparse
+import csv
+import json
 import os
 import shlex
 import signal
@@ -26,116 +37,253 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import asdict, dataclass
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
+import lightning.pytorch as pl
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
-from netns_cluster import ClusterUnavailable, NamespaceCluster  # noqa: E402
+from netns_cluster import ClusterUnavailable, NamespaceCluster, shaping_for  # noqa: E402
 
-MODES = (("allreduce", "none"), ("allreduce", "fp16"), ("hierarchical", "none"), ("hierarchical", "fp16"),
-         ("daso", "none"), ("daso", "fp16"))  # fmt: skip
-TARGET_SPEEDUP = 1.5
+MODES = ("allreduce/none", "allreduce/fp16", "hierarchical/none", "hierarchical/fp16", "daso/none", "daso/fp16")
+BASELINE = "allreduce/none"
+SWEEP_MODES = ("allreduce/none", "allreduce/fp16", "hierarchical/none", "daso/fp16")
 BASELINE_MARGIN = 1.10
-ACCURACY_TOLERANCE_POINTS = 1.0
+LOSS_WINDOW = 8
+STARTUP_ALLOWANCE_S = 120.0
+"""Added to a run's training budget for its hard limit: process start, imports, rendezvous, validation."""
 SKIP_EXIT_CODE = 77
+UNSHAPED = "unshaped"
 
 
+# ------------------------------------------------------------------------------------------ what runs
 @dataclass(frozen=True)
-class Setup:
+class Model:
+    """An MLP on a synthetic classification task; ``global_batch`` is split evenly over the workers."""
+
+    name: str
     features: int
     hidden: tuple[int, ...]
     classes: int
     train_samples: int
     val_samples: int
-    batch_size: int
-    epochs: int
+    global_batch: int
     lr: float
+    epochs: int
+
+    @property
+    def parameters(self) -> int:
+        widths = [self.features, *self.hidden, self.classes]
+        return sum(a * b + b for a, b in zip(widths, widths[1:], strict=False))
+
+
+MODELS = {
+    # 4.8 k parameters (19 KB): a step's few collective rounds cost more than its bytes, even at 50 Mbit/s.
+    "small": Model("small", features=64, hidden=(64,), classes=10, train_samples=2048, val_samples=1024,
+                   global_batch=128, lr=0.05, epochs=8),
+    # 0.8 M parameters (3.2 MB of fp32 gradients): at 50 Mbit/s a flat allreduce takes ~0.5-0.8 s, 20-40x
+    # the step's compute, so bytes on the slow link dominate.
+    "large": Model("large", features=256, hidden=(1024, 512), classes=10, train_samples=2048, val_samples=1024,
+                   global_batch=128, lr=0.02, epochs=8),
+}  # fmt: skip
+SMOKE_MODEL = Model("smoke", features=16, hidden=(32,), classes=3, train_samples=256, val_samples=64,
+                    global_batch=32, lr=0.05, epochs=3)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Topology:
+    """``nodes`` namespaces with ``workers_per_node`` Horovod workers each."""
+
+    nodes: int
+    workers_per_node: int
+
+    @property
+    def label(self) -> str:
+        return f"{self.nodes}x{self.workers_per_node}"
+
+    @property
+    def workers(self) -> int:
+        return self.nodes * self.workers_per_node
+
+    @staticmethod
+    def parse(text: str) -> Topology:
+        parts = text.lower().split("x")
+        if len(parts) != 2 or not all(part.isdigit() for part in parts) or int(parts[0]) < 2 or int(parts[1]) < 1:
+            raise ValueError(f"--topology {text!r} must be NODESxWORKERS with NODES >= 2, WORKERS >= 1 (e.g. 2x1, 2x2)")
+        return Topology(int(parts[0]), int(parts[1]))
+
+
+def parse_link(text: str) -> float | None:
+    """``"50"`` -> 50.0 Mbit/s; ``"unshaped"`` -> None."""
+    if text.strip().lower() == UNSHAPED:
+        return None
+    try:
+        rate = float(text)
+    except ValueError:
+        raise ValueError(f"--link-mbit {text!r} must be a rate in Mbit/s (e.g. 50) or {UNSHAPED!r}") from None
+    if not rate > 0:
+        raise ValueError(f"--link-mbit {text!r} must be > 0 Mbit/s or {UNSHAPED!r}")
+    return rate
+
+
+def link_label(link_mbit: float | None) -> str:
+    return UNSHAPED if link_mbit is None else f"{link_mbit:g}"
+
+
+@dataclass(frozen=True)
+class Run:
+    """One training job on the cluster: everything a worker needs, written to a file it reads."""
+
+    model: Model
+    topology: Topology
+    link_mbit: float | None
+    mode: str
+    epochs: int
+    daso_warmup: int
+    daso_cooldown: int
     target_loss: float
-    """Absolute target; 0 means: BASELINE_MARGIN x the loss flat allreduce ends with (see ``resolve_target``)."""
-    loss_window: int
-    run_timeout_s: float
+    """0: the reference run (trains every epoch and defines the target); else stop once reached."""
+    budget_s: float
+    """Training time after which the run stops at the end of its epoch, target reached or not."""
+    data_path: str
 
-    def as_args(self) -> list[str]:
-        return ["--setup", ",".join(f"{k}={v}" for k, v in asdict(self).items() if k != "hidden"),
-                "--hidden", ",".join(map(str, self.hidden))]  # fmt: skip
+    @property
+    def per_worker_batch(self) -> int:
+        return self.model.global_batch // self.topology.workers
 
-
-FULL = Setup(features=256, hidden=(1024, 512), classes=10, train_samples=4096, val_samples=2048, batch_size=64,
-             epochs=4, lr=0.02, target_loss=0.0, loss_window=8, run_timeout_s=300)  # fmt: skip
-SMOKE = Setup(features=16, hidden=(32,), classes=3, train_samples=256, val_samples=64, batch_size=16,
-              epochs=2, lr=0.05, target_loss=10.0, loss_window=2, run_timeout_s=120)  # fmt: skip
-
-
-def parse_setup(text: str, hidden: str) -> Setup:
-    values: dict[str, Any] = {}
-    for item in text.split(","):
-        key, value = item.split("=")
-        kind = Setup.__dataclass_fields__[key].type
-        values[key] = float(value) if kind == "float" else int(value)
-    return Setup(hidden=tuple(int(h) for h in hidden.split(",")), **values)
+    @staticmethod
+    def from_dict(values: dict[str, Any]) -> Run:
+        model = values["model"] | {"hidden": tuple(values["model"]["hidden"])}
+        return Run(**(values | {"model": Model(**model), "topology": Topology(**values["topology"])}))
 
 
 # ------------------------------------------------------------------------------------------ worker
-def _data(setup: Setup) -> tuple[torch.utils.data.TensorDataset, torch.utils.data.TensorDataset]:
-    """A learnable synthetic task with balanced classes (scikit-learn's make_classification, fixed seed)."""
+def make_data(model: Model, path: Path) -> None:
+    """Write a learnable synthetic task with balanced classes (scikit-learn's make_classification, fixed seed).
+
+    Made once by the driver and loaded by the workers, so no worker pays for importing scikit-learn.
+    """
     from sklearn.datasets import make_classification
 
     inputs, labels = make_classification(
-        n_samples=setup.train_samples + setup.val_samples,
-        n_features=setup.features,
-        n_informative=min(32, setup.features),
+        n_samples=model.train_samples + model.val_samples,
+        n_features=model.features,
+        n_informative=min(32, model.features),
         n_redundant=0,
-        n_classes=setup.classes,
+        n_classes=model.classes,
         n_clusters_per_class=2,
         class_sep=1.5,
         random_state=1234,
     )
-    inputs_t = torch.tensor(inputs, dtype=torch.float32)
-    labels_t = torch.tensor(labels, dtype=torch.int64)
-    cut = setup.train_samples
+    torch.save({"inputs": torch.tensor(inputs, dtype=torch.float32), "labels": torch.tensor(labels)}, path)
+
+
+def load_data(model: Model, path: Path) -> tuple[torch.utils.data.TensorDataset, torch.utils.data.TensorDataset]:
+    data = torch.load(path)
+    cut = model.train_samples
     return (
-        torch.utils.data.TensorDataset(inputs_t[:cut], labels_t[:cut]),
-        torch.utils.data.TensorDataset(inputs_t[cut:], labels_t[cut:]),
+        torch.utils.data.TensorDataset(data["inputs"][:cut], data["labels"][:cut]),
+        torch.utils.data.TensorDataset(data["inputs"][cut:], data["labels"][cut:]),
     )
 
 
-def worker_main(args: argparse.Namespace) -> None:
+COUNTER_FIELDS = ("cross_node_bytes", "cross_node_calls", "node_local_bytes", "node_local_calls", "wait_seconds")
 
+
+class StepRecorder(pl.Callback):
+    """Per training batch: end time since training start, loss, DASO phase and the cumulative comm counters."""
+
+    def __init__(self) -> None:
+        self.start = 0.0
+        self.times: list[float] = []
+        self.losses: list[float] = []
+        self.phases: list[str] = []
+        self.counters: list[list[float]] = []
+
+    def on_train_start(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
+        self.start = time.perf_counter()
+
+    def on_train_batch_end(self, trainer: pl.Trainer, module: pl.LightningModule, outputs: Any, *rest: Any) -> None:
+        self.times.append(time.perf_counter() - self.start)
+        self.losses.append(float(outputs["loss"]))
+        self.phases.append(_phase_of(trainer.strategy))
+        counters = getattr(trainer.strategy, "comm_counters", None)
+        self.counters.append([float(getattr(counters, name, 0.0)) for name in COUNTER_FIELDS])
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.start
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"times": self.times, "losses": self.losses, "phases": self.phases, "counters": self.counters,
+                "counter_fields": list(COUNTER_FIELDS)}  # fmt: skip
+
+
+def _phase_of(strategy: Any) -> str:
+    """``warmup`` / ``cycling`` / ``cooldown`` under DASO (read from its schedule), ``sync`` otherwise."""
+    schedule = getattr(getattr(strategy, "daso_sync", None), "schedule", None)
+    phase = getattr(schedule, "phase", None)
+    return str(getattr(phase, "value", phase)) if phase is not None else "sync"
+
+
+class StopAtTarget(pl.Callback):
+    """Stop at the end of the epoch in which rank 0 reached the target, or once the time budget is used.
+
+    Rank 0 decides and broadcasts, so every worker stops after the same epoch (a worker that
+    stopped alone would leave the others waiting in a collective).
+    """
+
+    def __init__(self, recorder: StepRecorder, target_loss: float, budget_s: float) -> None:
+        self.recorder, self.target_loss, self.budget_s = recorder, target_loss, budget_s
+        self.reason = "epochs done"
+
+    def on_train_epoch_end(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
+        reached = self.target_loss > 0 and reached_at(self.recorder.losses, self.target_loss) is not None
+        decision = trainer.strategy.broadcast((reached, self.recorder.elapsed() > self.budget_s), src=0)
+        if decision[0] or decision[1]:
+            self.reason = "target reached" if decision[0] else "time budget used"
+            trainer.should_stop = True
+
+
+def worker_main(spec: Path, out: Path) -> None:
     from hvd_plugins import HorovodStrategy
 
     common.one_thread_per_worker()
-    setup = parse_setup(args.setup, args.hidden)
-    train, val = _data(setup)
-
-    daso = common.daso_settings(args.compression, warmup_epochs=1, cooldown_epochs=1) if args.sync == "daso" else None
-    strategy = HorovodStrategy(sync=args.sync, compression=args.compression, daso=daso)
-    clock = common.StepClock(losses=True)
-    trainer = common.cpu_trainer(strategy, [clock], max_epochs=setup.epochs)
-    module = common.Classifier(setup.features, setup.hidden, setup.classes, lr=setup.lr, momentum=0.9)
-    trainer.fit(module, torch.utils.data.DataLoader(train, batch_size=setup.batch_size, shuffle=True))
+    run = Run.from_dict(json.loads(spec.read_text()))
+    train, val = load_data(run.model, Path(run.data_path))
+    sync, compression = run.mode.split("/")
+    daso = common.daso_settings(compression, run.daso_warmup, run.daso_cooldown) if sync == "daso" else None
+    strategy = HorovodStrategy(sync=sync, compression=compression, daso=daso)
+    recorder = StepRecorder()
+    stopper = StopAtTarget(recorder, run.target_loss, run.budget_s)
+    trainer = common.cpu_trainer(strategy, [recorder, stopper], max_epochs=run.epochs)
+    module = common.Classifier(run.model.features, run.model.hidden, run.model.classes, lr=run.model.lr, momentum=0.9)
+    loader = torch.utils.data.DataLoader(train, batch_size=run.per_worker_batch, shuffle=True, drop_last=True)
+    trainer.fit(module, loader)
     module.eval()
     with torch.no_grad():
         inputs, labels = val.tensors
         accuracy = float((module.net(inputs).argmax(dim=1) == labels).float().mean())
     common.write_rank_file(
-        args.out,
+        out,
         trainer.global_rank,
-        {
-            "points": list(zip(clock.times, clock.losses, strict=True)),
-            "train_seconds": clock.total,
+        recorder.as_dict()
+        | {
+            "train_seconds": recorder.elapsed(),
             "val_accuracy": accuracy,
-            "params": sum(p.numel() for p in module.parameters()),
+            "params": common.parameter_count(module),
+            "epochs_run": trainer.current_epoch,
+            "stop_reason": stopper.reason,
         },
     )
 
 
 # ------------------------------------------------------------------------------------------ launching
-def launch_on_cluster(cluster: NamespaceCluster, worker_args: list[str], out: Path, timeout: float) -> None:
-    """Launch 4 workers (2 per node) across the namespaces with Horovod's Gloo launcher, no ssh."""
+def launch_on_cluster(cluster: NamespaceCluster, run: Run, out: Path) -> None:
+    """Launch the run's workers across the namespaces with Horovod's Gloo launcher (no ssh), bounded in time."""
     from horovod.runner.common.util.settings import Settings
     from horovod.runner.gloo_run import launch_gloo
 
@@ -149,11 +297,14 @@ def launch_on_cluster(cluster: NamespaceCluster, worker_args: list[str], out: Pa
         "OMP_NUM_THREADS": "1",
         "HOROVOD_GLOO_TIMEOUT_SECONDS": "120",  # process-set rendezvous waits for the slowest worker
     }
-    hosts = ",".join(f"{cluster.host_name(n)}:2" for n in range(cluster.nodes))
-    settings = Settings(hosts=hosts, num_proc=2 * cluster.nodes, verbose=0)
-    deadline = time.monotonic() + timeout
+    topology = run.topology
+    hosts = ",".join(f"{cluster.host_name(n)}:{topology.workers_per_node}" for n in range(topology.nodes))
+    settings = Settings(hosts=hosts, num_proc=topology.workers, verbose=0)
+    deadline = time.monotonic() + run.budget_s + STARTUP_ALLOWANCE_S
     logs = out / "logs"
     logs.mkdir(parents=True, exist_ok=True)
+    spec = out / "run.json"
+    spec.write_text(json.dumps(asdict(run)))
 
     def exec_command(command: str, slot_info: Any, events: list[threading.Event]) -> tuple[int, float]:
         node = int(slot_info.hostname.removeprefix("node"))
@@ -168,7 +319,7 @@ def launch_on_cluster(cluster: NamespaceCluster, worker_args: list[str], out: Pa
                 time.sleep(0.2)
         return process.returncode, time.time()
 
-    command = [sys.executable, str(Path(__file__).resolve()), "--worker", *worker_args, "--out", str(out)]
+    command = [sys.executable, str(Path(__file__).resolve()), "--worker", "--spec", str(spec), "--out", str(out)]
     previous = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
     try:
         launch_gloo(command, exec_command, settings, nics={"eth0"}, env=env, server_ip=cluster.bridge_ip)
@@ -181,166 +332,338 @@ def launch_on_cluster(cluster: NamespaceCluster, worker_args: list[str], out: Pa
 
 
 # ------------------------------------------------------------------------------------------ reading results
-def time_to_target(points: list[tuple[float, float]], target: float, window: int) -> float | None:
-    """First wall time at which the mean of the last ``window`` step losses is at or below ``target``."""
-    for index in range(window - 1, len(points)):
-        recent = [loss for _, loss in points[index - window + 1 : index + 1]]
-        if sum(recent) / window <= target:
-            return points[index][0]
-    return None
+def smoothed(losses: Sequence[float], window: int = LOSS_WINDOW) -> list[float]:
+    """Mean of the last ``window`` losses at each step (fewer at the start)."""
+    return [sum(losses[max(0, i - window + 1) : i + 1]) / (i + 1 - max(0, i - window + 1)) for i in range(len(losses))]
 
 
-def smoothed(points: list[tuple[float, float]], window: int) -> list[float]:
-    losses = [loss for _, loss in points]
-    return [sum(losses[max(0, i - window + 1) : i + 1]) / len(losses[max(0, i - window + 1) : i + 1])
-            for i in range(len(losses))]  # fmt: skip
+def reached_at(losses: Sequence[float], target: float, window: int = LOSS_WINDOW) -> int | None:
+    """Index of the first step whose mean of the last ``window`` losses (a full window) is <= ``target``."""
+    means = smoothed(losses, window)
+    return next((i for i in range(window - 1, len(means)) if means[i] <= target), None)
 
 
-def resolve_target(setup: Setup, baseline_points: list[tuple[float, float]]) -> float:
-    """The target loss: as configured, or within BASELINE_MARGIN of where flat allreduce ends.
+def summarize(run: Run, rank0: dict[str, Any], target: float) -> dict[str, Any]:
+    """One sweep row: time to target, accuracy, and per DASO phase the mean step time, bytes and calls.
 
-    Deriving it from the baseline avoids a magic number tuned to one machine's load: the question
-    is then "how soon does each mode reach (nearly) the loss that flat allreduce ends with".
+    A step's time is the gap between its end and the previous step's end, so epoch boundaries
+    (DASO's closing sync, the stop decision) count in the first step of the next epoch; the first
+    step of the run (setup, first collectives) is kept apart as ``first_step_s``.
     """
-    if setup.target_loss > 0:
-        return setup.target_loss
-    return BASELINE_MARGIN * smoothed(baseline_points, setup.loss_window)[-1]
+    times, phases, counters = rank0["times"], rank0["phases"], rank0["counters"]
+    index = reached_at(rank0["losses"], target)
+    phase_stats: dict[str, dict[str, float]] = {}
+    for phase in dict.fromkeys(phases[1:]):
+        steps = [i for i in range(1, len(times)) if phases[i] == phase]
+        stats = {"steps": float(len(steps)), "step_s": sum(times[i] - times[i - 1] for i in steps) / len(steps)}
+        for k, name in enumerate(COUNTER_FIELDS):
+            stats[f"{name}_per_step"] = sum(counters[i][k] - counters[i - 1][k] for i in steps) / len(steps)
+        stats["steps_to_target"] = float(sum(1 for i in steps if index is not None and i <= index))
+        phase_stats[phase] = stats
+    return {
+        "model": run.model.name,
+        "topology": run.topology.label,
+        "link_mbit": link_label(run.link_mbit),
+        "mode": run.mode,
+        "params": rank0["params"],
+        "workers": run.topology.workers,
+        "per_worker_batch": run.per_worker_batch,
+        "epochs": run.epochs,
+        "daso_warmup": run.daso_warmup,
+        "daso_cooldown": run.daso_cooldown,
+        "epochs_run": rank0["epochs_run"],
+        "steps": len(times),
+        "steps_per_epoch": len(times) / max(1, rank0["epochs_run"]),
+        "target_loss": target,
+        "steps_to_target": None if index is None else index + 1,
+        "time_to_target_s": None if index is None else times[index],
+        "first_step_s": times[0] if times else None,
+        "train_s": rank0["train_seconds"],
+        "mean_step_s": (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else None,
+        "val_accuracy": rank0["val_accuracy"],
+        "stop_reason": rank0["stop_reason"],
+        "phases": phase_stats,
+    }
 
 
-def run_modes(setup: Setup, modes: list[tuple[str, str]], workdir: Path) -> dict[str, dict[str, Any]]:
-    results: dict[str, dict[str, Any]] = {}
-    with NamespaceCluster() as cluster:
+def add_comparisons(rows: list[dict[str, Any]]) -> None:
+    """Speedup of time to target and accuracy difference against flat fp32 allreduce, same model/topology/link."""
+    baselines = {(r["model"], r["topology"], r["link_mbit"]): r for r in rows if r["mode"] == BASELINE}
+    for row in rows:
+        base = baselines.get((row["model"], row["topology"], row["link_mbit"]))
+        both = base is not None and base["time_to_target_s"] and row["time_to_target_s"]
+        row["speedup"] = base["time_to_target_s"] / row["time_to_target_s"] if both else None
+        row["acc_diff_pts"] = 100 * (row["val_accuracy"] - base["val_accuracy"]) if base else None
+
+
+# ------------------------------------------------------------------------------------------ the grid
+@dataclass(frozen=True)
+class Grid:
+    models: tuple[Model, ...]
+    topologies: tuple[Topology, ...]
+    links: tuple[float | None, ...]
+    """The first link's flat fp32 run is the reference that defines the target."""
+    modes: tuple[str, ...]
+    epochs: int | None
+    daso_warmup: int
+    daso_cooldown: int
+    budget_s: float
+
+    def modes_for(self, topology: Topology) -> list[str]:
+        """Flat fp32 first (it is the baseline); the two-level allreduce only where a node has >= 2 workers."""
+        wanted = [BASELINE] + [m for m in self.modes if m != BASELINE]
+        return [m for m in wanted if not (m.startswith("hierarchical") and topology.workers_per_node == 1)]
+
+    def runs(self) -> int:
+        return sum(len(self.links) * len(self.modes_for(t)) for t in self.topologies) * len(self.models)
+
+
+def run_grid(grid: Grid, workdir: Path, log: Any = print) -> list[dict[str, Any]]:
+    """Every run of the grid on one cluster; a failed run is reported and skipped, never hides the rest."""
+    for model in grid.models:
+        for topology in grid.topologies:
+            if model.global_batch % topology.workers:
+                raise ValueError(f"global batch {model.global_batch} of model {model.name!r} does not split "
+                                 f"evenly over {topology.workers} workers ({topology.label})")  # fmt: skip
+    rows: list[dict[str, Any]] = []
+    nodes = max(t.nodes for t in grid.topologies)
+    started = time.monotonic()
+    with NamespaceCluster(nodes=nodes, shaping="") as cluster:
         cluster.check_reachable(sys.executable)
-        print(f"cluster: 2 namespaces on {cluster.subnet}, cross-node link '{cluster.shaping}'", flush=True)
-        for sync, compression in modes:
-            key = f"{sync}/{compression}"
-            out = workdir / key.replace("/", "_")
-            args = [*setup.as_args(), f"--sync={sync}", f"--compression={compression}"]
-            started = time.monotonic()
+        log(f"cluster: {nodes} namespaces on {cluster.subnet}; {grid.runs()} runs")
+        for model in grid.models:
+            for topology in grid.topologies:
+                rows += _run_group(cluster, grid, model, topology, workdir, lambda: time.monotonic() - started, log)
+    add_comparisons(rows)
+    return rows
+
+
+def _run_group(
+    cluster: NamespaceCluster, grid: Grid, model: Model, topology: Topology, workdir: Path, clock: Any, log: Any
+) -> list[dict[str, Any]]:
+    """One model on one topology over every link; the first run (flat fp32, first link) sets the target."""
+    rows: list[dict[str, Any]] = []
+    target = 0.0
+    workdir.mkdir(parents=True, exist_ok=True)
+    data_path = workdir / f"{model.name}_data.pt"
+    make_data(model, data_path)
+    for link in grid.links:
+        cluster.reshape(shaping_for(link))
+        for mode in grid.modes_for(topology):
+            run = Run(model, topology, link, mode, grid.epochs or model.epochs, grid.daso_warmup, grid.daso_cooldown,
+                      target_loss=target, budget_s=grid.budget_s, data_path=str(data_path))  # fmt: skip
+            name = f"{model.name} {topology.label} {link_label(link):>8} {mode:<17}"
+            out = workdir / f"{model.name}_{topology.label}_{link_label(link)}_{mode.replace('/', '_')}"
             try:
-                launch_on_cluster(cluster, args, out, timeout=setup.run_timeout_s)
-            except RuntimeError as error:  # one failed mode must not hide the others' numbers
-                print(f"  {key:<20} FAILED: {str(error)[:2000]}", flush=True)
+                launch_on_cluster(cluster, run, out)
+                rank0 = common.read_rank_files(out).get(0)
+                if rank0 is None:
+                    raise RuntimeError("rank 0 wrote no result")
+            except RuntimeError as error:
+                log(f"  {name} FAILED: {str(error)[:2000]}")
+                if target == 0:
+                    log(f"  {name} was the reference run of its group: skipping the group")
+                    return rows
                 continue
-            ranks = common.read_rank_files(out)
-            if 0 not in ranks:
-                print(f"  {key:<20} FAILED: rank 0 wrote no result", flush=True)
-                continue
-            results[key] = ranks[0] | {"ranks": len(ranks), "job_seconds": time.monotonic() - started}
-            print(f"  {key:<20} trained in {ranks[0]['train_seconds']:.1f}s, "
-                  f"val accuracy {ranks[0]['val_accuracy']:.3f}", flush=True)  # fmt: skip
-    return results
+            reference = target == 0
+            if reference:
+                target = BASELINE_MARGIN * smoothed(rank0["losses"])[-1]
+            row = summarize(run, rank0, target) | {"reference": reference}
+            rows.append(row)
+            reached = row["time_to_target_s"]
+            log(f"  {name} {row['steps']:4d} steps, "
+                f"{f'target at {reached:.1f} s' if reached else 'target not reached':<20} "
+                f"mean step {1000 * (row['mean_step_s'] or 0):7.1f} ms, val acc {row['val_accuracy']:.3f} "
+                f"({row['stop_reason']}{', reference' if reference else ''}; {clock():.0f} s elapsed)")  # fmt: skip
+    return rows
 
 
-def report(setup: Setup, results: dict[str, dict[str, Any]]) -> str:
-    base = results.get("allreduce/none")
-    if base is None:
-        raise ValueError(f"the allreduce/none baseline is missing; ran {sorted(results)}")
-    target = resolve_target(setup, base["points"])
-    base_time = time_to_target(base["points"], target, setup.loss_window)
-    rows = []
-    for sync, compression in MODES:
-        key = f"{sync}/{compression}"
-        if key not in results:
-            rows.append([sync, compression, "failed (see log above)", "", "", "", "", ""])
-            continue
-        result = results[key]
-        reached = time_to_target(result["points"], target, setup.loss_window)
-        step_rate = len(result["points"]) / result["train_seconds"]
-        speedup = base_time / reached if (reached and base_time) else None
-        accuracy_gap = 100 * (result["val_accuracy"] - base["val_accuracy"])
-        verdict = "(baseline)" if key == "allreduce/none" else _verdict(speedup, accuracy_gap)
-        rows.append([
-            sync, compression, f"{reached:.1f}" if reached else "not reached", f"{step_rate:.2f}",
-            f"{100 * result['val_accuracy']:.2f}", f"{speedup:.2f}x" if speedup else "-",
-            f"{accuracy_gap:+.2f}", verdict,
+# ------------------------------------------------------------------------------------------ writing results
+def report(rows: list[dict[str, Any]], grid: Grid) -> str:
+    """The sweep's table: one row per run, speedup and accuracy difference against flat fp32 allreduce."""
+    table_rows = []
+    for r in rows:
+        reached = r["time_to_target_s"]
+        cross = sum(p["cross_node_bytes_per_step"] * p["steps"] for p in r["phases"].values())
+        steps = sum(p["steps"] for p in r["phases"].values())
+        table_rows.append([
+            r["model"], r["topology"], r["link_mbit"], r["mode"],
+            r["steps_to_target"] or "-", f"{reached:.1f}" if reached else "not reached",
+            f"{1000 * r['mean_step_s']:.1f}" if r["mean_step_s"] else "-",
+            f"{cross / steps / 1e3:.1f}" if steps else "-",
+            f"{100 * r['val_accuracy']:.2f}",
+            "(baseline)" if r["mode"] == BASELINE else (f"{r['speedup']:.2f}x" if r["speedup"] else "-"),
+            f"{r['acc_diff_pts']:+.2f}" if r["acc_diff_pts"] is not None else "-",
         ])  # fmt: skip
-    params = next(iter(results.values()))["params"] if results else 0
+    models = ", ".join(f"{m.name} MLP {m.features}-{'-'.join(map(str, m.hidden))}-{m.classes} ({m.parameters:,} "
+                       f"parameters, {grid.epochs or m.epochs} epochs)" for m in grid.models)  # fmt: skip
     header = (
-        f"emulated_cluster: 2 nodes x 2 workers (network namespaces), cross-node link shaped to 200 Mbit/s (tbf), "
-        f"node-local unshaped; MLP {setup.features}-{'-'.join(map(str, setup.hidden))}-{setup.classes} "
-        f"({params:,} parameters); batch {setup.batch_size} per worker; {setup.epochs} epochs; target training loss "
-        f"{target:.4f} (rank 0, mean of last {setup.loss_window} steps"
-        + ("" if setup.target_loss > 0 else f"; {BASELINE_MARGIN} x the final loss of allreduce/none")
-        + ")\n"
-        + f"targets: >= {TARGET_SPEEDUP}x faster to the target loss than allreduce/none, validation accuracy within "
-        f"{ACCURACY_TOLERANCE_POINTS} point"
+        f"emulated_cluster sweep: NODESxWORKERS network namespaces, the link between nodes shaped with tc tbf "
+        f"(Mbit/s per node, each direction), workers inside a node on loopback. {models}; global batch "
+        f"{grid.models[0].global_batch} split over the workers; DASO: {grid.daso_warmup} warmup and "
+        f"{grid.daso_cooldown} cooldown epochs, cycling in between. Target per model and topology: "
+        f"{BASELINE_MARGIN} x the final training loss (rank 0, mean of last {LOSS_WINDOW} steps) of flat fp32 "
+        f"allreduce on the first link ({link_label(grid.links[0])}); a run stops at the end of the epoch in which it "
+        f"reached it, or after {grid.budget_s:.0f} s of training. speedup = flat fp32 allreduce's time to target "
+        f"/ this run's, same model, topology and link; cross KB/step = bytes each worker handed to cross-node "
+        f"collectives per step (strategy.comm_counters)."
     )
-    table = common.format_table(
-        ["sync", "compression", "s to target", "steps/s", "val acc %", "speedup", "acc diff (pts)", "verdict"], rows
-    )
-    return f"{header}\n\n{table}"
+    headers = ["model", "topo", "link Mbit/s", "mode", "steps to target", "s to target", "step ms",
+               "cross KB/step", "val acc %", "speedup", "acc diff (pts)"]  # fmt: skip
+    return f"{header}\n\n{common.format_table(headers, table_rows)}"
 
 
-def _verdict(speedup: float | None, accuracy_gap: float) -> str:
-    fast = speedup is not None and speedup >= TARGET_SPEEDUP
-    accurate = accuracy_gap >= -ACCURACY_TOLERANCE_POINTS
-    return "met" if fast and accurate else "not met"
+def write_records(rows: list[dict[str, Any]], json_path: Path, csv_path: Path) -> None:
+    """All of each run's numbers as JSON (read by scaling_model.py), and one CSV row per run and phase."""
+    json_path.write_text(json.dumps({"loss_window": LOSS_WINDOW, "baseline_margin": BASELINE_MARGIN, "runs": rows},
+                                    indent=1) + "\n")  # fmt: skip
+    flat_keys = [k for k in rows[0] if k != "phases"] if rows else []
+    phase_keys = sorted({k for r in rows for p in r["phases"].values() for k in p})
+    with open(csv_path, "w", newline="") as handle:
+        writer = csv.writer(handle)
+        writer.writerow([*flat_keys, "phase", *phase_keys])
+        for r in rows:
+            for phase, stats in r["phases"].items():
+                writer.writerow([r[k] for k in flat_keys] + [phase] + [stats.get(k, "") for k in phase_keys])
 
 
-def plot(setup: Setup, results: dict[str, dict[str, Any]], path: Path) -> None:
+def plot(rows: list[dict[str, Any]], path: Path) -> None:
+    """Speedup over flat fp32 allreduce against link rate; one panel per model, one line per mode x topology."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    figure, axes = plt.subplots(figsize=(8, 5))
-    for key, result in results.items():
-        times = [t for t, _ in result["points"]]
-        axes.plot(times, smoothed(result["points"], setup.loss_window), label=key)
-    target = resolve_target(setup, results["allreduce/none"]["points"])
-    axes.axhline(target, color="gray", linestyle="--", label=f"target {target:.3f}")
-    axes.set_xlabel("wall time since training start (s)")
-    axes.set_ylabel(f"training loss (rank 0, mean of last {setup.loss_window} steps)")
-    axes.set_title("2 nodes x 2 workers, 200 Mbit/s between nodes")
-    axes.legend()
+    shaped = sorted({float(r["link_mbit"]) for r in rows if r["link_mbit"] != UNSHAPED})
+    unshaped_x = (max(shaped) if shaped else 100.0) * 5
+
+    def x_of(label: str) -> float:
+        return unshaped_x if label == UNSHAPED else float(label)
+
+    models = list(dict.fromkeys(r["model"] for r in rows))
+    figure, axes_list = plt.subplots(1, len(models), figsize=(6 * len(models), 4.5), squeeze=False)
+    for axes, model in zip(axes_list[0], models, strict=True):
+        lines = dict.fromkeys((r["mode"], r["topology"]) for r in rows if r["model"] == model and r["mode"] != BASELINE)
+        for mode, topology in lines:
+            points = sorted((x_of(r["link_mbit"]), r["speedup"]) for r in rows
+                            if (r["model"], r["mode"], r["topology"]) == (model, mode, topology) and r["speedup"])
+            if points:
+                style = "-o" if topology.endswith("x2") else "--s"
+                axes.plot(*zip(*points, strict=True), style, label=f"{mode} {topology}")
+        axes.axhline(1.0, color="gray", linestyle=":", label="flat fp32 allreduce")
+        axes.set_xscale("log")
+        ticks = [*shaped, unshaped_x]
+        axes.set_xticks(ticks, [f"{t:g}" for t in shaped] + [UNSHAPED])
+        axes.minorticks_off()
+        axes.set_xlabel("link between nodes (Mbit/s)")
+        axes.set_ylabel("speedup of time to target over flat fp32")
+        axes.set_title(f"{model} model")
+        axes.legend(fontsize=8)
     figure.tight_layout()
     figure.savefig(path, dpi=110)
     plt.close(figure)
 
 
+# ------------------------------------------------------------------------------------------ command line
+def _split(text: str | None) -> list[str]:
+    return [part.strip() for part in text.split(",") if part.strip()] if text else []
+
+
+def build_grid(args: argparse.Namespace) -> Grid:
+    """The runs the flags ask for; ``--sweep`` and ``--smoke`` give the defaults of each flag left out."""
+    sweep_modes = ",".join(SWEEP_MODES)
+    if args.smoke:
+        smoke_modes = "allreduce/none,hierarchical/none,daso/fp16"
+        defaults = {"model": "smoke", "topology": "2x1,2x2", "link_mbit": "50", "modes": smoke_modes}
+    elif args.sweep:
+        defaults = {"model": "small,large", "topology": "2x1,2x2", "link_mbit": "unshaped,200,50", "modes": sweep_modes}
+    else:
+        defaults = {"model": "large", "topology": "2x2", "link_mbit": "200", "modes": sweep_modes}
+    known_models = {**MODELS, "smoke": SMOKE_MODEL}
+    models = []
+    for name in _split(args.model or defaults["model"]):
+        if name not in known_models:
+            raise ValueError(f"--model {name!r} is not known; choose from {sorted(MODELS)}")
+        models.append(known_models[name])
+    modes = _split(args.modes or defaults["modes"])
+    unknown = [m for m in modes if m not in MODES]
+    if unknown:
+        raise ValueError(f"--modes {unknown} not known; choose from {list(MODES)}")
+    epochs = args.epochs or (SMOKE_MODEL.epochs if args.smoke else None)
+    for model in models:
+        total = epochs or model.epochs
+        if total < 1 or args.daso_warmup < 0 or args.daso_cooldown < 0 or args.daso_warmup + args.daso_cooldown > total:
+            raise ValueError(f"--daso-warmup {args.daso_warmup} + --daso-cooldown {args.daso_cooldown} must be >= 0 "
+                             f"and fit in the {total} epochs of model {model.name!r} (--epochs)")  # fmt: skip
+    if args.run_budget <= 0:
+        raise ValueError(f"--run-budget {args.run_budget} must be > 0 seconds")
+    return Grid(
+        models=tuple(models),
+        topologies=tuple(dict.fromkeys(Topology.parse(t) for t in _split(args.topology or defaults["topology"]))),
+        links=tuple(dict.fromkeys(parse_link(link) for link in _split(args.link_mbit or defaults["link_mbit"]))),
+        modes=tuple(modes),
+        epochs=epochs,
+        daso_warmup=args.daso_warmup,
+        daso_cooldown=args.daso_cooldown,
+        budget_s=args.run_budget,
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--smoke", action="store_true", help="tiny model, 2 epochs: checks that everything runs")
-    parser.add_argument("--modes", help="comma-separated sync/compression pairs to run (default: all)")
+    parser.add_argument("--sweep", action="store_true",
+                        help="the grid: models small,large x topologies 2x1,2x2 x links unshaped,200,50 x the 4 "
+                             "sweep modes (the small model at unshaped and 50 only); writes emulated_sweep.*")
+    parser.add_argument("--smoke", action="store_true", help="tiny model, 3 epochs, 2x1 and 2x2 at 50 Mbit/s")
+    parser.add_argument("--link-mbit", help="comma-separated link rates between nodes in Mbit/s, or 'unshaped' "
+                        "(the first one's flat fp32 run sets the target; default 200)")
+    parser.add_argument("--topology", help="comma-separated NODESxWORKERS (default 2x2; 2x1 needs only 2 cores)")
+    parser.add_argument("--model", help=f"comma-separated, from {sorted(MODELS)} (default large)")
+    parser.add_argument("--epochs", type=int, help="epochs per run (default: the model's, 8)")
+    parser.add_argument("--daso-warmup", type=int, default=1, help="DASO warmup epochs (default 1)")
+    parser.add_argument("--daso-cooldown", type=int, default=1, help="DASO cooldown epochs (default 1)")
+    parser.add_argument("--modes", help=f"comma-separated from {list(MODES)}; flat fp32 always runs (default: "
+                        f"{','.join(SWEEP_MODES)})")
+    parser.add_argument("--run-budget", type=float, default=150.0,
+                        help="seconds of training after which a run stops at its epoch's end (default 150)")
+    parser.add_argument("--results-dir", type=Path,
+                        help="write emulated_sweep.{txt,json,csv,png} here (default with --sweep: docs/benchmarks)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--setup", help=argparse.SUPPRESS)
-    parser.add_argument("--hidden", help=argparse.SUPPRESS)
-    parser.add_argument("--sync", help=argparse.SUPPRESS)
-    parser.add_argument("--compression", help=argparse.SUPPRESS)
+    parser.add_argument("--spec", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        worker_main(args)
+        worker_main(args.spec, args.out)
         return
-    setup = SMOKE if args.smoke else FULL
-    modes = list(MODES)
-    if args.modes:
-        wanted = {tuple(mode.split("/")) for mode in args.modes.split(",")} | {("allreduce", "none")}
-        unknown = wanted - set(MODES)
-        if unknown:
-            raise ValueError(f"--modes {sorted(unknown)} not known; choose from {[f'{s}/{c}' for s, c in MODES]}")
-        modes = [mode for mode in modes if mode in wanted]
-    elif args.smoke:  # one flat baseline and one compressed run per node-aware mode
-        modes = [(sync, compression) for sync, compression in modes if (sync == "allreduce") == (compression == "none")]
+    try:
+        grid = build_grid(args)
+    except ValueError as error:
+        parser.error(str(error))
+    if args.sweep and not args.model and not args.link_mbit:
+        small = next(m for m in grid.models if m.name == "small")
+        grids = [replace(grid, models=(small,), links=(None, 50.0)), replace(grid, models=(MODELS["large"],))]
+    else:
+        grids = [grid]
+    results_dir = args.results_dir or (common.RESULTS_DIR if args.sweep else None)
+    started = time.monotonic()
+    rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="hvd_emulated_") as tmp:
         try:
-            results = run_modes(setup, modes, Path(tmp))
+            for index, part in enumerate(grids):
+                rows += run_grid(part, Path(tmp) / f"grid{index}", log=lambda line: print(line, flush=True))
         except ClusterUnavailable as reason:
             print(f"SKIPPED: the emulated cluster cannot be built here: {reason}")
             sys.exit(SKIP_EXIT_CODE)
-    text = report(setup, results)
-    print(text)
-    if not args.smoke and not args.modes:
-        print(f"saved to {common.save_report('emulated_cluster', text)}")
-    if not args.smoke:
-        png = (
-            common.RESULTS_DIR / "emulated_cluster.png"
-            if not args.modes
-            else Path(tempfile.gettempdir()) / "emulated_cluster_partial.png"
-        )
-        plot(setup, results, png)
-        print(f"plot written to {png}")
+    if not rows:
+        sys.exit("no run finished; see the errors above")
+    text = report(rows, replace(grid, models=tuple(dict.fromkeys(m for g in grids for m in g.models))))
+    print(f"\n{text}\n\nsweep wall time: {time.monotonic() - started:.0f} s")
+    if results_dir is not None:
+        results_dir.mkdir(parents=True, exist_ok=True)
+        (results_dir / "emulated_sweep.txt").write_text(text + "\n")
+        write_records(rows, results_dir / "emulated_sweep.json", results_dir / "emulated_sweep.csv")
+        plot(rows, results_dir / "emulated_sweep.png")
+        print(f"written: {results_dir}/emulated_sweep.{{txt,json,csv,png}}")
 
 
 if __name__ == "__main__":

@@ -20,6 +20,15 @@ from pathlib import Path
 from types import FrameType
 
 SHAPING = "tbf rate 200mbit burst 256kb latency 50ms"
+
+
+def shaping_for(link_mbit: float | None) -> str:
+    """The ``tc`` qdisc arguments that cap a node's egress at ``link_mbit``; ``None``: unshaped ("")."""
+    if link_mbit is None:
+        return ""
+    if link_mbit <= 0:
+        raise ValueError(f"link rate {link_mbit!r} Mbit/s must be > 0 (or None for an unshaped link)")
+    return f"tbf rate {link_mbit:g}mbit burst 256kb latency 50ms"
 SUBNET_CANDIDATES = [ipaddress.ip_network(f"10.213.{third}.0/24") for third in range(100, 200)]
 
 
@@ -136,6 +145,15 @@ class NamespaceCluster:
             # The node's host name must resolve to its own address (Gloo resolves it), as on a real cluster.
             self._hosts_file(node).parent.mkdir(parents=True, exist_ok=True)
             self._hosts_file(node).write_text(hosts)
+
+    def reshape(self, shaping: str) -> None:
+        """Change every node's egress shaping in place (``""``: unshaped), without rebuilding the cluster."""
+        for node in range(self.nodes):
+            in_node = ("ip", "netns", "exec", self.namespace(node), "tc", "qdisc")
+            _quiet(*in_node, "del", "dev", "eth0", "root")  # fails harmlessly when already unshaped
+            if shaping:
+                _run(*in_node, "add", "dev", "eth0", "root", *shaping.split())
+        self.shaping = shaping
 
     def check_reachable(self, python: str) -> None:
         """Each node reaches the bridge and the other nodes over TCP; raise ClusterUnavailable otherwise.
