@@ -9,11 +9,11 @@ rank 0's training loss (mean of the last steps) first reaches a target, and its 
 flat fp32 allreduce on the same link and topology.
 
 The target of a (model, topology) group comes from its reference run: flat fp32 allreduce on the
-first link of the list (unshaped in the sweep) trains every epoch, and the target is
-``BASELINE_MARGIN`` x its final loss. Every other run stops at the end of the epoch in which it
-reached the target, or once it has used its time budget, so slow links cost what they must and
-no more. Each run keeps per-step records (wall time, loss, DASO phase, the strategy's
-``comm_counters``) for ``scaling_model.py``.
+first link of the list (unshaped in the sweep) trains every epoch, and the target is the loss it
+had after ``TARGET_FRACTION`` of its steps (so the other modes have epochs to spare). Every other
+run stops at the end of the epoch in which it reached the target, or once it has used its time
+budget, so slow links cost what they must and no more. Each run keeps per-step records (wall
+time, loss, DASO phase, the strategy's ``comm_counters``) for ``scaling_model.py``.
 
     python benchmarks/emulated_cluster.py --sweep    # the grid -> docs/benchmarks/emulated_sweep.{txt,json,csv,png}
     python benchmarks/emulated_cluster.py --link-mbit 50 --topology 2x2 --model large --modes daso/fp16
@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import math
 import os
 import shlex
 import signal
@@ -52,7 +53,8 @@ from netns_cluster import ClusterUnavailable, NamespaceCluster, shaping_for  # n
 MODES = ("allreduce/none", "allreduce/fp16", "hierarchical/none", "hierarchical/fp16", "daso/none", "daso/fp16")
 BASELINE = "allreduce/none"
 SWEEP_MODES = ("allreduce/none", "allreduce/fp16", "hierarchical/none", "daso/fp16")
-BASELINE_MARGIN = 1.10
+TARGET_FRACTION = 0.75
+"""The target is the loss the reference run has after this share of its steps."""
 LOSS_WINDOW = 8
 STARTUP_ALLOWANCE_S = 120.0
 """Added to a run's training budget for its hard limit: process start, imports, rendezvous, validation."""
@@ -84,11 +86,11 @@ class Model:
 MODELS = {
     # 4.8 k parameters (19 KB): a step's few collective rounds cost more than its bytes, even at 50 Mbit/s.
     "small": Model("small", features=64, hidden=(64,), classes=10, train_samples=2048, val_samples=1024,
-                   global_batch=128, lr=0.05, epochs=8),
+                   global_batch=128, lr=0.05, epochs=6),
     # 0.8 M parameters (3.2 MB of fp32 gradients): at 50 Mbit/s a flat allreduce takes ~0.5-0.8 s, 20-40x
     # the step's compute, so bytes on the slow link dominate.
     "large": Model("large", features=256, hidden=(1024, 512), classes=10, train_samples=2048, val_samples=1024,
-                   global_batch=128, lr=0.02, epochs=8),
+                   global_batch=128, lr=0.02, epochs=6),
 }  # fmt: skip
 SMOKE_MODEL = Model("smoke", features=16, hidden=(32,), classes=3, train_samples=256, val_samples=64,
                     global_batch=32, lr=0.05, epochs=3)  # fmt: skip
@@ -202,6 +204,7 @@ class StepRecorder(pl.Callback):
         self.times: list[float] = []
         self.losses: list[float] = []
         self.phases: list[str] = []
+        self.global_skips: list[int] = []
         self.counters: list[list[float]] = []
 
     def on_train_start(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
@@ -211,6 +214,8 @@ class StepRecorder(pl.Callback):
         self.times.append(time.perf_counter() - self.start)
         self.losses.append(float(outputs["loss"]))
         self.phases.append(_phase_of(trainer.strategy))
+        schedule = getattr(getattr(trainer.strategy, "daso_sync", None), "schedule", None)
+        self.global_skips.append(int(getattr(schedule, "global_skips", 1)))
         counters = getattr(trainer.strategy, "comm_counters", None)
         self.counters.append([float(getattr(counters, name, 0.0)) for name in COUNTER_FIELDS])
 
@@ -218,8 +223,8 @@ class StepRecorder(pl.Callback):
         return time.perf_counter() - self.start
 
     def as_dict(self) -> dict[str, Any]:
-        return {"times": self.times, "losses": self.losses, "phases": self.phases, "counters": self.counters,
-                "counter_fields": list(COUNTER_FIELDS)}  # fmt: skip
+        return {"times": self.times, "losses": self.losses, "phases": self.phases, "global_skips": self.global_skips,
+                "counters": self.counters, "counter_fields": list(COUNTER_FIELDS)}  # fmt: skip
 
 
 def _phase_of(strategy: Any) -> str:
@@ -343,6 +348,13 @@ def reached_at(losses: Sequence[float], target: float, window: int = LOSS_WINDOW
     return next((i for i in range(window - 1, len(means)) if means[i] <= target), None)
 
 
+def target_from_reference(losses: Sequence[float]) -> float:
+    """The smoothed loss of the reference run after ``TARGET_FRACTION`` of its steps."""
+    if len(losses) < LOSS_WINDOW:
+        raise RuntimeError(f"the reference run recorded {len(losses)} steps, fewer than the loss window {LOSS_WINDOW}")
+    return smoothed(losses)[max(LOSS_WINDOW, math.ceil(TARGET_FRACTION * len(losses))) - 1]
+
+
 def summarize(run: Run, rank0: dict[str, Any], target: float) -> dict[str, Any]:
     """One sweep row: time to target, accuracy, and per DASO phase the mean step time, bytes and calls.
 
@@ -359,6 +371,7 @@ def summarize(run: Run, rank0: dict[str, Any], target: float) -> dict[str, Any]:
         for k, name in enumerate(COUNTER_FIELDS):
             stats[f"{name}_per_step"] = sum(counters[i][k] - counters[i - 1][k] for i in steps) / len(steps)
         stats["steps_to_target"] = float(sum(1 for i in steps if index is not None and i <= index))
+        stats["syncs_per_step"] = sum(1 / rank0["global_skips"][i] for i in steps) / len(steps)
         phase_stats[phase] = stats
     return {
         "model": run.model.name,
@@ -467,7 +480,7 @@ def _run_group(
                 continue
             reference = target == 0
             if reference:
-                target = BASELINE_MARGIN * smoothed(rank0["losses"])[-1]
+                target = target_from_reference(rank0["losses"])
             row = summarize(run, rank0, target) | {"reference": reference}
             rows.append(row)
             reached = row["time_to_target_s"]
@@ -501,9 +514,9 @@ def report(rows: list[dict[str, Any]], grid: Grid) -> str:
         f"emulated_cluster sweep: NODESxWORKERS network namespaces, the link between nodes shaped with tc tbf "
         f"(Mbit/s per node, each direction), workers inside a node on loopback. {models}; global batch "
         f"{grid.models[0].global_batch} split over the workers; DASO: {grid.daso_warmup} warmup and "
-        f"{grid.daso_cooldown} cooldown epochs, cycling in between. Target per model and topology: "
-        f"{BASELINE_MARGIN} x the final training loss (rank 0, mean of last {LOSS_WINDOW} steps) of flat fp32 "
-        f"allreduce on the first link ({link_label(grid.links[0])}); a run stops at the end of the epoch in which it "
+        f"{grid.daso_cooldown} cooldown epochs, cycling in between. Target per model and topology: the training "
+        f"loss (rank 0, mean of last {LOSS_WINDOW} steps) flat fp32 allreduce had after {TARGET_FRACTION:.0%} of its "
+        f"steps on the first link ({link_label(grid.links[0])}); a run stops at the end of the epoch in which it "
         f"reached it, or after {grid.budget_s:.0f} s of training. speedup = flat fp32 allreduce's time to target "
         f"/ this run's, same model, topology and link; cross KB/step = bytes each worker handed to cross-node "
         f"collectives per step (strategy.comm_counters)."
@@ -515,7 +528,7 @@ def report(rows: list[dict[str, Any]], grid: Grid) -> str:
 
 def write_records(rows: list[dict[str, Any]], json_path: Path, csv_path: Path) -> None:
     """All of each run's numbers as JSON (read by scaling_model.py), and one CSV row per run and phase."""
-    json_path.write_text(json.dumps({"loss_window": LOSS_WINDOW, "baseline_margin": BASELINE_MARGIN, "runs": rows},
+    json_path.write_text(json.dumps({"loss_window": LOSS_WINDOW, "target_fraction": TARGET_FRACTION, "runs": rows},
                                     indent=1) + "\n")  # fmt: skip
     flat_keys = [k for k in rows[0] if k != "phases"] if rows else []
     phase_keys = sorted({k for r in rows for p in r["phases"].values() for k in p})
@@ -619,7 +632,7 @@ def main() -> None:
                         "(the first one's flat fp32 run sets the target; default 200)")
     parser.add_argument("--topology", help="comma-separated NODESxWORKERS (default 2x2; 2x1 needs only 2 cores)")
     parser.add_argument("--model", help=f"comma-separated, from {sorted(MODELS)} (default large)")
-    parser.add_argument("--epochs", type=int, help="epochs per run (default: the model's, 8)")
+    parser.add_argument("--epochs", type=int, help="epochs per run (default: the model's, 6)")
     parser.add_argument("--daso-warmup", type=int, default=1, help="DASO warmup epochs (default 1)")
     parser.add_argument("--daso-cooldown", type=int, default=1, help="DASO cooldown epochs (default 1)")
     parser.add_argument("--modes", help=f"comma-separated from {list(MODES)}; flat fp32 always runs (default: "
