@@ -560,9 +560,10 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
         for mode, topology in lines:
             points = sorted((x_of(r["link_mbit"]), r["speedup"]) for r in rows
                             if (r["model"], r["mode"], r["topology"]) == (model, mode, topology) and r["speedup"])
-            if points:
-                style = "-o" if topology.endswith("x2") else "--s"
-                axes.plot(*zip(*points, strict=True), style, label=f"{mode} {topology}")
+            if points:  # colour by mode, line style by topology
+                style = "--s" if topology.endswith("x1") else "-o"
+                color = f"C{MODES.index(mode)}"
+                axes.plot(*zip(*points, strict=True), style, color=color, label=f"{mode} {topology}")
         axes.axhline(1.0, color="gray", linestyle=":", label="flat fp32 allreduce")
         axes.set_xscale("log")
         ticks = [*shaped, unshaped_x]
