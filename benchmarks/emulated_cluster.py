@@ -310,6 +310,7 @@ def launch_on_cluster(cluster: NamespaceCluster, run: Run, out: Path) -> None:
     logs.mkdir(parents=True, exist_ok=True)
     spec = out / "run.json"
     spec.write_text(json.dumps(asdict(run)))
+    stopped_by: set[str] = set()  # "signal" (Ctrl-C, SIGTERM) or "deadline"
 
     def exec_command(command: str, slot_info: Any, events: list[threading.Event]) -> tuple[int, float]:
         node = int(slot_info.hostname.removeprefix("node"))
@@ -317,7 +318,9 @@ def launch_on_cluster(cluster: NamespaceCluster, run: Run, out: Path) -> None:
         with open(logs / f"rank{slot_info.rank}.log", "w") as log:
             process = subprocess.Popen(wrapped, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
             while process.poll() is None:
-                if time.monotonic() > deadline or any(event.is_set() for event in events):
+                interrupted = any(event.is_set() for event in events)  # launch_gloo sets them on a signal
+                if interrupted or time.monotonic() > deadline:
+                    stopped_by.add("signal" if interrupted else "deadline")
                     os.killpg(process.pid, signal.SIGKILL)
                     process.wait()
                     return 124, time.time()
@@ -329,11 +332,16 @@ def launch_on_cluster(cluster: NamespaceCluster, run: Run, out: Path) -> None:
     try:
         launch_gloo(command, exec_command, settings, nics={"eth0"}, env=env, server_ip=cluster.bridge_ip)
     except RuntimeError as error:
+        if "signal" in stopped_by:  # stop the whole sweep; the caller's context removes the namespaces
+            raise KeyboardInterrupt from None
+        limit = f"killed after {run.budget_s + STARTUP_ALLOWANCE_S:.0f} s\n" if "deadline" in stopped_by else ""
         tails = "\n".join(f"--- {p.name}\n{p.read_text()[-1500:]}" for p in sorted(logs.glob("*.log")))
-        raise RuntimeError(f"{error}\n{tails}") from None
+        raise RuntimeError(f"{limit}{error}\n{tails}") from None
     finally:
         for signum, handler in previous.items():  # launch_gloo replaces them with its own
             signal.signal(signum, handler)
+    if "signal" in stopped_by:
+        raise KeyboardInterrupt
 
 
 # ------------------------------------------------------------------------------------------ reading results
@@ -668,6 +676,9 @@ def main() -> None:
         except ClusterUnavailable as reason:
             print(f"SKIPPED: the emulated cluster cannot be built here: {reason}")
             sys.exit(SKIP_EXIT_CODE)
+        except KeyboardInterrupt:
+            print("interrupted: workers stopped, namespaces, bridge and links removed", flush=True)
+            sys.exit(130)
     if not rows:
         sys.exit("no run finished; see the errors above")
     text = report(rows, replace(grid, models=tuple(dict.fromkeys(m for g in grids for m in g.models))))

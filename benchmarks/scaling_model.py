@@ -373,6 +373,8 @@ def check_against_sweep(records: dict[str, Any], calibration: Calibration) -> tu
     rows, worst = [], 0.0
     for run in records["runs"]:
         phases = {p: s for p, s in run["phases"].items() if s["steps"] > 0}
+        if not phases:  # a run of a single step has no step time apart from its setup
+            continue
         predicted = {}
         for phase, stats in phases.items():
             obs = Observation(
@@ -418,7 +420,7 @@ def describe(calibration: Calibration) -> str:
     lines = []
     for name, value in sorted(calibration.values.items()):
         if name.startswith("s_per_byte"):
-            rate = f"{8 / value / 1e6:,.0f} Mbit/s" if value > 0 else "not resolved (bytes too few to matter)"
+            rate = f"{8 / value / 1e6:,.4g} Mbit/s" if value > 0 else "not resolved (bytes too few to matter)"
             lines.append(f"  {name:<40} {value:.3e} s/byte = {rate}")
         else:
             lines.append(f"  {name:<40} {1000 * value:8.2f} ms")
