@@ -29,7 +29,8 @@ sweep measures this (its accuracy and steps-to-target columns), the projection a
 
 Calibration (per machine). Without overlap the model is linear in its unknowns: a compute time
 per (model, topology), a round cost for cross-node and for in-node collectives, seconds per byte
-inside a node, and seconds per byte across nodes for each link rate. Each (run, DASO phase) of
+inside a node, seconds per byte across nodes for each link rate, and seconds per float16 byte
+(a CPU converts and sums float16 slowly; taken as 0 on GPUs). Each (run, DASO phase) of
 the sweep gives one equation: its mean measured step time = the model's step time. They are
 solved by non-negative least squares weighted by 1 / measured time (relative errors count), so
 one machine's sweep gives that machine's constants; rerun the sweep to calibrate another. The
@@ -90,6 +91,8 @@ class Cluster:
     """Fixed cost of one collective round that spans nodes (framework negotiation, launch)."""
     round_intra_s: float
     """Fixed cost of one collective round inside a node."""
+    fp16_s_per_byte: float = 0.0
+    """Extra time per float16 byte on the wire: a CPU converts and sums float16 slowly (0 on GPUs)."""
 
     @property
     def workers(self) -> int:
@@ -116,6 +119,8 @@ class Leg:
     """A gradient leg may hide behind the backward pass (``Workload.overlap_s``)."""
     hideable_steps: int = 0
     """DASO's non-blocking send may hide behind this many steps of compute."""
+    fp16: bool = False
+    """Carried as float16 (see ``Cluster.fp16_s_per_byte``)."""
 
 
 @dataclass(frozen=True)
@@ -152,21 +157,22 @@ def reduce_scatter(scope: str, p: int, nbytes: float, **kw: Any) -> Leg:
 allgather = reduce_scatter  # same bytes and hops, the other direction
 
 
-def _flat(cluster: Cluster, nbytes: float) -> list[Leg]:
+def _flat(cluster: Cluster, nbytes: float, fp16: bool = False) -> list[Leg]:
     if cluster.workers == 1:
         return []
     scope = INTER if cluster.nodes > 1 else INTRA
     rounds = max(1, math.ceil(nbytes / ROUNDS_FOR_FUSION_BYTES))
-    return [ring_allreduce(scope, cluster.workers, nbytes, rounds=rounds)]
+    return [ring_allreduce(scope, cluster.workers, nbytes, rounds=rounds, fp16=fp16)]
 
 
 def _hierarchical(cluster: Cluster, nbytes: float, cross_bytes: float) -> list[Leg]:
     n, local = cluster.nodes, cluster.workers_per_node
+    fp16 = cross_bytes < nbytes
     if local == 1 or n == 1:
-        return _flat(cluster, cross_bytes if n > 1 else nbytes)
+        return _flat(cluster, cross_bytes, fp16) if n > 1 else _flat(cluster, nbytes)
     return [
         reduce_scatter(INTRA, local, nbytes),
-        ring_allreduce(INTER, n, cross_bytes),  # L rings of n/L bytes share the node's link: 2(N-1)/N x n
+        ring_allreduce(INTER, n, cross_bytes, fp16=fp16),  # L rings of n/L bytes share the node's link: 2(N-1)/N x n
         allgather(INTRA, local, nbytes),
     ]
 
@@ -178,7 +184,13 @@ def _daso_parameter_sync(cluster: Cluster, params: float, plan: DasoPlan, per_st
         if n == 1
         else [
             ring_allreduce(
-                INTER, n, params * plan.downcast_bytes, per_step=per_step, gradient=False, hideable_steps=hide
+                INTER,
+                n,
+                params * plan.downcast_bytes,
+                per_step=per_step,
+                gradient=False,
+                hideable_steps=hide,
+                fp16=plan.downcast_bytes == FP16_BYTES,
             )
         ]
     )
@@ -196,15 +208,16 @@ def legs_of(mode: str, phase: str, cluster: Cluster, params: float, plan: DasoPl
     sync, compression = mode.split("/")
     wire = FP16_BYTES if compression == "fp16" else FP32_BYTES
     if sync == "allreduce":
-        return _flat(cluster, params * wire)
+        return _flat(cluster, params * wire, fp16=wire == FP16_BYTES)
     if sync == "hierarchical":
         return _hierarchical(cluster, params * FP32_BYTES, params * wire)
     plan = plan or DasoPlan(downcast_bytes=wire)
     if phase in ("warmup", "cooldown", "sync"):
-        return _flat(cluster, params * plan.downcast_bytes)
+        return _flat(cluster, params * plan.downcast_bytes, fp16=plan.downcast_bytes == FP16_BYTES)
     if phase != "cycling":
         raise ValueError(f"DASO phase {phase!r} is not one of {list(PHASES)}")
-    local = [] if cluster.workers_per_node == 1 else [ring_allreduce(INTRA, cluster.workers_per_node, params * wire)]
+    local_sum = ring_allreduce(INTRA, cluster.workers_per_node, params * wire, fp16=wire == FP16_BYTES)
+    local = [] if cluster.workers_per_node == 1 else [local_sum]
     blocking = 0.0 if math.isinf(plan.steps_per_epoch) else 1 / plan.steps_per_epoch
     sends = max(0.0, 1 / plan.global_skips - blocking)
     return (
@@ -218,7 +231,8 @@ def leg_seconds(leg: Leg, cluster: Cluster) -> float:
     link, round_s = (
         (cluster.inter, cluster.round_inter_s) if leg.scope == INTER else (cluster.intra, cluster.round_intra_s)
     )
-    return leg.rounds * round_s + leg.hops * link.latency_s + leg.bytes / link.bytes_per_s
+    fp16 = leg.bytes * cluster.fp16_s_per_byte if leg.fp16 else 0.0
+    return leg.rounds * round_s + leg.hops * link.latency_s + leg.bytes / link.bytes_per_s + fp16
 
 
 def step_seconds(legs: Sequence[Leg], cluster: Cluster, workload: Workload) -> float:
@@ -234,10 +248,11 @@ def step_seconds(legs: Sequence[Leg], cluster: Cluster, workload: Workload) -> f
 
 def linear_terms(legs: Sequence[Leg]) -> dict[str, float]:
     """Coefficients of the model without overlap: rounds and bytes per step on each kind of link."""
-    terms = {"rounds_inter": 0.0, "rounds_intra": 0.0, "bytes_inter": 0.0, "bytes_intra": 0.0}
+    terms = {"rounds_inter": 0.0, "rounds_intra": 0.0, "bytes_inter": 0.0, "bytes_intra": 0.0, "bytes_fp16": 0.0}
     for leg in legs:
         terms[f"rounds_{leg.scope}"] += leg.rounds * leg.per_step
         terms[f"bytes_{leg.scope}"] += leg.bytes * leg.per_step
+        terms["bytes_fp16"] += leg.bytes * leg.per_step if leg.fp16 else 0.0
     return terms
 
 
@@ -279,6 +294,7 @@ class Calibration:
             inter=Link(0.0, 1 / per_byte_inter if per_byte_inter > 0 else math.inf),
             round_inter_s=self.values.get("round_inter_s", 0.0),
             round_intra_s=self.values.get("round_intra_s", 0.0),
+            fp16_s_per_byte=self.values.get("s_per_fp16_byte", 0.0),
         )
 
     def predict(self, obs: Observation) -> float:
@@ -308,6 +324,7 @@ def unknowns_of(obs: Observation) -> dict[str, float]:
         "round_intra_s": terms["rounds_intra"],
         "s_per_byte_intra": terms["bytes_intra"],
         f"s_per_byte_inter[{obs.link}]": terms["bytes_inter"],
+        "s_per_fp16_byte": terms["bytes_fp16"],
     }
 
 

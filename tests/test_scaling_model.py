@@ -69,7 +69,8 @@ def test_daso_phases_by_hand() -> None:
     # every 4th step a cross-node fp16 parameter sum (2*1/2*2000) and an fp32 gather of shards (1/2*4000).
     plan = sm.DasoPlan(sm.FP16_BYTES, global_skips=4, batches_to_wait=0)
     terms = sm.linear_terms(sm.legs_of("daso/fp16", "cycling", c, 1000, plan))
-    assert terms == {"rounds_inter": 0.25, "rounds_intra": 1.25, "bytes_inter": 500.0, "bytes_intra": 2500.0}
+    assert terms == {"rounds_inter": 0.25, "rounds_intra": 1.25, "bytes_inter": 500.0, "bytes_intra": 2500.0,
+                     "bytes_fp16": 2500.0}  # fmt: skip
     # One blocking sync per 8-step epoch replaces one of the two sends of that epoch.
     plan = sm.DasoPlan(sm.FP16_BYTES, global_skips=4, batches_to_wait=0, steps_per_epoch=8)
     assert sm.linear_terms(sm.legs_of("daso/fp16", "cycling", c, 1000, plan))["rounds_inter"] == pytest.approx(0.25)
@@ -100,7 +101,7 @@ def test_calibration_recovers_known_constants_from_synthetic_sweep_records() -> 
     truth = sm.Calibration({
         "compute_s[large,2x1]": 0.020, "compute_s[large,2x2]": 0.035, "compute_s[small,2x2]": 0.004,
         "round_inter_s": 0.012, "round_intra_s": 0.006, "s_per_byte_intra": 1 / 2e9,
-        "s_per_byte_inter[50]": 8 / 50e6, "s_per_byte_inter[200]": 8 / 200e6,
+        "s_per_byte_inter[50]": 8 / 50e6, "s_per_byte_inter[200]": 8 / 200e6, "s_per_fp16_byte": 2e-9,
     })  # fmt: skip
     observations = []
     for model, params in (("large", 8e5), ("small", 5e3)):
