@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import itertools
 import json
 import math
 import os
@@ -80,7 +81,7 @@ class Model:
     @property
     def parameters(self) -> int:
         widths = [self.features, *self.hidden, self.classes]
-        return sum(a * b + b for a, b in zip(widths, widths[1:], strict=False))
+        return sum(a * b + b for a, b in itertools.pairwise(widths))
 
 
 MODELS = {
@@ -310,7 +311,7 @@ def launch_on_cluster(cluster: NamespaceCluster, run: Run, out: Path) -> None:
     logs.mkdir(parents=True, exist_ok=True)
     spec = out / "run.json"
     spec.write_text(json.dumps(asdict(run)))
-    stopped_by: set[str] = set()  # "signal" (Ctrl-C, SIGTERM) or "deadline"
+    stopped_by: set[str] = set()  # "signal" (Ctrl-C, SIGTERM), "deadline" or "failure" (another rank failed)
 
     def exec_command(command: str, slot_info: Any, events: list[threading.Event]) -> tuple[int, float]:
         node = int(slot_info.hostname.removeprefix("node"))
@@ -319,12 +320,15 @@ def launch_on_cluster(cluster: NamespaceCluster, run: Run, out: Path) -> None:
             process = subprocess.Popen(wrapped, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
             while process.poll() is None:
                 interrupted = any(event.is_set() for event in events)  # launch_gloo sets them on a signal
-                if interrupted or time.monotonic() > deadline:
-                    stopped_by.add("signal" if interrupted else "deadline")
+                if interrupted or time.monotonic() > deadline or "failure" in stopped_by:
+                    # A rank that failed leaves the others waiting in a collective: stop them now.
+                    stopped_by.add("signal" if interrupted else "failure" if "failure" in stopped_by else "deadline")
                     os.killpg(process.pid, signal.SIGKILL)
                     process.wait()
                     return 124, time.time()
                 time.sleep(0.2)
+        if process.returncode != 0:
+            stopped_by.add("failure")
         return process.returncode, time.time()
 
     command = [sys.executable, str(Path(__file__).resolve()), "--worker", "--spec", str(spec), "--out", str(out)]
