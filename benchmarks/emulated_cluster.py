@@ -19,9 +19,10 @@ time, loss, DASO phase, the strategy's ``comm_counters``) for ``scaling_model.py
     python benchmarks/emulated_cluster.py --link-mbit 50 --topology 2x2 --model large --modes daso/fp16
     python benchmarks/emulated_cluster.py --smoke    # tiny model, 2x1 and 2x2 at 50 Mbit/s: checks that it works
 
-Needs root (namespaces, veth, bridge, tc); exits with code 77 and a message where they cannot be
-made. Every run is bounded in time, and the namespaces, bridge and links are removed at the end,
-also after an error or Ctrl-C.
+The sweep (35 runs) takes about 20 minutes on a quiet 2-core machine, a third of it starting jobs;
+``--smoke`` 1-2 minutes. Needs root (namespaces, veth, bridge, tc); exits with code 77 and a
+message where they cannot be made. Every run is bounded in time, and the namespaces, bridge and
+links are removed at the end, also after an error or Ctrl-C.
 """
 
 from __future__ import annotations
