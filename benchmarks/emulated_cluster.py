@@ -446,11 +446,6 @@ class Grid:
 
 def run_grid(grid: Grid, workdir: Path, log: Any = print) -> list[dict[str, Any]]:
     """Every run of the grid on one cluster; a failed run is reported and skipped, never hides the rest."""
-    for model in grid.models:
-        for topology in grid.topologies:
-            if model.global_batch % topology.workers:
-                raise ValueError(f"global batch {model.global_batch} of model {model.name!r} does not split "
-                                 f"evenly over {topology.workers} workers ({topology.label})")  # fmt: skip
     rows: list[dict[str, Any]] = []
     nodes = max(t.nodes for t in grid.topologies)
     started = time.monotonic()
@@ -624,9 +619,15 @@ def build_grid(args: argparse.Namespace) -> Grid:
                              f"and fit in the {total} epochs of model {model.name!r} (--epochs)")  # fmt: skip
     if args.run_budget <= 0:
         raise ValueError(f"--run-budget {args.run_budget} must be > 0 seconds")
+    topologies = tuple(dict.fromkeys(Topology.parse(t) for t in _split(args.topology or defaults["topology"])))
+    for model in models:
+        for topology in topologies:
+            if model.global_batch % topology.workers:
+                raise ValueError(f"--topology {topology.label}: the global batch {model.global_batch} of model "
+                                 f"{model.name!r} does not split evenly over {topology.workers} workers")  # fmt: skip
     return Grid(
         models=tuple(models),
-        topologies=tuple(dict.fromkeys(Topology.parse(t) for t in _split(args.topology or defaults["topology"]))),
+        topologies=topologies,
         links=tuple(dict.fromkeys(parse_link(link) for link in _split(args.link_mbit or defaults["link_mbit"]))),
         modes=tuple(modes),
         epochs=epochs,
