@@ -14,6 +14,7 @@ import horovod.torch as hvd
 import lightning.pytorch as pl
 import torch
 from _common import parse_out, run_checks, write_result
+from horovod.torch.mpi_ops import _basics
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -56,7 +57,8 @@ def check_startup() -> dict[str, Any]:
     return {
         "same_ranks": before == (hvd.rank(), hvd.size(), hvd.local_rank(), hvd.cross_rank()),
         "dynamic_env": os.environ.get("HOROVOD_DYNAMIC_PROCESS_SETS"),
-        "process_sets": sorted(sorted(ranks) for ranks in hvd.get_process_set_ids_and_ranks().values()),
+        # Horovod's own table of the sets it runs (no public accessor in 0.28)
+        "process_sets": sorted(sorted(ranks) for ranks in _basics._get_process_set_ids_and_ranks().values()),
     }
 
 
