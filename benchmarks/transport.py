@@ -163,6 +163,7 @@ def step_worker(sync: str, out: Path) -> None:
         trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=STEP_BATCH))
         intervals = [b - a for a, b in zip(clock.times[STEP_WARMUP:], clock.times[STEP_WARMUP + 1 :], strict=False)]
         result[label] = statistics.median(intervals) * 1e3
+        result[f"{label}.wait"] = trainer.strategy.comm_counters.wait_seconds * 1e3 / max(1, trainer.global_step)
         result[f"{label}.parameters"] = common.parameter_count(module)
         rank = trainer.global_rank
     write_rank_file(out, rank, result)
@@ -183,18 +184,22 @@ def step_times(repeats: int) -> str:
                 measured[sync].append(results[0])
             else:
                 failures[sync] += 1
-                print(job.output[-2000:], flush=True)
+                errors = [line for line in job.output.splitlines() if "Error" in line or "rror:" in line]
+                print(f"{sync} failed (exit {job.returncode}):", *errors[-6:], sep="\n", flush=True)
     rows = []
     for label in STEP_MODELS:
         for sync in STEP_SYNCS:
             values = [job[label] for job in measured[sync]]
+            waits = [job[f"{label}.wait"] for job in measured[sync]]
             parameters = measured[sync][0][f"{label}.parameters"] if measured[sync] else "-"
             cell = f"{median(values):.3g} ({spread(values)})" if values else "-"
-            rows.append([label, parameters, sync, cell, f"{failures[sync]}/{repeats}"])
-    headers = ["model", "parameters", "sync", "ms per step", "failed"]
+            wait = f"{median(waits):.3g}" if waits else "-"
+            rows.append([label, parameters, sync, cell, wait, f"{failures[sync]}/{repeats}"])
+    headers = ["model", "parameters", "sync", "ms per step", "wait ms per step", "failed"]
     return "\n".join(
         [
-            f"2x2 training step, rank 0, median of steps after {STEP_WARMUP}; median over {repeats} jobs (min-max).",
+            f"2x2 training step, rank 0, median of steps after {STEP_WARMUP}; median over {repeats} jobs (min-max);",
+            "wait = time blocked in the gradient collectives (comm counters), mean per step.",
             format_table(headers, rows),
         ]
     )

@@ -73,6 +73,36 @@ def _finish(pending: Sequence[tuple[Any, Any]], codec: Compressor, counters: Com
         return [codec.decompress(hvd.synchronize(handle), ctx) for handle, ctx in pending]
 
 
+def _node_reduce_scatter(
+    buffers: Sequence[torch.Tensor], groups: NodeGroups, codec: Compressor, counters: CommCounters, name: str
+) -> list[torch.Tensor]:
+    """Each local worker gets its 1/L shard of the node's sum: one global alltoall per buffer.
+
+    The alltoall sends shard ``j`` only to local rank ``j`` of this node (all other splits are
+    zero), and the L received shards are summed here in the buffer's own dtype. Horovod's
+    ``reducescatter`` on a node's process set did the same work about 2x slower
+    (benchmarks/transport.py: 132-169 ms vs 67 ms for 1M float32 on 2x2).
+    """
+    hvd = horovod_torch()
+    topology = groups.topology
+    node = topology.nodes[topology.node_index]
+    destinations = sorted(node)
+    pending = []
+    for index, buffer in enumerate(buffers):
+        shards = buffer.chunk(len(node))  # shard i is for local rank i, i.e. global rank node[i]
+        send = torch.cat([shards[node.index(rank)] for rank in destinations])
+        wire, ctx = codec.compress(send)
+        counters.record(Scope.NODE_LOCAL, nbytes(wire))
+        splits = [0] * topology.size
+        for rank in destinations:
+            splits[rank] = shards[0].numel()
+        handle = hvd.alltoall_async(wire, splits=torch.tensor(splits, dtype=torch.int32), name=f"{name}.rs.{index}")
+        pending.append((handle, ctx, shards[0].numel()))
+    with counters.waiting():
+        received = [(hvd.synchronize(handle)[0], ctx, numel) for handle, ctx, numel in pending]
+    return [codec.decompress(wire, ctx).view(len(node), numel).sum(0) for wire, ctx, numel in received]
+
+
 def _two_level(
     buffers: Sequence[torch.Tensor],
     groups: NodeGroups,
@@ -86,8 +116,8 @@ def _two_level(
     hvd = horovod_torch()
     local, cross = groups.local, groups.cross
     padded = [_pad_to_multiple(buffer, groups.topology.local_size) for buffer in buffers]
-    rs, xr, ag = hvd.reducescatter_async, hvd.allreduce_async, hvd.allgather_async
-    shards = _leg(padded, local_codec, Scope.NODE_LOCAL, counters, rs, f"{name}.rs", op=hvd.Sum, process_set=local)
+    xr, ag = hvd.allreduce_async, hvd.allgather_async
+    shards = _node_reduce_scatter(padded, groups, local_codec, counters, name)
     shards = _leg(shards, cross_codec, Scope.CROSS_NODE, counters, xr, f"{name}.xr", op=hvd.Sum, process_set=cross)
     return _leg(shards, local_codec, Scope.NODE_LOCAL, counters, ag, f"{name}.ag", process_set=local)
 
