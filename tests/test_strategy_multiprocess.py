@@ -304,6 +304,21 @@ def test_hierarchical_on_one_node_equals_flat(tmp_path: Path) -> None:
         compressed_node_local(compress, local_elements=compress["parameters"])
 
 
+def test_hierarchical_with_one_worker_per_node_needs_no_process_set(tmp_path: Path) -> None:
+    one_per_node = "localhost:1,127.0.0.1:1"
+    job = run_job("hierarchical_checks.py", np=2, hosts=one_per_node, out_dir=tmp_path, timeout=600).check()
+    for rank in range(2):
+        assert value(job.results[rank], "topology")["nodes"] == [[0], [1]]
+        startup = value(job.results[rank], "startup")
+        assert startup["process_sets"] == [[0, 1]] and startup["dynamic_env"] is None  # the global set only
+        assert value(job.results[rank], "fp64_integers")["exactly_equal"]
+        modes = value(job.results[rank], "strategy_modes")
+        assert modes["hier_vs_flat"] < 1e-12 and modes["mixed_vs_flat"] < 1e-12
+        # one worker per node: the whole gradient crosses nodes, as with flat allreduce
+        assert modes["hierarchical"]["cross_node_bytes"] == modes["flat"]["cross_node_bytes"] > 0
+        assert modes["hierarchical"]["node_local_bytes"] == 0
+
+
 def test_single_plain_process(tmp_path: Path) -> None:
     job = run_single("single_process.py", out_dir=tmp_path, timeout=300)
     assert job.returncode == 0, job.output[-3000:]
