@@ -80,7 +80,7 @@ def test_emulated_cluster_smoke_runs_every_mode_across_namespaces() -> None:
 def test_transport_smoke_runs_every_transport_and_checks_the_sums() -> None:
     result = run_smoke("transport.py", timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    rows = {line.split()[1]: line for line in result.stdout.splitlines() if line.split()[:1] == ["2x1"]}
+    rows = {line.split()[1]: line for line in result.stdout.splitlines() if line.split()[:3:2] == ["2x1", "1k"]}
     assert set(rows) == {"dynamic", "static_env", "static", "alltoall"}, result.stdout
     for transport, line in rows.items():
         assert re.search(r"\syes\s+0/1$", line.rstrip()), (transport, line)  # two-level sum correct, no failure
