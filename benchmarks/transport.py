@@ -20,7 +20,7 @@ reduce-scatter ``rs``, cross-node allreduce ``xr``, node-local allgather ``ag``)
 two-level allreduce ``two_level`` and the flat global allreduce ``global`` under that start-up.
 Each configuration runs ``--repeats`` times as separate jobs, round-robin over transports; the
 table shows the median over jobs of each job's median, the spread (min-max of the job medians)
-and how many jobs failed or timed out. Run ``python benchmarks/transport.py`` (about 25 minutes
+and how many jobs failed or timed out. Run ``python benchmarks/transport.py`` (about 40 minutes
 here) or ``--smoke``.
 """
 
