@@ -19,6 +19,18 @@ SYNC_MODES = ("allreduce", "hierarchical", "daso")
 """``allreduce``: flat; ``hierarchical``: inside the node, then across nodes; ``daso``: see DasoConfig."""
 HIERARCHICAL_IMPLS = ("process_sets", "native")
 GRADIENT_OPS = ("average", "sum", "adasum")
+FLAT_BELOW_MB = 1.0
+"""Default size (MiB) under which a hierarchical bucket is summed by one flat allreduce.
+
+A two-level allreduce takes three collective rounds where a flat one takes one; below this size
+the rounds, not the bytes, decide. Measured on this project's 2-core machine, 2 nodes x 2 workers
+on loopback (noisy, benchmarks/transport.py): a round costs 20-50 ms whatever its size, and the
+two-level allreduce of 1k floats took 105-123 ms against 45-57 ms flat. What the two extra
+rounds buy is cross-node bytes: each worker sends half a bucket across instead of all of it, so
+at 200 Mbit/s (25 MB/s) a 1 MiB bucket saves about 20 ms, the price of one round here. On a fast
+link flat wins at every size (4 MB: 210-265 ms two-level, 75-89 ms flat); there, set
+``flat_below_mb`` above the model's size and ``sync="hierarchical"`` runs as flat allreduce.
+"""
 
 
 def _choice(argument: str, value: Any, allowed: tuple[str, ...]) -> str:
@@ -53,6 +65,8 @@ class HorovodConfig:
     """Average floating buffers over all workers at the end of every training epoch."""
     bucket_mb: float = 32.0
     """Gradient bucket size of the hierarchical allreduce, in MiB."""
+    flat_below_mb: float = FLAT_BELOW_MB
+    """With ``sync="hierarchical"``, buckets smaller than this (MiB) take one flat allreduce; see FLAT_BELOW_MB."""
     stall_timeout_seconds: int | None = DEFAULT_STALL_TIMEOUT_SECONDS
     """Longest wait in one collective before the worker ends the job; None waits forever."""
     check_finite_gradients: bool = False
@@ -88,6 +102,12 @@ class HorovodConfig:
             raise ValueError(f"daso={self.daso!r} was given but sync={self.sync!r}; DASO settings need sync='daso'")
         if self.sync == "daso" and self.daso is None:
             object.__setattr__(self, "daso", DasoConfig())
+        if not self.flat_below_mb >= 0:
+            raise ValueError(f"flat_below_mb={self.flat_below_mb!r} must be a number of megabytes >= 0")
+        if self.flat_below_mb != FLAT_BELOW_MB and self.sync != "hierarchical":
+            raise ValueError(
+                f"flat_below_mb={self.flat_below_mb!r} works only with sync='hierarchical', not sync={self.sync!r}"
+            )
         if not self.bucket_mb > 0:
             raise ValueError(f"bucket_mb={self.bucket_mb!r} must be a positive number of megabytes")
         if self.stall_timeout_seconds is not None and (
@@ -120,6 +140,10 @@ class HorovodConfig:
     @property
     def bucket_bytes(self) -> int:
         return int(self.bucket_mb * 2**20)
+
+    @property
+    def flat_below_bytes(self) -> int:
+        return int(self.flat_below_mb * 2**20)
 
     def fingerprint(self) -> dict[str, Any]:
         """The settings every rank must share, or the first collective would deadlock."""

@@ -16,12 +16,12 @@ from typing import TYPE_CHECKING, Any
 from torch.optim import Optimizer
 
 from hvd_plugins._horovod import horovod_torch
+from hvd_plugins.comm.topology import start_horovod_with_node_sets
 from hvd_plugins.faults import apply_stall_timeout
 
 if TYPE_CHECKING:
     from hvd_plugins.config import HorovodConfig
 
-DYNAMIC_PROCESS_SETS_ENV = "HOROVOD_DYNAMIC_PROCESS_SETS"
 NATIVE_HIERARCHICAL_ENV = "HOROVOD_HIERARCHICAL_ALLREDUCE"
 
 
@@ -29,22 +29,22 @@ NATIVE_HIERARCHICAL_ENV = "HOROVOD_HIERARCHICAL_ALLREDUCE"
 def init_horovod(config: HorovodConfig) -> ModuleType:
     """Start Horovod with what ``config`` needs (idempotent).
 
-    A script may have called ``hvd.init()`` itself before building the Trainer, as Horovod's own
-    docs do. When that start lacks the dynamic process sets a node-aware sync needs, Horovod is
-    shut down and started again with them: every rank builds the same Trainer at the same point,
-    so all of them restart together, and ranks and sizes stay what the launcher set.
+    A node-aware sync gets its process sets as static sets created at start-up
+    (``start_horovod_with_node_sets``): Horovod's dynamic mode costs every collective a global
+    negotiation round, global ones included, so it is never turned on here. A script may have
+    called ``hvd.init()`` itself, as Horovod's own docs do; when sets are needed that start is
+    shut down and Horovod started again with them (every rank builds the same Trainer at the same
+    point, so all of them restart together, and ranks and sizes stay what the launcher set).
     """
     hvd = horovod_torch()
-    if hvd.is_initialized() and config.node_aware and os.environ.get(DYNAMIC_PROCESS_SETS_ENV) != "1":
-        hvd.shutdown()
     apply_stall_timeout(config.stall_timeout_seconds, horovod_initialized=hvd.is_initialized())
-    if hvd.is_initialized():
-        return hvd
+    if not hvd.is_initialized():
+        if config.native_hierarchical:
+            os.environ[NATIVE_HIERARCHICAL_ENV] = "1"
+        if not config.node_aware:
+            hvd.init()
     if config.node_aware:
-        os.environ[DYNAMIC_PROCESS_SETS_ENV] = "1"
-    if config.native_hierarchical:
-        os.environ[NATIVE_HIERARCHICAL_ENV] = "1"
-    hvd.init()
+        start_horovod_with_node_sets(hvd)
     return hvd
 
 

@@ -36,7 +36,7 @@ from hvd_plugins.comm.gradient_sync import GradientSync, make_gradient_sync
 from hvd_plugins.comm.naming import COLLECTIVE_NAMES
 from hvd_plugins.comm.topology import NodeGroups, Topology, build_node_groups, discover_topology
 from hvd_plugins.comm.wire import GATHER, for_wire, from_wire, horovod_op, reduce_op_name
-from hvd_plugins.config import HorovodConfig
+from hvd_plugins.config import FLAT_BELOW_MB, HorovodConfig
 from hvd_plugins.config_check import assert_ranks_agree
 from hvd_plugins.console import follow_rank, progress_bar_given_to_trainer, use_line_progress_bar
 from hvd_plugins.daso.config import DasoConfig
@@ -82,6 +82,8 @@ class HorovodStrategy(ParallelStrategy):
         sync_batchnorm: use ``HorovodSyncBatchNorm`` (CPU and GPU); ``Trainer(sync_batchnorm=True)`` too.
         average_buffers: average floating buffers over all workers at every training epoch's end.
         bucket_mb: gradient bucket size of the hierarchical allreduce.
+        flat_below_mb: with ``sync="hierarchical"``, buckets smaller than this many MiB take one flat
+            allreduce (few bytes: one round beats three); larger ones take the two-level legs.
         stall_timeout_seconds: a worker waiting this long in a gradient allreduce or barrier ends the job
             (exit 75). ``"auto"``: horovodrun's ``--stall-check-shutdown-time-seconds`` if given, else 1800;
             ``None`` waits forever. Must exceed the longest legitimate wait (e.g. a checkpoint write).
@@ -107,6 +109,7 @@ class HorovodStrategy(ParallelStrategy):
         sync_batchnorm: bool = False,
         average_buffers: bool = True,
         bucket_mb: float = 32.0,
+        flat_below_mb: float = FLAT_BELOW_MB,
         stall_timeout_seconds: float | str | None = "auto",
         check_finite_gradients: bool = False,
         accelerator: pl.accelerators.Accelerator | None = None,
@@ -133,6 +136,7 @@ class HorovodStrategy(ParallelStrategy):
             sync_batchnorm=bool(sync_batchnorm),
             average_buffers=bool(average_buffers),
             bucket_mb=bucket_mb,
+            flat_below_mb=flat_below_mb,
             stall_timeout_seconds=stall_timeout_seconds,
             check_finite_gradients=bool(check_finite_gradients),
         )

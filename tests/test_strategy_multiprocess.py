@@ -197,9 +197,23 @@ def test_two_emulated_nodes_have_the_expected_topology(two_nodes: dict[int, dict
         assert topology["node_index"] == topology["hvd_cross_rank"]
 
 
+def test_two_nodes_get_static_node_sets_after_a_plain_init(two_nodes: dict[int, dict]) -> None:
+    for rank in range(4):
+        startup = value(two_nodes[rank], "startup")
+        assert startup["same_ranks"] and startup["dynamic_env"] is None
+        # global, the two nodes, the two cross-node pairs (local rank 0s, local rank 1s)
+        assert startup["process_sets"] == [[0, 1], [0, 1, 2, 3], [0, 2], [1, 3], [2, 3]]
+
+
 @pytest.mark.parametrize(
     ("check", "tolerance"),
-    [("fp64_integers", 0.0), ("fp64_random", 1e-13), ("fp32_random", 1e-5), ("fp32_fp16_wire", 1e-2)],
+    [
+        ("fp64_integers", 0.0),
+        ("fp64_random", 1e-13),
+        ("fp32_random", 1e-5),
+        ("fp32_fp16_wire", 1e-2),
+        ("fp32_mixed", 1e-5),
+    ],
 )
 def test_hierarchical_allreduce_equals_flat_on_two_nodes(
     two_nodes: dict[int, dict], check: str, tolerance: float
@@ -221,12 +235,18 @@ def test_hierarchical_bytes_per_leg_on_two_nodes(two_nodes: dict[int, dict]) -> 
         padded16 = [999 + 1, 4096]
         assert fp16["counters"]["cross_node_bytes"] == 2 * sum(n // 2 for n in padded16)  # fp16 on the wire
         assert fp16["counters"]["node_local_bytes"] == 4 * sum(n + n // 2 for n in padded16)
+        # 1,000 elements under the threshold: one flat allreduce, the whole buffer counted as cross-node
+        mixed = value(two_nodes[rank], "fp32_mixed")["counters"]
+        assert mixed["cross_node_bytes"] == 4 * (1000 + (100_001 + 1) // 2)
+        assert mixed["node_local_bytes"] == 4 * (100_002 + 100_002 // 2)
+        assert mixed["cross_node_calls"] == 2 and mixed["node_local_calls"] == 2
 
 
 def test_strategy_hierarchical_matches_flat_and_counts_bytes(two_nodes: dict[int, dict]) -> None:
     for rank in range(4):
         result = value(two_nodes[rank], "strategy_modes")
         assert result["hier_vs_flat"] < 1e-12
+        assert result["default_vs_flat"] < 1e-12 and result["mixed_vs_flat"] < 1e-12
         assert result["hier_fp16_vs_flat"] < 5e-3 and result["flat_fp16_vs_flat"] < 5e-3
         assert result["hier_ranks_identical"]
         params, steps = result["parameters"], result["steps"]
@@ -240,6 +260,12 @@ def test_strategy_hierarchical_matches_flat_and_counts_bytes(two_nodes: dict[int
         assert result["hierarchical_fp16"]["cross_node_bytes"] == steps * half * 2
         assert result["hierarchical_accumulated"]["cross_node_bytes"] == result["accumulated_steps"] * half * 8
         assert result["accumulated_steps"] == steps // 2
+        # default threshold (1 MiB): this small model's one bucket takes a flat allreduce
+        assert result["default"]["cross_node_bytes"] == result["flat"]["cross_node_bytes"]
+        assert result["default"]["node_local_bytes"] == 0
+        # [96 float64] takes the legs (half crosses), [33 float64] one flat allreduce (all of it crosses)
+        assert result["mixed"]["cross_node_bytes"] == steps * (33 + 96 // 2) * 8
+        assert result["mixed"]["node_local_bytes"] == steps * (96 + 96 // 2) * 8
 
 
 def compressed_node_local(result: dict[str, Any], local_elements: int) -> None:
@@ -266,15 +292,31 @@ def test_hierarchical_on_one_node_equals_flat(tmp_path: Path) -> None:
     job = run_job("hierarchical_checks.py", np=2, out_dir=tmp_path, timeout=600).check()
     for rank in range(2):
         assert value(job.results[rank], "topology")["nodes"] == [[0, 1]]
+        assert value(job.results[rank], "startup")["process_sets"] == [[0, 1]]  # one node: no set beyond the global
         assert value(job.results[rank], "fp64_integers")["exactly_equal"]
         modes = value(job.results[rank], "strategy_modes")
-        assert modes["hier_vs_flat"] < 1e-12
+        assert modes["hier_vs_flat"] < 1e-12 and modes["mixed_vs_flat"] < 1e-12
         assert modes["hierarchical"]["cross_node_bytes"] == 0  # nothing leaves the node
         assert modes["flat"]["cross_node_bytes"] == 0
         # one node: a single node-local allreduce, compressed to fp16 only with compress_node_local=True
         compress = value(job.results[rank], "compress_node_local")
         assert compress["steps"] == 32
         compressed_node_local(compress, local_elements=compress["parameters"])
+
+
+def test_hierarchical_with_one_worker_per_node_needs_no_process_set(tmp_path: Path) -> None:
+    one_per_node = "localhost:1,127.0.0.1:1"
+    job = run_job("hierarchical_checks.py", np=2, hosts=one_per_node, out_dir=tmp_path, timeout=600).check()
+    for rank in range(2):
+        assert value(job.results[rank], "topology")["nodes"] == [[0], [1]]
+        startup = value(job.results[rank], "startup")
+        assert startup["process_sets"] == [[0, 1]] and startup["dynamic_env"] is None  # the global set only
+        assert value(job.results[rank], "fp64_integers")["exactly_equal"]
+        modes = value(job.results[rank], "strategy_modes")
+        assert modes["hier_vs_flat"] < 1e-12 and modes["mixed_vs_flat"] < 1e-12
+        # one worker per node: the whole gradient crosses nodes, as with flat allreduce
+        assert modes["hierarchical"]["cross_node_bytes"] == modes["flat"]["cross_node_bytes"] > 0
+        assert modes["hierarchical"]["node_local_bytes"] == 0
 
 
 def test_single_plain_process(tmp_path: Path) -> None:

@@ -15,7 +15,7 @@ from hvd_plugins.comm.buckets import bucket_tensors, flatten, unflatten_into
 from hvd_plugins.comm.compression import CountingCompressor, FP16Compression, NoCompression, compressor_by_name
 from hvd_plugins.comm.counters import CommCounters, Scope
 from hvd_plugins.comm.parameters import indexed_optimizer_parameters, optimizer_parameters
-from hvd_plugins.comm.topology import Topology
+from hvd_plugins.comm.topology import Topology, node_process_sets
 from hvd_plugins.comm.wire import for_wire, from_wire, nbytes, reduce_op_name, wire_dtype
 from hvd_plugins.daso.config import DasoConfig
 
@@ -72,6 +72,15 @@ def test_topology_from_gathered_pairs_handles_non_contiguous_ranks() -> None:
     assert topology.equal_nodes and topology.size == 4 and topology.num_nodes == 2
 
 
+def test_node_process_sets_only_where_a_set_is_neither_global_nor_needless() -> None:
+    two_by_two = Topology.from_pairs(rank=0, pairs=[(0, 0), (0, 1), (1, 0), (1, 1)])
+    assert node_process_sets(two_by_two) == [(0, 1), (2, 3), (0, 2), (1, 3)]  # nodes, then cross pairs
+    interleaved = Topology.from_pairs(rank=0, pairs=[(0, 0), (1, 0), (0, 1), (1, 1)])
+    assert node_process_sets(interleaved) == [(0, 2), (1, 3), (0, 1), (2, 3)]
+    assert node_process_sets(Topology.from_pairs(rank=0, pairs=[(0, 0), (1, 0)])) == []  # 2 nodes x 1: global
+    assert node_process_sets(Topology.from_pairs(rank=0, pairs=[(0, 0), (0, 1)])) == []  # 1 node: global
+
+
 def test_topology_rejects_unequal_nodes_with_the_sizes() -> None:
     topology = Topology.from_pairs(rank=0, pairs=[(0, 0), (0, 1), (1, 0)])
     with pytest.raises(ValueError, match=r"same number of workers on every node.*\{0: 2, 1: 1\}"):
@@ -103,6 +112,8 @@ def test_buckets_split_by_dtype_and_size_and_round_trip() -> None:
         ({"daso": {"warmup_epochs": 1}}, r"DASO settings need sync='daso'"),
         ({"hierarchical_impl": "nccl"}, r"hierarchical_impl='nccl' is not supported"),
         ({"bucket_mb": -1}, r"bucket_mb=-1 must be a positive number"),
+        ({"sync": "hierarchical", "flat_below_mb": -1}, r"flat_below_mb=-1 must be a number of megabytes >= 0"),
+        ({"flat_below_mb": 4.0}, r"flat_below_mb=4.0 works only with sync='hierarchical', not sync='allreduce'"),
     ],
 )
 def test_strategy_rejects_bad_arguments_by_name(kwargs: dict, message: str) -> None:

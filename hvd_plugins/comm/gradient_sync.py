@@ -110,7 +110,10 @@ class HorovodOptimizerSync(GradientSync):
 
 
 class HierarchicalGradientSync(GradientSync):
-    """Two-level allreduce of bucketed gradients after backward (see ``comm.hierarchical``)."""
+    """Two-level allreduce of bucketed gradients after backward (see ``comm.hierarchical``).
+
+    Buckets under ``flat_below_bytes`` take one flat allreduce instead of the three legs.
+    """
 
     def __init__(
         self,
@@ -120,6 +123,7 @@ class HierarchicalGradientSync(GradientSync):
         counters: CommCounters,
         compress_node_local: bool = False,
         bucket_bytes: int = 32 * 2**20,
+        flat_below_bytes: int = 0,
     ) -> None:
         if op not in ("average", "sum"):
             raise ValueError(f"op={op!r} is not supported with sync='hierarchical'; choose 'average' or 'sum'")
@@ -129,6 +133,7 @@ class HierarchicalGradientSync(GradientSync):
         self.counters = counters
         self.compress_node_local = compress_node_local
         self.bucket_bytes = bucket_bytes
+        self.flat_below_bytes = flat_below_bytes
         self._names: dict[int, str] = {}  # by optimizer, in wrap order: equal on every rank
 
     def wrap(self, optimizer: Optimizer, named_parameters: list[tuple[str, torch.nn.Parameter]]) -> Optimizer:
@@ -147,6 +152,7 @@ class HierarchicalGradientSync(GradientSync):
             compress_node_local=self.compress_node_local,
             counters=self.counters,
             name=self._names[id(optimizer)],
+            flat_below_bytes=self.flat_below_bytes,
         )
         for flat, bucket in zip(flats, buckets, strict=True):
             unflatten_into(flat, bucket)
@@ -179,6 +185,7 @@ def make_gradient_sync(config: HorovodConfig, groups: NodeGroups | None, counter
             counters,
             compress_node_local=config.compress_node_local,
             bucket_bytes=config.bucket_bytes,
+            flat_below_bytes=config.flat_below_bytes,
         )
     if config.sync == "daso":
         if groups is None:

@@ -1,6 +1,8 @@
 """Two-level allreduce and the node-aware strategy modes, on whatever topology horovodrun gives.
 
 Run under ``-np 4 -H localhost:2,127.0.0.1:2`` (two emulated nodes) and ``-np 2`` (one node).
+The script starts Horovod itself with a plain ``hvd.init()``, as Horovod's docs do, so the
+restart with static process sets is exercised too.
 """
 
 from __future__ import annotations
@@ -8,23 +10,23 @@ from __future__ import annotations
 import os
 from typing import Any
 
-os.environ["HOROVOD_DYNAMIC_PROCESS_SETS"] = "1"
+import horovod.torch as hvd
+import lightning.pytorch as pl
+import torch
+from _common import parse_out, run_checks, write_result
+from horovod.torch.mpi_ops import _basics
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
 
-import horovod.torch as hvd  # noqa: E402
-import lightning.pytorch as pl  # noqa: E402
-import torch  # noqa: E402
-from _common import parse_out, run_checks, write_result  # noqa: E402
-from torch import nn  # noqa: E402
-from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
-
-from hvd_plugins import HorovodStrategy  # noqa: E402
-from hvd_plugins.comm import (  # noqa: E402
+from hvd_plugins import HorovodStrategy
+from hvd_plugins.comm import (
     CommCounters,
     FP16Compression,
     build_node_groups,
     discover_topology,
     hierarchical_allreduce_,
 )
+from hvd_plugins.comm.topology import start_horovod_with_node_sets
 
 OUT, _ = parse_out()
 
@@ -47,13 +49,33 @@ def check_topology() -> dict[str, Any]:
     }
 
 
-def compare_with_flat(dtype: torch.dtype, integers: bool, sizes: list[int], fp16: bool) -> dict[str, Any]:
-    groups = build_node_groups(discover_topology())
+def check_startup() -> dict[str, Any]:
+    """After the script's own plain ``hvd.init()``: the sets a node-aware sync needs, static, no dynamic mode."""
+    before = (hvd.rank(), hvd.size(), hvd.local_rank(), hvd.cross_rank())
+    start_horovod_with_node_sets(hvd)
+    start_horovod_with_node_sets(hvd)  # idempotent: no second restart
+    return {
+        "same_ranks": before == (hvd.rank(), hvd.size(), hvd.local_rank(), hvd.cross_rank()),
+        "dynamic_env": os.environ.get("HOROVOD_DYNAMIC_PROCESS_SETS"),
+        # Horovod's own table of the sets it runs (no public accessor in 0.28)
+        "process_sets": sorted(sorted(ranks) for ranks in _basics._get_process_set_ids_and_ranks().values()),
+    }
+
+
+def compare_with_flat(
+    dtype: torch.dtype, integers: bool, sizes: list[int], fp16: bool, flat_below_bytes: int = 0
+) -> dict[str, Any]:
+    groups = build_node_groups(start_horovod_with_node_sets(hvd))
     buffers = [rank_tensor(n, dtype, integers, seed=i) for i, n in enumerate(sizes)]
     flat = [hvd.allreduce(b.clone(), op=hvd.Average, name=f"flat.{dtype}.{i}.{fp16}") for i, b in enumerate(buffers)]
     counters = CommCounters()
     hierarchical_allreduce_(
-        buffers, groups, average=True, compression=FP16Compression() if fp16 else None, counters=counters
+        buffers,
+        groups,
+        average=True,
+        compression=FP16Compression() if fp16 else None,
+        counters=counters,
+        flat_below_bytes=flat_below_bytes,
     )
     return {
         "max_abs_diff": max(float((h - f).abs().max()) for h, f in zip(buffers, flat, strict=True)),
@@ -106,19 +128,31 @@ def parameters_of(model: nn.Module) -> torch.Tensor:
 STRATEGY_MODES: dict[str, Any] = {}  # results of check_strategy_modes that later checks compare with
 
 
+# Net's gradient in buckets of at most MIXED_MB: [first weight: 96 float64 = 768 B] and [the rest:
+# 33 float64 = 264 B]; with flat_below_mb=MIXED_MB the first takes the two-level legs, the second one flat allreduce.
+MIXED_MB = 600 / 2**20
+TWO_LEVEL = {"flat_below_mb": 0.0}  # every bucket takes the legs
+
+
 def check_strategy_modes() -> dict[str, Any]:
     """sync='hierarchical' trains to the same weights as sync='allreduce', with counted bytes."""
     flat_model, flat_trainer = fit(HorovodStrategy(sync="allreduce"))
-    hier_model, hier_trainer = fit(HorovodStrategy(sync="hierarchical"))
-    fp16_model, fp16_trainer = fit(HorovodStrategy(sync="hierarchical", compression="fp16"))
+    default_model, default_trainer = fit(HorovodStrategy(sync="hierarchical"))  # small buckets: flat
+    mixed_model, mixed_trainer = fit(HorovodStrategy(sync="hierarchical", bucket_mb=MIXED_MB, flat_below_mb=MIXED_MB))
+    hier_model, hier_trainer = fit(HorovodStrategy(sync="hierarchical", **TWO_LEVEL))
+    fp16_model, fp16_trainer = fit(HorovodStrategy(sync="hierarchical", compression="fp16", **TWO_LEVEL))
     flat_fp16_model, flat_fp16_trainer = fit(HorovodStrategy(compression="fp16"))
-    accumulated_model, accumulated_trainer = fit(HorovodStrategy(sync="hierarchical"), accumulate=2)
+    accumulated_model, accumulated_trainer = fit(HorovodStrategy(sync="hierarchical", **TWO_LEVEL), accumulate=2)
     reference = parameters_of(flat_model)
     STRATEGY_MODES["flat"] = reference
     STRATEGY_MODES["hierarchical_fp16"] = (parameters_of(fp16_model), fp16_trainer.strategy.comm_counters.as_dict())
     gathered = hvd.allgather(parameters_of(hier_model).unsqueeze(0))
     return {
         "hier_vs_flat": float((parameters_of(hier_model) - reference).abs().max()),
+        "default_vs_flat": float((parameters_of(default_model) - reference).abs().max()),
+        "mixed_vs_flat": float((parameters_of(mixed_model) - reference).abs().max()),
+        "default": default_trainer.strategy.comm_counters.as_dict(),
+        "mixed": mixed_trainer.strategy.comm_counters.as_dict(),
         "hier_fp16_vs_flat": float((parameters_of(fp16_model) - reference).abs().max()),
         "flat_fp16_vs_flat": float((parameters_of(flat_fp16_model) - reference).abs().max()),
         "hier_ranks_identical": bool((gathered == gathered[0]).all()),
@@ -137,7 +171,8 @@ def check_strategy_modes() -> dict[str, Any]:
 
 def check_compress_node_local() -> dict[str, Any]:
     """compress_node_local=True: fp16 on the node-local legs too; compared with the runs of strategy_modes."""
-    model, trainer = fit(HorovodStrategy(sync="hierarchical", compression="fp16", compress_node_local=True))
+    strategy = HorovodStrategy(sync="hierarchical", compression="fp16", compress_node_local=True, **TWO_LEVEL)
+    model, trainer = fit(strategy)
     params = parameters_of(model)
     fp16_params, fp16_counters = STRATEGY_MODES["hierarchical_fp16"]  # compress_node_local=False
     gathered = hvd.allgather(params.unsqueeze(0), name="test.compress_node_local")
@@ -157,10 +192,15 @@ if __name__ == "__main__":
     report = run_checks(
         {
             "topology": check_topology,
+            "startup": check_startup,
             "fp64_integers": lambda: compare_with_flat(torch.float64, True, [1, 7, 1000, 4096], fp16=False),
             "fp64_random": lambda: compare_with_flat(torch.float64, False, [13, 2049], fp16=False),
             "fp32_random": lambda: compare_with_flat(torch.float32, False, [5, 100_001], fp16=False),
             "fp32_fp16_wire": lambda: compare_with_flat(torch.float32, False, [999, 4096], fp16=True),
+            # 1000 float32 (4000 B) under the 4001 B threshold go flat, 100_001 take the legs
+            "fp32_mixed": lambda: compare_with_flat(
+                torch.float32, False, [1000, 100_001], fp16=False, flat_below_bytes=4001
+            ),
             "strategy_modes": check_strategy_modes,
             "compress_node_local": check_compress_node_local,
         }
