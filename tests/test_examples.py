@@ -85,6 +85,7 @@ def test_digits_two_workers_fp16(tmp_path: Path) -> None:
         *("--compression", "fp16", "--epochs", "3", "--monitor", "--no-progress-bar", "--out-dir", str(tmp_path)),
         np=2,
         timeout=420,
+        console_script=True,  # the command the example's docstring gives, build probe included
     ).check()
     assert _metric(r"validation accuracy: ([0-9.]+)", job.output) >= 0.9
     assert {"val_acc", "train_loss", "comm/node_local_bytes", "memory/cpu_peak_rss_mb_max"} <= _csv_columns(
