@@ -158,12 +158,10 @@ def test_a_job_killed_while_saving_resumes_from_the_last_complete_checkpoint(tmp
 
 
 # ---------------------------------------------------------------------------- configuration and numbers
-@pytest.fixture(scope="module")
-def checks(tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict]:
-    out = tmp_path_factory.mktemp("faults_checks")
-    job = run_job("faults_checks.py", out_dir=out, env={"HOROVOD_DYNAMIC_PROCESS_SETS": "1"}).check()
-    assert sorted(job.results) == [0, 1]
-    return job.results
+@pytest.fixture
+def checks(two_worker_checks: dict[int, dict]) -> dict[int, dict]:
+    """The shared two-worker job's reports (see conftest.py), which include tests/workers/faults_checks.py."""
+    return two_worker_checks
 
 
 def values(checks: dict[int, dict], name: str) -> list:
