@@ -10,9 +10,22 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from hvd_launch import horovodrun_path  # noqa: E402
+from hvd_launch import horovodrun_path, run_job  # noqa: E402
 
 
 def pytest_configure(config: pytest.Config) -> None:
     if shutil.which(horovodrun_path()) is None and not Path(horovodrun_path()).exists():
         raise pytest.UsageError("horovodrun is not installed; run `bash ci/test.sh`, which builds it")
+
+
+@pytest.fixture(scope="session")
+def two_worker_checks(tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict]:
+    """Every rank's report of the one two-worker, one-node job of named checks (tests/workers/strategy_features.py).
+
+    Shared by the Lightning-feature tests and the fault tests: one launch instead of one per file.
+    Each check is recorded on its own, so a failing check fails only the tests that read it.
+    """
+    out = tmp_path_factory.mktemp("two_worker_checks")
+    job = run_job("strategy_features.py", np=2, out_dir=out, timeout=900).check()
+    assert sorted(job.results) == [0, 1], job.output[-3000:]
+    return job.results

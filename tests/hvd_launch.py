@@ -38,15 +38,20 @@ def run_job(
     timeout: float = 300,
     env: dict[str, str] | None = None,
     python: bool = True,
+    console_script: bool = False,
 ) -> JobResult:
     """Run ``horovodrun -np N -H hosts --gloo python script args`` and gather ``rank*.json``.
 
     The job runs in its own process group and is killed as a whole when it outlives
-    ``timeout``, so a hang fails the test instead of blocking the suite.
+    ``timeout``, so a hang fails the test instead of blocking the suite. horovodrun's build
+    probe, which costs seconds per launch, is skipped unless ``console_script`` asks for the
+    ``horovodrun`` command itself.
     """
     script = _worker_path(script)
     worker = ([sys.executable, str(script)] if python else [str(script)]) + list(args)
-    job = horovodrun(worker, np=np, hosts=hosts, out_dir=out_dir, timeout=timeout, env=env, cwd=REPO)
+    job = horovodrun(
+        worker, np=np, hosts=hosts, out_dir=out_dir, timeout=timeout, env=env, cwd=REPO, probe_build=console_script
+    )
     return _fail_on_timeout(job, "horovodrun", timeout)
 
 

@@ -96,9 +96,9 @@ def test_a_failed_worker_ends_the_whole_job(tmp_path: Path, case: str, np: int, 
 @pytest.mark.multiprocess
 def test_a_rank_that_skips_a_collective_ends_the_job_after_the_stall_timeout(tmp_path: Path) -> None:
     """Without stall_timeout_seconds this job hangs until run_job's timeout fails the test."""
-    job = run_job("faults_crash.py", "--case", "stall", "--stall-timeout", "5", out_dir=tmp_path, timeout=240)
+    job = run_job("faults_crash.py", "--case", "stall", "--stall-timeout", "3", out_dir=tmp_path, timeout=240)
     assert_failed(job)
-    assert "hvd_plugins: rank 0 of 2" in job.output and "stall_timeout_seconds=5" in job.output
+    assert "hvd_plugins: rank 0 of 2" in job.output and "stall_timeout_seconds=3" in job.output
     assert "Process 0 exit with status code 75" in job.output
     assert_no_worker_survives(tmp_path, 2)
 
@@ -107,10 +107,10 @@ def test_a_rank_that_skips_a_collective_ends_the_job_after_the_stall_timeout(tmp
 def test_by_default_a_stalled_rank_ends_the_job_after_horovodruns_stall_shutdown_time(tmp_path: Path) -> None:
     """No stall_timeout_seconds given: the default honours what horovodrun's
     --stall-check-shutdown-time-seconds exports to every worker, instead of waiting forever."""
-    env = {"HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": "5"}
+    env = {"HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": "3"}
     job = run_job("faults_crash.py", "--case", "stall", out_dir=tmp_path, timeout=240, env=env)
     assert_failed(job)
-    assert "stall_timeout_seconds=5" in job.output and "Process 0 exit with status code 75" in job.output
+    assert "stall_timeout_seconds=3" in job.output and "Process 0 exit with status code 75" in job.output
     assert_no_worker_survives(tmp_path, 2)
 
 
@@ -126,12 +126,13 @@ def test_the_default_stall_timeout_is_bounded_and_follows_horovodrun() -> None:
 @pytest.mark.multiprocess
 def test_a_job_killed_while_saving_resumes_from_the_last_complete_checkpoint(tmp_path: Path) -> None:
     ckpt = tmp_path / "ckpt"
-    reference = run_job(
-        "faults_checkpoint.py", "--phase", "reference", "--ckpt-dir", str(ckpt), out_dir=tmp_path / "ref"
-    ).check()
-    crash = run_job("faults_checkpoint.py", "--phase", "crash", "--ckpt-dir", str(ckpt), out_dir=tmp_path / "crash")
+    # One job: an uninterrupted reference run, then the run that is killed while saving.
+    crash = run_job(
+        "faults_checkpoint.py", "--phase", "reference,crash", "--ckpt-dir", str(ckpt), out_dir=tmp_path / "crash"
+    )
     assert crash.returncode != 0 and "Process 0 exit with status code 137" in crash.output
     assert_no_worker_survives(tmp_path / "crash", 2)
+    assert sorted(crash.results) == [0, 1] and all(sorted(r) == ["reference"] for r in crash.results.values())
     finals = sorted(path.name for path in ckpt.iterdir() if not path.name.startswith("."))
     assert finals == ["epoch=0.ckpt", "epoch=1.ckpt"], finals  # no file with the final name for epoch 2
     assert all(path.name.endswith(".tmp") for path in ckpt.iterdir() if path.name.startswith("."))
@@ -146,9 +147,10 @@ def test_a_job_killed_while_saving_resumes_from_the_last_complete_checkpoint(tmp
         str(ckpt / "epoch=1.ckpt"),
         out_dir=tmp_path / "resume",
     ).check()
-    assert len({result["digest"] for result in resumed.results.values()}) == 1  # identical weights on all ranks
-    expected = reference.results[0]
-    for rank, result in resumed.results.items():
+    resumed_runs = {rank: result["resume"] for rank, result in resumed.results.items()}
+    assert len({result["digest"] for result in resumed_runs.values()}) == 1  # identical weights on all ranks
+    expected = crash.results[0]["reference"]
+    for rank, result in resumed_runs.items():
         assert sorted(result["epoch_losses"]) == ["2", "3"], rank
         for epoch, loss in result["epoch_losses"].items():
             assert loss == pytest.approx(expected["epoch_losses"][epoch], rel=1e-5), (rank, epoch)
@@ -156,12 +158,10 @@ def test_a_job_killed_while_saving_resumes_from_the_last_complete_checkpoint(tmp
 
 
 # ---------------------------------------------------------------------------- configuration and numbers
-@pytest.fixture(scope="module")
-def checks(tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict]:
-    out = tmp_path_factory.mktemp("faults_checks")
-    job = run_job("faults_checks.py", out_dir=out, env={"HOROVOD_DYNAMIC_PROCESS_SETS": "1"}).check()
-    assert sorted(job.results) == [0, 1]
-    return job.results
+@pytest.fixture
+def checks(two_worker_checks: dict[int, dict]) -> dict[int, dict]:
+    """The shared two-worker job's reports (see conftest.py), which include tests/workers/faults_checks.py."""
+    return two_worker_checks
 
 
 def values(checks: dict[int, dict], name: str) -> list:
@@ -216,10 +216,18 @@ def test_ranks_stay_in_step_after_every_failed_case(checks: dict[int, dict]) -> 
     assert digests[0] == digests[1]
 
 
+@pytest.fixture(scope="module")
+def unequal_nodes(tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict]:
+    """One job of 3 workers on nodes of 2 and 1 that tries every node-aware sync mode in turn."""
+    out = tmp_path_factory.mktemp("unequal_nodes")
+    job = run_job("faults_launch.py", np=3, hosts="localhost:2,127.0.0.1:1", out_dir=out).check()
+    assert sorted(job.results) == [0, 1, 2], job.output[-3000:]
+    return job.results
+
+
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("sync", ["hierarchical", "daso"])
-def test_node_aware_sync_refuses_unequal_nodes(tmp_path: Path, sync: str) -> None:
-    job = run_job("faults_launch.py", "--sync", sync, np=3, hosts="localhost:2,127.0.0.1:1", out_dir=tmp_path).check()
-    errors = [job.results[rank]["error"] for rank in range(3)]
+def test_node_aware_sync_refuses_unequal_nodes(unequal_nodes: dict[int, dict], sync: str) -> None:
+    errors = [unequal_nodes[rank][sync] for rank in range(3)]
     assert len(set(errors)) == 1, errors
     assert "needs the same number of workers on every node" in errors[0] and "{0: 2, 1: 1}" in errors[0]

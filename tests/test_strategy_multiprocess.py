@@ -17,12 +17,10 @@ def value(report: dict[str, Any], check: str) -> Any:
     return entry["value"]
 
 
-@pytest.fixture(scope="module")
-def features(tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict]:
-    out = tmp_path_factory.mktemp("features")
-    job = run_job("strategy_features.py", np=2, out_dir=out, timeout=900).check()
-    assert sorted(job.results) == [0, 1], job.output[-3000:]
-    return job.results
+@pytest.fixture
+def features(two_worker_checks: dict[int, dict]) -> dict[int, dict]:
+    """The shared two-worker job's reports (see conftest.py)."""
+    return two_worker_checks
 
 
 def both(features: dict[int, dict], check: str) -> list[Any]:

@@ -7,6 +7,7 @@ the standard library is imported here, so a driver stays light.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import signal
@@ -53,6 +54,35 @@ def sibling_tool(name: str) -> str:
 
 def horovodrun_path() -> str:
     return sibling_tool("horovodrun")
+
+
+UNPROBED_HOROVODRUN = Path(__file__).with_name("horovodrun_unprobed.py")
+
+
+@functools.cache
+def require_gloo_build() -> None:
+    """Check once per driver process that Horovod was built with Gloo, as horovodrun does per launch.
+
+    Asks the already imported ``horovod.torch`` when there is one; otherwise Horovod's own probe
+    runs (a forked process imports it), once.
+    """
+    if "horovod.torch" in sys.modules:
+        built = bool(sys.modules["horovod.torch"].gloo_built())
+    else:
+        from horovod.common.util import gloo_built
+
+        built = bool(gloo_built())
+    if not built:
+        raise JobFailed("this Horovod build has no Gloo support; reinstall it with HOROVOD_WITH_GLOO=1")
+
+
+def horovodrun_command(probe_build: bool = False) -> list[str]:
+    """How to start horovodrun: the console script, or (``probe_build=False``) Horovod's same entry
+    point run without the build probe each launch pays for, once the build was checked here."""
+    if probe_build:
+        return [horovodrun_path()]
+    require_gloo_build()
+    return [sys.executable, str(UNPROBED_HOROVODRUN)]
 
 
 def read_rank_files(out_dir: Path) -> dict[int, dict[str, Any]]:
@@ -113,14 +143,17 @@ def horovodrun(
     timeout: float = 300,
     env: Mapping[str, str] | None = None,
     cwd: Path | None = None,
+    probe_build: bool = False,
 ) -> JobResult:
     """``horovodrun -np N -H hosts --gloo <worker> [--out out_dir]``, bounded by ``timeout``.
 
     ``worker`` is the full worker command (e.g. ``[sys.executable, script, *args]``); ``hosts``
     defaults to ``localhost:N``. ``HOROVOD_GLOO_TIMEOUT_SECONDS`` defaults to 180 s unless this
-    process's environment or ``env`` sets it.
+    process's environment or ``env`` sets it. horovodrun's per-launch build probe is skipped
+    unless ``probe_build`` (see ``horovodrun_command``).
     """
-    command = [horovodrun_path(), "-np", str(np), "-H", hosts or f"localhost:{np}", "--gloo", *worker]
+    launcher = horovodrun_command(probe_build)
+    command = [*launcher, "-np", str(np), "-H", hosts or f"localhost:{np}", "--gloo", *worker]
     if out_dir is not None:
         command += ["--out", str(out_dir)]
     full_env = {"HOROVOD_GLOO_TIMEOUT_SECONDS": os.environ.get("HOROVOD_GLOO_TIMEOUT_SECONDS", GLOO_TIMEOUT_SECONDS)}

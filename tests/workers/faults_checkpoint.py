@@ -2,8 +2,9 @@
 
 ``--phase reference``: 4 epochs, uninterrupted. ``--phase crash``: checkpoints every epoch; rank 0
 is SIGKILLed while pickling the epoch-2 checkpoint (after the temporary file was opened).
-``--phase resume``: continues from ``--resume-from`` to 4 epochs. Each rank writes its per-epoch
-mean loss (averaged over all ranks) and a digest of its final weights.
+``--phase resume``: continues from ``--resume-from`` to 4 epochs. ``--phase reference,crash`` runs
+both, in that order, in one job. Each rank writes, per phase that finished, its per-epoch mean loss
+(averaged over all ranks) and a digest of its final weights.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from hvd_plugins import HorovodStrategy
 
 OUT, _ = parse_out()
 parser = argparse.ArgumentParser()
-parser.add_argument("--phase", choices=["reference", "crash", "resume"], required=True)
+parser.add_argument("--phase", required=True, help="reference, crash or resume, or several separated by commas")
 parser.add_argument("--ckpt-dir", type=Path, required=True)
 parser.add_argument("--resume-from", type=Path, default=None)
 ARGS, _ = parser.parse_known_args()
@@ -44,16 +45,26 @@ class CrashingNet(Net):
             checkpoint["zz_crash"] = KillWhilePickled()  # pickled after the weights
 
 
-callbacks = []
-if ARGS.phase == "crash":
-    callbacks.append(ModelCheckpoint(dirpath=ARGS.ckpt_dir, filename="{epoch}", save_top_k=-1, every_n_epochs=1))
-strategy = HorovodStrategy()
-fit = trainer(strategy, epochs=EPOCHS, callbacks=callbacks, enable_checkpointing=ARGS.phase == "crash")
-record_pid(OUT, hvd.rank())
-module = CrashingNet() if ARGS.phase == "crash" else Net()
-fit.fit(module, loader(), ckpt_path=str(ARGS.resume_from) if ARGS.resume_from else None)
-write_result(
-    OUT,
-    hvd.rank(),
-    {"epoch_losses": module.epoch_losses, "digest": digest(module), "weights": module.first.weight.flatten().tolist()},
-)
+PHASES = ("reference", "crash", "resume")
+
+
+def run_phase(phase: str) -> dict[str, Any]:
+    callbacks = []
+    if phase == "crash":
+        callbacks.append(ModelCheckpoint(dirpath=ARGS.ckpt_dir, filename="{epoch}", save_top_k=-1, every_n_epochs=1))
+    fit = trainer(HorovodStrategy(), epochs=EPOCHS, callbacks=callbacks, enable_checkpointing=phase == "crash")
+    record_pid(OUT, hvd.rank())  # Horovod runs once the Trainer exists
+    module = CrashingNet() if phase == "crash" else Net()
+    resume_from = ARGS.resume_from if phase == "resume" else None
+    fit.fit(module, loader(), ckpt_path=str(resume_from) if resume_from else None)
+    weights = module.first.weight.flatten().tolist()
+    return {"epoch_losses": module.epoch_losses, "digest": digest(module), "weights": weights}
+
+
+phases = ARGS.phase.split(",")
+if not set(phases) <= set(PHASES):
+    raise ValueError(f"--phase {ARGS.phase!r}: each phase must be one of {PHASES}")
+report: dict[str, Any] = {}
+for phase in phases:
+    report[phase] = run_phase(phase)
+    write_result(OUT, hvd.rank(), report)  # before the next phase, which may be killed

@@ -1,7 +1,9 @@
 """Bad configuration and bad numbers, many cases in one launch: every case must fail the same way on
 every rank (so the ranks stay in step and the next case can run), or behave identically.
 
-Run under ``horovodrun -np 2`` with ``HOROVOD_DYNAMIC_PROCESS_SETS=1`` (for the DASO case).
+``CHECKS`` runs inside the two-worker job of tests/workers/strategy_features.py; run as a script
+(``horovodrun -np 2``) it runs them alone. Horovod must start with ``HOROVOD_DYNAMIC_PROCESS_SETS=1``
+(for the DASO case), which both set before ``hvd.init()``.
 """
 
 from __future__ import annotations
@@ -19,10 +21,9 @@ from lightning.pytorch.plugins.precision import MixedPrecision
 
 from hvd_plugins import DasoConfig, HorovodStrategy
 
-OUT, _ = parse_out()
 BAD_BATCH = 3
-os.environ["HOROVOD_DYNAMIC_PROCESS_SETS"] = "1"  # lets the DASO case set up after this hvd.init()
-hvd.init()
+DYNAMIC_PROCESS_SETS = {"HOROVOD_DYNAMIC_PROCESS_SETS": "1"}
+"""Lets the DASO case set up its process sets after ``hvd.init()``."""
 
 
 def first_error(run: Callable[[], Any]) -> str:
@@ -106,4 +107,8 @@ CHECKS: dict[str, Callable[[], Any]] = {
     "still_in_step": lambda: digest(fit(HorovodStrategy())),
 }
 
-write_result(OUT, hvd.rank(), run_checks(CHECKS))
+if __name__ == "__main__":
+    OUT, _ = parse_out()
+    os.environ.update(DYNAMIC_PROCESS_SETS)
+    hvd.init()
+    write_result(OUT, hvd.rank(), run_checks(CHECKS))

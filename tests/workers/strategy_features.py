@@ -1,13 +1,15 @@
 """Lightning features under HorovodStrategy, checked against single-process references.
 
-Run by tests/test_strategy_multiprocess.py under ``horovodrun -np 2``. Every rank runs every
-check in the same order and writes its report to ``--out/rank<r>.json``.
+The one job of two workers on one node that the checks of tests/test_strategy_multiprocess.py and
+tests/test_faults.py share (``faults_checks.CHECKS`` run here too), under ``horovodrun -np 2``.
+Every rank runs every check in the same order and writes its report to ``--out/rank<r>.json``.
 """
 
 from __future__ import annotations
 
 import copy
 import hashlib
+import os
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +18,8 @@ import lightning.pytorch as pl
 import torch
 import torchmetrics
 from _common import parse_out, run_checks, write_result
+from faults_checks import CHECKS as FAULT_CHECKS
+from faults_checks import DYNAMIC_PROCESS_SETS
 from lightning.pytorch.callbacks import Callback, GradientAccumulationScheduler, ModelCheckpoint
 from torch import nn
 from torch.utils.data import DataLoader, Subset, TensorDataset
@@ -606,6 +610,7 @@ def check_uneven_sync_batchnorm() -> dict[str, Any]:
 
 
 if __name__ == "__main__":
+    os.environ.update(DYNAMIC_PROCESS_SETS)
     hvd.init()
     checks = {
         "accumulation": check_accumulation,
@@ -624,6 +629,7 @@ if __name__ == "__main__":
         "accumulation_change_mid_epoch": check_accumulation_change_mid_epoch,
         "average_buffers": check_average_buffers,
         "reduce_ops": check_reduce_ops,
+        **FAULT_CHECKS,
         # Last, and bounded: if it hangs, the checks above are still reported and only this one fails.
         "uneven_sync_batchnorm": check_uneven_sync_batchnorm,
     }
