@@ -206,7 +206,7 @@ def test_state_dict_round_trip_continues_exactly_like_an_uninterrupted_schedule(
     resumed.load_state_dict(first.state_dict())
     assert head + settings_sequence(resumed, losses[4:]) == expected
     assert resumed.history == whole.history
-    shorter = DasoSchedule(config, total_epochs=6)  # resumed with fewer epochs: now in cooldown
+    shorter = DasoSchedule(config, total_epochs=5)  # resumed with fewer epochs: now in cooldown
     shorter.load_state_dict(first.state_dict())
     assert (shorter.phase, shorter.settings) == (Phase.COOLDOWN, (1, 1, 0))
 
