@@ -53,13 +53,6 @@ class GradientSync(ABC):
         self.backward_passes = passes
 
 
-class NoGradientSync(GradientSync):
-    """Nothing to average: the worker is alone in its group."""
-
-    def synchronize(self, optimizer: Optimizer) -> None:
-        return None
-
-
 class HorovodOptimizerSync(GradientSync):
     """Horovod's ``DistributedOptimizer``: one allreduce per gradient, started by backward hooks.
 
