@@ -13,12 +13,16 @@ b bytes per element on the compressed wire (4 for none, 2 for fp16):
     allreduce      cross-node  P*b*S                      (a flat allreduce over two nodes counts as cross-node)
     hierarchical   node-local  (P + P/L)*4*S              (reduce-scatter input + allgather input, uncompressed)
                    cross-node  (P/L)*b*S                  (each local rank carries one shard)
-    daso           node-local  P*b*S + (P/L)*4*G          (gradients every step + allgather of merged shards)
-                   cross-node  (P/L)*b*G                  (parameter shards, G global syncs per epoch)
+    daso           node-local  P*b*S + 2*(P/L)*4*M        (gradients every step + allgather of merged
+                                                          shards and their average, M merges per epoch)
+                   cross-node  (P/L)*b*G + P*b            (G parameter-shard sends + the closing blocking
+                                                          average of the whole drift over all workers)
 
-DASO runs in its cycling phase (no warmup epochs): a global sync every ``global_skips`` = 4 batches
-and on the last batch of the epoch, so G = ceil(S / 4). For DASO the compression column sets both
-the node-local gradients' compression and the cross-node parameters' ``downcast`` (none = fp32).
+DASO runs in its cycling phase (no warmup epochs): a send every ``global_skips`` = 4 steps before the
+last one, so G = floor((S - 1) / 4), received (merged) one step later unless that is the last step,
+which syncs blocking. SGD without momentum and no buffers: no optimizer state crosses. For DASO the
+compression column sets both the node-local gradients' compression and the cross-node parameters'
+``downcast`` (none = fp32).
 """
 
 from __future__ import annotations
@@ -64,10 +68,11 @@ def expected_bytes(sync: str, compression: str, params: int, local_size: int, st
         return {"node_local": 0, "cross_node": params * wire * steps}
     if sync == "hierarchical":
         return {"node_local": (params + shard) * 4 * steps, "cross_node": shard * wire * steps}
-    global_syncs = math.ceil(steps / DASO_CYCLING_GLOBAL_SKIPS)
+    sends = (steps - 1) // DASO_CYCLING_GLOBAL_SKIPS  # the last step syncs blocking instead
+    merges = sum(1 for k in range(1, sends + 1) if k * DASO_CYCLING_GLOBAL_SKIPS + 1 < steps)
     return {
-        "node_local": params * wire * steps + shard * 4 * global_syncs,
-        "cross_node": shard * wire * global_syncs,
+        "node_local": params * wire * steps + 2 * shard * 4 * merges,
+        "cross_node": shard * wire * sends + params * wire,
     }
 
 

@@ -22,13 +22,13 @@ from hvd_plugins.config import GRADIENT_OPS, HIERARCHICAL_IMPLS, SYNC_MODES
 
 PRECISIONS = ("32-true", "64-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true")
 _DASO_HELP = {
-    "warmup_epochs": "epochs of blocking cross-node sync after every batch at the start",
-    "cooldown_epochs": "epochs of blocking cross-node sync after every batch at the end",
+    "warmup_epochs": "epochs at the start with gradients averaged over all workers every step",
+    "cooldown_epochs": "epochs at the end with gradients averaged over all workers every step",
     "stability_level": "relative loss improvement below which an epoch counts as not improving",
     "max_global_skips": "most batches between two cross-node syncs",
     "skip_reduction_factor": "divisor applied to the skips when the loss has stabilised",
     "local_skip_factor": "batches_to_wait on a reset is max_global_skips // this",
-    "stable_epochs": "epochs without improvement before the skips shrink",
+    "stable_epochs": "plateau patience: the skips shrink on the (N+1)-th epoch in a row without improvement",
     "sending_chunk_size": "largest number of elements in one cross-node message",
     "downcast": "wire type of the cross-node parameters",
     "verbose": "print schedule changes on rank 0",

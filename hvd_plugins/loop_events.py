@@ -3,7 +3,8 @@
 Lightning calls a strategy at batch start, never at batch or epoch end, so the strategy installs
 this callback. It turns the loop into three events and drives everything that hangs on them:
 
-- epoch start: follow accumulation schedules, refuse uneven data for the node-aware syncs;
+- epoch start: follow accumulation schedules, refuse uneven data for the node-aware syncs, let DASO
+  re-read which parameters are trainable;
 - batch end: DASO's cross-node step (when the batch stepped the optimizer);
 - the epoch's last batch: DASO settles the epoch and its schedule picks the next epoch's settings
   from the epoch's training loss averaged over all workers; the epoch-end policy joins uneven
@@ -44,6 +45,12 @@ def is_last_batch(trainer: Trainer, batch_idx: int) -> bool:
     )
 
 
+def training_data_name(trainer: Trainer) -> str:
+    """The training dataset's type, for error messages ("the training data" when there is none)."""
+    dataset = getattr(trainer.train_dataloader, "dataset", None)
+    return "the training data" if dataset is None else f"the training dataset ({type(dataset).__name__})"
+
+
 class TrainingLoopEvents(Callback):
     """Drives the epoch-end policy and DASO from Lightning's loop; installed by HorovodStrategy."""
 
@@ -67,8 +74,10 @@ class TrainingLoopEvents(Callback):
     def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._epoch_open = True
         self._loss_sum, self._loss_count = 0.0, 0
-        self.epoch_end.check_even_batches(trainer.num_training_batches)
+        self.epoch_end.check_even_batches(trainer.num_training_batches, training_data_name(trainer))
         self.on_epoch_start(trainer)
+        if self.daso_sync is not None:
+            self.daso_sync.on_train_epoch_start()  # after user callbacks that (un)freeze parameters
 
     @override
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:

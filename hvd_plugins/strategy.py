@@ -32,7 +32,7 @@ from hvd_plugins import horovod_adapter
 from hvd_plugins._horovod import horovod_torch
 from hvd_plugins.checkpoint_io import AtomicCheckpointIO
 from hvd_plugins.comm.counters import CommCounters
-from hvd_plugins.comm.gradient_sync import GradientSync, make_gradient_sync
+from hvd_plugins.comm.gradient_sync import DasoGradientSync, GradientSync, make_gradient_sync
 from hvd_plugins.comm.naming import COLLECTIVE_NAMES
 from hvd_plugins.comm.topology import NodeGroups, Topology, build_node_groups, discover_topology
 from hvd_plugins.comm.wire import GATHER, for_wire, from_wire, horovod_op, reduce_op_name
@@ -304,6 +304,8 @@ class HorovodStrategy(ParallelStrategy):
         max_epochs = trainer.max_epochs if trainer.max_epochs and trainer.max_epochs > 0 else None
         self.daso_sync = DasoSync(self.config.daso, self._groups, self.comm_counters, total_epochs=max_epochs)
         self.daso_sync.setup(self.model, self.optimizers)
+        if isinstance(self.gradient_sync, DasoGradientSync):
+            self.gradient_sync.follow(self.daso_sync.gradients_over_all_workers)
         if self._restored_daso_schedule is not None:
             self.daso_sync.schedule.load_state_dict(self._restored_daso_schedule)
             self._restored_daso_schedule = None

@@ -1,10 +1,21 @@
-"""The DASO schedule as a pure state machine, driven by synthetic loss sequences (no processes)."""
+"""The DASO schedule as a pure state machine, driven by synthetic loss sequences (no processes).
+
+Expected settings are written from heat's DASO (``heat/optim/dp_optimizer.py``, ``epoch_loss_logic``)
+and its ``DetectMetricPlateau`` (``heat/optim/utils.py``), not from this package's code.
+"""
 
 from __future__ import annotations
 
-import pytest
+import math
 
+import pytest
+import torch
+
+from hvd_plugins.comm.gradient_sync import DasoGradientSync
+from hvd_plugins.config import HorovodConfig
 from hvd_plugins.daso import DasoConfig, DasoSchedule, Phase, StepPlan
+from hvd_plugins.daso.schedule import improves
+from hvd_plugins.daso.sync import optimizer_state_to_average
 
 
 def run_epoch(schedule: DasoSchedule, batches: int) -> list[StepPlan]:
@@ -13,27 +24,37 @@ def run_epoch(schedule: DasoSchedule, batches: int) -> list[StepPlan]:
     return plans
 
 
-def settings_per_epoch(schedule: DasoSchedule, losses: list[float], batches: int = 8) -> list[tuple[str, int, int]]:
+def settings_sequence(schedule: DasoSchedule, losses: list[float], batches: int = 8) -> list[tuple[str, int, int, int]]:
+    """``(phase, global_skips, local_skips, batches_to_wait)`` each epoch ran with."""
     seen = []
     for loss in losses:
-        seen.append((schedule.phase.value, schedule.global_skips, schedule.batches_to_wait))
+        seen.append((schedule.phase.value, *schedule.settings))
         run_epoch(schedule, batches)
         schedule.end_epoch(loss)
     return seen
 
 
-def test_warmup_blocks_every_batch() -> None:
-    schedule = DasoSchedule(DasoConfig(warmup_epochs=2), total_epochs=None)
+WARMUP = ("warmup", 1, 1, 0)
+COOLDOWN = ("cooldown", 1, 1, 0)
+
+
+def test_warmup_and_cooldown_communicate_nothing_after_the_step() -> None:
+    """Synchronous phases: the gradient average over all workers is the whole sync."""
+    schedule = DasoSchedule(DasoConfig(warmup_epochs=2, cooldown_epochs=1), total_epochs=4)
+    assert schedule.phase.synchronous
     plans = run_epoch(schedule, 5)
-    assert all(plan.blocking and not plan.send for plan in plans)
+    assert not any(plan.communicates for plan in plans)
+    assert not schedule.finish_epoch().communicates
     assert (schedule.phase, schedule.global_skips, schedule.batches_to_wait) == (Phase.WARMUP, 1, 0)
+    assert not Phase.CYCLING.synchronous and Phase.COOLDOWN.synchronous
 
 
 def test_cycling_starts_at_four_skips_one_wait_then_blocks_on_last_batch() -> None:
     schedule = DasoSchedule(DasoConfig(warmup_epochs=1), total_epochs=None)
     run_epoch(schedule, 4)
     schedule.end_epoch(1.0)
-    assert (schedule.phase, schedule.global_skips, schedule.batches_to_wait) == (Phase.CYCLING, 4, 1)
+    # heat: ``warmup_epochs == epoch`` sets (global_skips, local_skips, batches_to_wait) = (4, 1, 1)
+    assert (schedule.phase, schedule.settings) == (Phase.CYCLING, (4, 1, 1))
     plans = run_epoch(schedule, 10)
     assert [i + 1 for i, p in enumerate(plans) if p.send] == [4, 8]
     assert [i + 1 for i, p in enumerate(plans) if p.receive] == [5, 9]
@@ -41,15 +62,81 @@ def test_cycling_starts_at_four_skips_one_wait_then_blocks_on_last_batch() -> No
     assert [i + 1 for i, p in enumerate(plans) if p.blocking] == [10]
 
 
-def test_message_in_flight_at_epoch_end_is_awaited_before_the_closing_blocking_sync() -> None:
-    schedule = DasoSchedule(DasoConfig(warmup_epochs=0, max_global_skips=8), total_epochs=None)
-    schedule.end_epoch(1.0)
-    for _ in range(7):  # a flat loss: (4, 1) -> (2, 0) -> (1, 0) -> reset to (8, 2), two epochs each
+def test_a_flat_loss_walks_heats_plateau_sequence() -> None:
+    """heat's epoch_loss_logic with DetectMetricPlateau(patience=2, threshold=0.05), best from inf.
+
+    heat judges the last warmup epoch's loss first (best = 1.0); each plateau fires when
+    num_bad_epochs > patience, i.e. on the 3rd non-improving epoch, and restarts the count.
+    On a plateau with gs > 1: gs //= 2, ls //= 2, btw -= 1, then ls and btw raised to 1;
+    with gs == 1: reset to (max_gs, max_gs // 4, max_gs // 4) = (8, 2, 2).
+    """
+    schedule = DasoSchedule(DasoConfig(warmup_epochs=1), total_epochs=None)
+    seen = settings_sequence(schedule, [1.0] * 14)
+    assert seen == [
+        WARMUP,  # its loss (1.0) is the detector's first: best = 1.0
+        *[("cycling", 4, 1, 1)] * 3,  # bad epochs 1, 2, 3 -> plateau
+        *[("cycling", 2, 1, 1)] * 3,  # btw 1 - 1 = 0 is raised to 1
+        *[("cycling", 1, 1, 1)] * 3,  # gs == 1 on a plateau: reset
+        *[("cycling", 8, 2, 2)] * 3,
+        ("cycling", 4, 1, 1),
+    ]
+
+
+def test_the_last_warmup_loss_is_judged_and_earlier_warmup_losses_are_not() -> None:
+    """heat returns before the detector for every warmup epoch but the last one."""
+    schedule = DasoSchedule(DasoConfig(warmup_epochs=2), total_epochs=None)
+    # A low first-warmup loss would make every later epoch "not improving" if it were judged.
+    seen = settings_sequence(schedule, [0.5, 1.0, 0.9, 0.9, 0.9, 0.9, 0.9])
+    assert seen == [
+        WARMUP,
+        WARMUP,  # best = 1.0
+        ("cycling", 4, 1, 1),  # 0.9 < 0.95: improves, best = 0.9
+        ("cycling", 4, 1, 1),  # bad 1
+        ("cycling", 4, 1, 1),  # bad 2
+        ("cycling", 4, 1, 1),  # bad 3 > patience: plateau
+        ("cycling", 2, 1, 1),
+    ]
+
+
+def test_improvement_is_relative_to_the_best_in_both_signs() -> None:
+    # heat's is_better, mode min, rel: a < best * (1 - t) for best >= 0, a < best * (1 + t) otherwise
+    assert improves(0.94, 1.0, 0.05) and not improves(0.96, 1.0, 0.05)
+    assert improves(-1.06, -1.0, 0.05) and not improves(-1.04, -1.0, 0.05)
+    assert improves(123.0, math.inf, 0.05)
+
+
+def test_improving_loss_keeps_the_skips() -> None:
+    schedule = DasoSchedule(DasoConfig(warmup_epochs=1, stability_level=0.05), total_epochs=None)
+    seen = settings_sequence(schedule, [1.0, 0.9, 0.8, 0.7, 0.6, 0.5])
+    assert seen == [WARMUP] + [("cycling", 4, 1, 1)] * 5
+
+
+def test_gs_one_wait_one_keeps_at_most_one_message_in_flight() -> None:
+    """(1, 1, 1): every step receives the previous step's message, then sends the next one."""
+    schedule = DasoSchedule(DasoConfig(warmup_epochs=0, stable_epochs=0), total_epochs=None)
+    for _ in range(3):  # patience 0: (4,1,1) -> best; -> (2,1,1) -> (1,1,1)
         schedule.end_epoch(1.0)
-    assert (schedule.global_skips, schedule.batches_to_wait) == (8, 2)
+    assert schedule.settings == (1, 1, 1)
+    in_flight = 0
+    for step in range(1, 7):
+        plan = schedule.on_optimizer_step(last_batch_of_epoch=step == 6)
+        in_flight -= int(plan.receive)
+        assert in_flight == 0  # received before anything new is sent
+        in_flight += int(plan.send)
+        assert plan.receive == (step > 1) and plan.send == (step < 6) and plan.blocking == (step == 6)
+        assert not plan.receive or plan.merge_wait == 1
+    assert not schedule.in_flight
+
+
+def test_message_in_flight_at_epoch_end_is_awaited_before_the_closing_blocking_sync() -> None:
+    schedule = DasoSchedule(DasoConfig(warmup_epochs=0, stable_epochs=0), total_epochs=None)
+    for _ in range(4):  # (4,1,1) best, (2,1,1), (1,1,1), reset (8,2,2)
+        schedule.end_epoch(1.0)
+    assert schedule.settings == (8, 2, 2)
     plans = run_epoch(schedule, 9)  # send at 8, due at 10: the epoch ends at 9
     assert plans[7].send and not plans[7].receive
     assert plans[8].receive and plans[8].blocking and plans[8].merge_wait == 2
+    assert not any(plan.blocking for plan in plans[:8])  # cycling never blocks mid-epoch
     assert not schedule.in_flight
 
 
@@ -68,41 +155,14 @@ def test_finish_epoch_closes_an_epoch_whose_last_batch_did_not_step() -> None:
         schedule.end_epoch(1.0)  # finish_epoch() was skipped
 
 
-def test_improving_loss_keeps_the_skips() -> None:
-    schedule = DasoSchedule(DasoConfig(warmup_epochs=1, stability_level=0.05), total_epochs=None)
-    seen = settings_per_epoch(schedule, [1.0, 0.9, 0.8, 0.7, 0.6, 0.5])
-    assert seen == [("warmup", 1, 0)] + [("cycling", 4, 1)] * 5
-
-
-def test_plateau_shrinks_then_resets_when_global_skips_reach_one() -> None:
-    config = DasoConfig(warmup_epochs=1, stable_epochs=2, max_global_skips=8, local_skip_factor=4)
-    schedule = DasoSchedule(config, total_epochs=None)
-    # improvements smaller than 5 % count as "not improving"
-    losses = [1.0, 0.9, 0.89, 0.88, 0.88, 0.88, 0.88, 0.88, 0.88, 0.88, 0.88]
-    seen = settings_per_epoch(schedule, losses)
-    assert seen == [
-        ("warmup", 1, 0),
-        ("cycling", 4, 1),  # 0.9 improves on 1.0
-        ("cycling", 4, 1),  # 0.89: not improving (1)
-        ("cycling", 4, 1),  # 0.88: not improving (2) -> shrink
-        ("cycling", 2, 0),
-        ("cycling", 2, 0),  # -> shrink
-        ("cycling", 1, 0),
-        ("cycling", 1, 0),  # gs == 1 and stable -> reset to (max, max // local_skip_factor)
-        ("cycling", 8, 2),
-        ("cycling", 8, 2),  # -> shrink
-        ("cycling", 4, 1),
-    ]
-
-
-def test_cooldown_blocks_for_the_last_epochs_and_none_means_no_cooldown() -> None:
-    config = DasoConfig(warmup_epochs=1, cooldown_epochs=2)
+def test_cooldown_is_synchronous_and_not_judged_and_none_means_no_cooldown() -> None:
+    config = DasoConfig(warmup_epochs=1, cooldown_epochs=2, stable_epochs=0)
     schedule = DasoSchedule(config, total_epochs=5)
-    seen = settings_per_epoch(schedule, [1.0, 0.5, 0.25, 0.1, 0.05])
-    assert [phase for phase, _, _ in seen] == ["warmup", "cycling", "cycling", "cooldown", "cooldown"]
-    assert seen[3:] == [("cooldown", 1, 0)] * 2
+    seen = settings_sequence(schedule, [1.0, 0.5, 0.25, 1.0, 1.0])
+    assert seen == [WARMUP, ("cycling", 4, 1, 1), ("cycling", 4, 1, 1), COOLDOWN, COOLDOWN]
+    assert schedule.epochs_without_improvement == 0  # heat returns before the detector in cooldown
     endless = DasoSchedule(config, total_epochs=None)
-    assert [phase for phase, _, _ in settings_per_epoch(endless, [1.0] * 30)][-1] == "cycling"
+    assert settings_sequence(endless, [1.0] * 30)[-1][0] == "cycling"
 
 
 def test_warmup_and_cooldown_covering_the_run_leave_no_cycling() -> None:
@@ -110,37 +170,54 @@ def test_warmup_and_cooldown_covering_the_run_leave_no_cycling() -> None:
     assert [schedule.phase_of(e).value for e in range(6)] == ["warmup"] * 4 + ["cooldown"] * 2
 
 
-def test_small_max_global_skips_clip_the_cycle_start_and_wait_stays_below_skips() -> None:
-    schedule = DasoSchedule(DasoConfig(warmup_epochs=0, max_global_skips=2), total_epochs=None)
-    assert (schedule.global_skips, schedule.batches_to_wait) == (2, 1)
-    schedule = DasoSchedule(DasoConfig(warmup_epochs=0, max_global_skips=1), total_epochs=None)
-    assert (schedule.global_skips, schedule.batches_to_wait) == (1, 0)
-    assert all(plan.blocking for plan in run_epoch(schedule, 3))
+def test_deviations_from_heat_keep_cycling_non_blocking_with_one_message_in_flight() -> None:
+    # heat would start at gs 4 > max and reset to (2, 0, 0), blocking; we cap and keep btw >= 1.
+    schedule = DasoSchedule(DasoConfig(warmup_epochs=0, max_global_skips=2, stable_epochs=0), total_epochs=None)
+    assert schedule.settings == (2, 1, 1)
+    # epoch 0 sets best; each later flat epoch is a plateau (patience 0): shrink to 1, reset to max
+    assert settings_sequence(schedule, [1.0] * 4) == [("cycling", 2, 1, 1)] * 2 + [
+        ("cycling", 1, 1, 1),
+        ("cycling", 2, 1, 1),
+    ]
+    # heat's (32, 16, 16) -> (16, 8, 15) -> (8, 4, 14): btw is capped at gs (one message in flight).
+    config = DasoConfig(warmup_epochs=0, max_global_skips=32, local_skip_factor=2, stable_epochs=0)
+    schedule = DasoSchedule(config, total_epochs=None)
+    seen = settings_sequence(schedule, [1.0] * 8)
+    assert seen[4:] == [("cycling", 32, 16, 16), ("cycling", 16, 8, 15), ("cycling", 8, 4, 8), ("cycling", 4, 2, 4)]
+    assert all(wait <= skips for _, skips, _, wait in seen)
 
 
 def test_missing_loss_advances_phases_without_judging() -> None:
-    schedule = DasoSchedule(DasoConfig(warmup_epochs=1, stable_epochs=1), total_epochs=None)
-    seen = settings_per_epoch(schedule, [float("nan"), float("nan"), float("nan")])
-    assert seen == [("warmup", 1, 0), ("cycling", 4, 1), ("cycling", 4, 1)]
-    assert schedule.history[0].loss is None
+    schedule = DasoSchedule(DasoConfig(warmup_epochs=1, stable_epochs=0), total_epochs=None)
+    seen = settings_sequence(schedule, [float("nan"), float("nan"), float("nan")])
+    assert seen == [WARMUP, ("cycling", 4, 1, 1), ("cycling", 4, 1, 1)]
+    assert schedule.history[0].loss is None and math.isinf(schedule.best_loss)
 
 
-def test_state_dict_round_trip_resumes_where_it_stopped() -> None:
-    config = DasoConfig(warmup_epochs=1, stable_epochs=1)
-    schedule = DasoSchedule(config, total_epochs=20)
-    settings_per_epoch(schedule, [1.0, 1.0, 1.0])
-    resumed = DasoSchedule(config, total_epochs=20)
-    resumed.load_state_dict(schedule.state_dict())
-    assert (resumed.epoch, resumed.phase, resumed.global_skips, resumed.batches_to_wait) == (
-        schedule.epoch,
-        schedule.phase,
-        schedule.global_skips,
-        schedule.batches_to_wait,
-    )
-    assert resumed.history == schedule.history
-    shorter = DasoSchedule(config, total_epochs=4)  # resumed with fewer epochs: now in cooldown
-    shorter.load_state_dict(schedule.state_dict())
-    assert (shorter.phase, shorter.global_skips, shorter.batches_to_wait) == (Phase.COOLDOWN, 1, 0)
+def test_state_dict_round_trip_continues_exactly_like_an_uninterrupted_schedule() -> None:
+    config = DasoConfig(warmup_epochs=1, cooldown_epochs=1)
+    losses = [1.0, 0.9, 0.9, 0.88, 0.9, 0.9, 0.9, 0.9, 0.9, 0.9, 0.9, 0.9]
+    whole = DasoSchedule(config, total_epochs=len(losses))
+    expected = settings_sequence(whole, losses)
+    first = DasoSchedule(config, total_epochs=len(losses))
+    head = settings_sequence(first, losses[:4])  # stops with two bad epochs counted
+    assert first.epochs_without_improvement == 2
+    resumed = DasoSchedule(config, total_epochs=len(losses))
+    resumed.load_state_dict(first.state_dict())
+    assert head + settings_sequence(resumed, losses[4:]) == expected
+    assert resumed.history == whole.history
+    shorter = DasoSchedule(config, total_epochs=5)  # resumed with fewer epochs: now in cooldown
+    shorter.load_state_dict(first.state_dict())
+    assert (shorter.phase, shorter.settings) == (Phase.COOLDOWN, (1, 1, 0))
+
+
+def test_a_fresh_schedule_state_dict_has_no_best_loss_yet() -> None:
+    schedule = DasoSchedule(DasoConfig(), total_epochs=None)
+    state = schedule.state_dict()
+    assert state["best_loss"] is None
+    restored = DasoSchedule(DasoConfig(), total_epochs=None)
+    restored.load_state_dict(state)
+    assert math.isinf(restored.best_loss)
 
 
 def test_phase_codes_for_loggers() -> None:
@@ -151,6 +228,7 @@ def test_phase_codes_for_loggers() -> None:
     ("field", "value", "message"),
     [
         ("warmup_epochs", -1, "warmup_epochs=-1 must be >= 0"),
+        ("stable_epochs", -1, "stable_epochs=-1 must be >= 0"),
         ("max_global_skips", 0, "max_global_skips=0 must be >= 1"),
         ("skip_reduction_factor", 1, "skip_reduction_factor=1 must be >= 2"),
         ("stability_level", 1.5, r"stability_level=1.5 must be in \[0, 1\)"),
@@ -168,3 +246,35 @@ def test_config_from_dict_names_unknown_settings_and_schedule_rejects_bad_length
         DasoConfig.from_any({"global_skip": 4})
     with pytest.raises(ValueError, match="total_epochs=0 must be >= 1"):
         DasoSchedule(DasoConfig(), total_epochs=0)
+
+
+def test_optimizer_state_to_average_takes_only_state_living_with_its_parameter() -> None:
+    """Adam's ``step`` (a CPU scalar even for GPU parameters) and state elsewhere are never flattened."""
+    weight = torch.nn.Parameter(torch.ones(3, 2))
+    bias = torch.nn.Parameter(torch.ones(2))
+    optimizer = torch.optim.Adam([weight, bias])
+    moment = torch.full((3, 2), 0.5)
+    optimizer.state[weight] = {
+        "step": torch.tensor(7.0),
+        "exp_avg": moment,
+        "elsewhere": torch.zeros(3, 2, device="meta"),  # another device, as CUDA moments beside a CPU step
+        "wrong_shape": torch.zeros(6),
+        "counts": torch.zeros(3, 2, dtype=torch.int64),
+    }
+    optimizer.state[bias] = {"step": torch.tensor(7.0), "exp_avg_sq": torch.full((2,), 0.25, dtype=torch.float64)}
+    picked = optimizer_state_to_average([optimizer])
+    assert [tuple(t.shape) for t in picked] == [(3, 2), (2,)]
+    assert picked[0] is moment and picked[1].dtype == torch.float64  # another dtype is cast on the wire
+    assert torch.cat([t.reshape(-1).float() for t in picked]).tolist() == [0.5] * 6 + [0.25] * 2
+
+
+def test_gradient_predivide_factor_and_adasum_are_refused_with_daso() -> None:
+    with pytest.raises(ValueError, match="gradient_predivide_factor=2.0 works only with sync='allreduce'"):
+        HorovodConfig(sync="daso", gradient_predivide_factor=2.0)
+    with pytest.raises(ValueError, match="op='adasum' works only with sync='allreduce'"):
+        HorovodConfig(sync="daso", op="adasum")
+
+
+def test_daso_gradient_sync_refuses_ops_it_cannot_average() -> None:
+    with pytest.raises(ValueError, match="op='min' is not supported with sync='daso'"):
+        DasoGradientSync(None, None, "fp16", "min", None)  # type: ignore[arg-type]

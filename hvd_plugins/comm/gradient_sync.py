@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -23,7 +23,7 @@ from hvd_plugins.comm.counters import CommCounters, Scope
 from hvd_plugins.comm.hierarchical import hierarchical_allreduce_
 from hvd_plugins.comm.parameters import optimizer_parameters
 from hvd_plugins.comm.topology import NodeGroups
-from hvd_plugins.comm.wire import horovod_op
+from hvd_plugins.comm.wire import horovod_op, nbytes
 from hvd_plugins.horovod_adapter import set_backward_passes
 
 if TYPE_CHECKING:
@@ -51,13 +51,6 @@ class GradientSync(ABC):
     def set_backward_passes(self, optimizer: Optimizer, passes: int) -> None:
         """Tell the sync how many backward passes accumulate into one step."""
         self.backward_passes = passes
-
-
-class NoGradientSync(GradientSync):
-    """Nothing to average: the worker is alone in its group."""
-
-    def synchronize(self, optimizer: Optimizer) -> None:
-        return None
 
 
 class HorovodOptimizerSync(GradientSync):
@@ -172,6 +165,69 @@ def _gradients_of(optimizer: Optimizer) -> Sequence[torch.Tensor]:
     return grads
 
 
+class DasoGradientSync(GradientSync):
+    """DASO's gradient average: over ALL workers in warmup and cooldown, inside the node while cycling.
+
+    After backward, the gradients (zero-filled where backward produced none, so every worker
+    sends the same tensors and every parameter gets optimizer state) are bucketed and flattened;
+    every bucket is launched before any is awaited, so Horovod fuses them into one round per
+    step. Over all workers they travel as ``global_wire`` ('fp16', or exact 'fp32'); inside the
+    node with the strategy's compression. ``over_all_workers`` says which scope the current step
+    uses; DASO's syncer sets it (``follow``), and until then every step averages over all workers.
+    """
+
+    def __init__(
+        self,
+        groups: NodeGroups,
+        node_compressor: Compressor,
+        global_wire: str,
+        op: str,
+        counters: CommCounters,
+        bucket_bytes: int = 32 * 2**20,
+    ) -> None:
+        if op not in ("average", "sum"):
+            raise ValueError(f"op={op!r} is not supported with sync='daso'; choose 'average' or 'sum'")
+        self.groups = groups
+        self.node_compressor = node_compressor
+        self.global_compressor = compressor_by_name("fp16" if global_wire == "fp16" else "none")
+        self.op = op
+        self.counters = counters
+        self.bucket_bytes = bucket_bytes
+        self.over_all_workers: Callable[[], bool] = lambda: True
+        self._names: dict[int, str] = {}  # by optimizer, in wrap order: equal on every rank
+
+    def follow(self, over_all_workers: Callable[[], bool]) -> None:
+        """Ask ``over_all_workers()`` before every average which scope applies to the step."""
+        self.over_all_workers = over_all_workers
+
+    def wrap(self, optimizer: Optimizer, named_parameters: list[tuple[str, torch.nn.Parameter]]) -> Optimizer:
+        self._names[id(optimizer)] = f"daso.grad.opt{len(self._names)}"
+        return optimizer
+
+    def synchronize(self, optimizer: Optimizer) -> None:
+        grads = _gradients_of(optimizer)
+        everywhere = self.over_all_workers()
+        process_set = None if everywhere else self.groups.local
+        if not grads or horovod_torch().size() == 1 or (process_set is None and not everywhere):
+            return  # alone in its group: nothing to average (the gradients are zero-filled all the same)
+        compressor = self.global_compressor if everywhere else self.node_compressor
+        across = everywhere and self.groups.topology.num_nodes > 1
+        scope = Scope.CROSS_NODE if across else Scope.NODE_LOCAL
+        name = f"{self._names[id(optimizer)]}.{'all' if everywhere else 'node'}"
+        hvd = horovod_torch()
+        extra = {} if process_set is None else {"process_set": process_set}
+        launched = []
+        for index, bucket in enumerate(bucket_tensors(grads, self.bucket_bytes)):
+            wire, ctx = compressor.compress(flatten(bucket))
+            self.counters.record(scope, nbytes(wire))
+            handle = hvd.allreduce_async_(wire, op=horovod_op(self.op), name=f"{name}.{index}", **extra)
+            launched.append((handle, ctx, bucket))
+        with self.counters.waiting():
+            results = [(hvd.synchronize(handle), ctx, bucket) for handle, ctx, bucket in launched]
+        for result, ctx, bucket in results:
+            unflatten_into(compressor.decompress(result, ctx), bucket)
+
+
 def make_gradient_sync(config: HorovodConfig, groups: NodeGroups | None, counters: CommCounters) -> GradientSync:
     """The gradient sync ``config`` asks for; ``groups`` are the process sets of the node-aware syncs."""
     compressor = compressor_by_name(config.compression)
@@ -190,10 +246,10 @@ def make_gradient_sync(config: HorovodConfig, groups: NodeGroups | None, counter
     if config.sync == "daso":
         if groups is None:
             raise ValueError("sync='daso' needs the node groups (build_node_groups) before its gradient sync")
-        # Inside the node every step; the cross-node parameter sync is DASO's job.
-        if groups.local is None:
-            return NoGradientSync()  # one worker per node: nobody to average with locally
-        return HorovodOptimizerSync(compressor, config.op, counters, Scope.NODE_LOCAL, process_set=groups.local)
+        assert config.daso is not None
+        return DasoGradientSync(
+            groups, compressor, config.daso.downcast, config.op, counters, bucket_bytes=config.bucket_bytes
+        )
     scope = Scope.CROSS_NODE if horovod_torch().cross_size() > 1 else Scope.NODE_LOCAL
     return HorovodOptimizerSync(
         compressor, config.op, counters, scope, gradient_predivide_factor=config.gradient_predivide_factor

@@ -19,9 +19,9 @@ class DasoConfig:
     """Settings of the DASO schedule and its cross-node parameter sync."""
 
     warmup_epochs: int = 4
-    """Epochs at the start with a blocking cross-node sync after every batch."""
+    """Epochs at the start run as synchronous data parallelism: gradients averaged over all workers."""
     cooldown_epochs: int = 4
-    """Epochs at the end with a blocking cross-node sync after every batch."""
+    """Epochs at the end run as synchronous data parallelism, like warmup."""
     stability_level: float = 0.05
     """Relative loss improvement below which an epoch counts as 'not improving'."""
     max_global_skips: int = 8
@@ -31,24 +31,25 @@ class DasoConfig:
     local_skip_factor: int = 4
     """batches_to_wait on a reset is max_global_skips // local_skip_factor."""
     stable_epochs: int = 2
-    """Epochs without improvement before the skips shrink."""
+    """Patience of the plateau detector (heat's): the skips shrink on the ``stable_epochs + 1``-th
+    consecutive cycling epoch without improvement; 0 shrinks on every non-improving epoch."""
     sending_chunk_size: int = 10_000_000
     """Largest number of elements in one cross-node message."""
     downcast: str = "fp16"
     """Wire type of the cross-node parameters: 'fp16' (our default, see the module docstring), 'bf16'
-    (emulated in float32: bf16 rounding, fp32 bytes) or 'fp32'."""
+    (emulated in float32: bf16 rounding, fp32 bytes) or 'fp32'. The gradients of warmup and cooldown
+    travel as fp16 with 'fp16' and as exact fp32 otherwise."""
     verbose: bool = False
     """Print schedule changes on rank 0."""
 
     def __post_init__(self) -> None:
-        for name in ("warmup_epochs", "cooldown_epochs"):
+        for name in ("warmup_epochs", "cooldown_epochs", "stable_epochs"):
             if getattr(self, name) < 0:
                 raise ValueError(f"DasoConfig.{name}={getattr(self, name)!r} must be >= 0")
         for name in (
             "max_global_skips",
             "skip_reduction_factor",
             "local_skip_factor",
-            "stable_epochs",
             "sending_chunk_size",
         ):
             if getattr(self, name) < 1:

@@ -1,20 +1,32 @@
-"""HOW DASO syncs across nodes: sharded, chunked, downcast parameter averaging over process sets.
+"""HOW DASO syncs across nodes: gradients over all workers, or sharded parameter averaging over process sets.
 
-Gradients are already averaged inside each node every step (the strategy's node-local
-``DistributedOptimizer``), so the workers of one node always hold the same parameters. Across
-nodes, every ``global_skips`` steps:
+Warmup and cooldown (synchronous phases): ``DasoGradientSync`` averages every step's gradients
+over ALL workers in one fused round, so every worker applies the same update and parameters
+and optimizer state stay bit-identical; no parameter sync runs. Floating buffers (BatchNorm
+running statistics) follow each worker's batches and are averaged over all workers once, at the
+end of the epoch, as the flat allreduce does.
+
+Cycling: gradients are averaged inside the node only, so the workers of one node hold the same
+parameters and optimizer state while the nodes drift apart. Across nodes, every
+``global_skips`` steps:
 
 1. every local worker ``i`` takes shard ``i`` of the flat trainable parameters (the cross-node
    message is split across all L local workers, not carried by one of them);
 2. it sends ``shard - reference`` (see below), downcast, in chunks of at most
    ``sending_chunk_size`` elements, with a non-blocking Sum over its cross-node process set;
-3. ``batches_to_wait`` (B) steps later it receives the sum and merges
-   ``p = (2B * p_local + S) / (2B + N)`` on its shard (S = sum over the N nodes); with B = 0
-   (warmup, cooldown, the last batch of every epoch) it waits at once and sets ``p = S / N``;
-4. the node allgathers the shards so every local worker holds the same parameters again.
+3. ``batches_to_wait`` (B >= 1) steps later it receives the sum and merges
+   ``p = (2B * p_local + S) / (2B + N)`` on its shard (S = sum over the N nodes);
+4. the node allgathers the merged shards and the new reference (one round), so every local
+   worker holds the same parameters again.
+
+The epoch's last batch (and whatever ``finish_epoch`` says is still owed) runs a BLOCKING sync:
+parameters, the optimizer state and the floating buffers are averaged over all workers at once,
+packed into one message per wire type (at most two: the parameters' downcast type, and float32
+for state and buffers), all launched before any is awaited. Afterwards parameters, optimizer
+state and buffers are bit-identical on every worker, so every epoch starts from one model.
 
 The reference: what goes on the wire is the difference between the parameters and the last
-cross-node average (``reference``), which every node holds bit for bit. Sending
+cross-node average (``reference``), which every worker holds bit for bit. Sending
 ``p - reference`` instead of ``p`` keeps float16 rounding relative to the small drift since the
 last sync, not to the weights themselves: sending weights in float16 every batch would round
 away any update smaller than ~1e-3 of the weight. Mathematically ``S`` is unchanged:
@@ -23,12 +35,13 @@ away any update smaller than ~1e-3 of the weight. Mathematically ``S`` is unchan
 Wire types: ``fp16`` halves the bytes; ``fp32`` sends full precision; ``bf16`` rounds each value
 to bfloat16 precision (what the reference implementation sends) but carries it as float32,
 because Horovod cannot reduce bfloat16 tensors: bf16 numerics, fp32 bytes. Choose fp16 to save
-bytes.
+bytes. Optimizer state travels in float32 (moments such as ``exp_avg_sq`` underflow in float16);
+only state that lives with its parameter (same shape and device) is averaged, never a step count.
 
-At every blocking sync the floating-point optimizer state (e.g. Adam's moments) is averaged
-across nodes in float32 (moments such as ``exp_avg_sq`` underflow in float16), and floating
-buffers (BatchNorm running statistics) are averaged over all workers, so after a blocking sync
-every worker holds the same model and optimizer state.
+Trainable parameters are collected again at every epoch start (every rank is there together),
+so parameters unfrozen between epochs (Lightning's ``BaseFinetuning``) join the cross-node sync;
+newly trainable ones are averaged over all workers first. ``requires_grad`` must change on every
+rank at the same epoch start.
 """
 
 from __future__ import annotations
@@ -44,7 +57,7 @@ from torch.optim import Optimizer
 
 from hvd_plugins._horovod import horovod_torch
 from hvd_plugins.comm.buckets import flatten, unflatten_into
-from hvd_plugins.comm.buffers import finish_buffer_average, start_buffer_average
+from hvd_plugins.comm.buffers import PendingBufferAverage, finish_buffer_average, start_buffer_average
 from hvd_plugins.comm.counters import CommCounters, Scope
 from hvd_plugins.comm.parameters import optimizer_parameters
 from hvd_plugins.comm.topology import NodeGroups
@@ -151,8 +164,9 @@ class CrossNodeSharding:
 class DasoSync:
     """Runs the cross-node half of DASO after each optimizer step, as the schedule says.
 
-    The strategy calls :meth:`setup` once the optimizers are wrapped; its training-loop events
-    (``hvd_plugins.loop_events``) call :meth:`after_optimizer_step` after every batch that stepped
+    The strategy calls :meth:`setup` once the optimizers exist and points its gradient sync at
+    :meth:`gradients_over_all_workers`; its training-loop events (``hvd_plugins.loop_events``)
+    call :meth:`on_train_epoch_start`, :meth:`after_optimizer_step` after every batch that stepped
     and :meth:`on_train_epoch_end` with the epoch's loss averaged over all workers.
     ``schedule`` is public for callbacks (phase, global_skips, batches_to_wait, history).
     """
@@ -170,37 +184,72 @@ class DasoSync:
         self._parameters: list[torch.nn.Parameter] = []
         self._work_dtype = torch.float32
         self._layout = ShardLayout(0, 1, 0)
-        self._reference = torch.empty(0)
+        self._reference = torch.empty(0)  # the full flat parameters of the last cross-node average
         self._in_flight: PendingSum | None = None
 
     @property
     def across_nodes(self) -> bool:
         return self.groups.cross is not None
 
+    @property
+    def parameters(self) -> list[torch.nn.Parameter]:
+        """The trainable parameters the cross-node sync covers this epoch."""
+        return list(self._parameters)
+
+    def gradients_over_all_workers(self) -> bool:
+        """Whether this step's gradients are averaged over all workers (warmup, cooldown) or in the node."""
+        return self.schedule.phase.synchronous
+
     def setup(self, model: Module, optimizers: Sequence[Optimizer]) -> None:
         """Remember what to sync; the parameters must already be equal on every worker."""
         self._model = model
         self._optimizers = list(optimizers)
-        self._parameters = _unique(p for p in model.parameters() if p.requires_grad)
-        if any(p.dtype == torch.float64 for p in self._parameters):
-            self._work_dtype = torch.float64
+        self._collect_parameters()
+
+    def _collect_parameters(self) -> list[torch.nn.Parameter]:
+        """Re-read the trainable parameters; returns the ones that were not trainable before."""
+        assert self._model is not None
+        known = {id(p) for p in self._parameters}
+        self._parameters = _unique(p for p in self._model.parameters() if p.requires_grad)
+        self._work_dtype = torch.float64 if any(p.dtype == torch.float64 for p in self._parameters) else torch.float32
         self._layout = self.sharding.layout(sum(p.numel() for p in self._parameters))
-        self._reference = self._layout.shard_of(self._flat_parameters())
+        self._reference = self._flat_parameters()
+        return [p for p in self._parameters if id(p) not in known]
 
     # ------------------------------------------------------------------ events
+    def on_train_epoch_start(self) -> None:
+        """Follow ``requires_grad`` changes made between epochs; average newly trainable parameters.
+
+        Every epoch starts with all workers holding the same parameters, so the reference is
+        refreshed here too (after a synchronous epoch it was not kept up to date).
+        """
+        if self._model is None:
+            return
+        added = self._collect_parameters()
+        if added and horovod_torch().size() > 1:
+            flat = _flatten_as(added, self._work_dtype)
+            self.counters.record(self._global_scope, nbytes(flat))
+            with self.counters.waiting():
+                averaged = horovod_torch().allreduce(flat, op=horovod_torch().Average, name="daso.unfrozen")
+            with torch.no_grad():
+                unflatten_into(averaged, added)
+            self._reference = self._flat_parameters()
+
     def after_optimizer_step(self, last_batch_of_epoch: bool) -> None:
         self._carry_out(self.schedule.on_optimizer_step(last_batch_of_epoch))
 
     def on_train_epoch_end(self, epoch_loss: float | None) -> None:
         """Settle what the epoch still owes, then let the schedule pick the next epoch's settings."""
+        if self.schedule.phase.synchronous:
+            finish_buffer_average(self._start_buffer_average())
         self._carry_out(self.schedule.finish_epoch())
-        before = (self.schedule.phase, self.schedule.global_skips, self.schedule.batches_to_wait)
+        before = (self.schedule.phase, *self.schedule.settings)
         self.schedule.end_epoch(epoch_loss)
-        after = (self.schedule.phase, self.schedule.global_skips, self.schedule.batches_to_wait)
+        after = (self.schedule.phase, *self.schedule.settings)
         if self.config.verbose and after != before and horovod_torch().rank() == 0:
             print(
                 f"DASO epoch {self.schedule.epoch}: phase={after[0].value} global_skips={after[1]} "
-                f"batches_to_wait={after[2]} (loss {epoch_loss})",
+                f"local_skips={after[2]} batches_to_wait={after[3]} (loss {epoch_loss})",
                 flush=True,
             )
 
@@ -213,63 +262,65 @@ class DasoSync:
             self._send()
 
     # ------------------------------------------------------------------ parameters
+    @property
+    def _global_scope(self) -> Scope:
+        return Scope.CROSS_NODE if self.groups.topology.num_nodes > 1 else Scope.NODE_LOCAL
+
     def _flat_parameters(self) -> torch.Tensor:
         return _flatten_as(self._parameters, self._work_dtype)
 
     def _send(self) -> None:
         if not self.across_nodes:
             return
-        drift = self._layout.shard_of(self._flat_parameters()) - self._reference
+        drift = self._layout.shard_of(self._flat_parameters() - self._reference)
         self._in_flight = self.sharding.start_sum(to_wire(drift, self.config.downcast), "daso.params")
-
-    def _average_of_sent(self, pending: PendingSum) -> torch.Tensor:
-        """The cross-node average of the parameters when they were sent (the same on every node)."""
-        drift_sum = self.sharding.finish_sum(pending, self._work_dtype)
-        return self._reference + drift_sum / self.sharding.num_nodes
 
     def _receive(self, merge: bool, batches_to_wait: int) -> None:
         """Wait for the message in flight; merge it unless a blocking sync supersedes it."""
         if self._in_flight is None:
             return
-        average = self._average_of_sent(self._in_flight)
-        self._in_flight = None
-        self._reference = average
+        pending, self._in_flight = self._in_flight, None
+        drift_sum = self.sharding.finish_sum(pending, self._work_dtype)
         if not merge:
-            return
+            return  # the blocking sync that follows averages the current parameters instead
+        average = self._layout.shard_of(self._reference) + drift_sum / self.sharding.num_nodes
         local = self._layout.shard_of(self._flat_parameters())
         weight, nodes = 2 * batches_to_wait, self.sharding.num_nodes
         merged = (weight * local + nodes * average) / (weight + nodes)
-        self._install(merged)
+        full_merged, self._reference = self.sharding.gather_in_node([merged, average], [self._layout, self._layout])
+        with torch.no_grad():
+            unflatten_into(full_merged, self._parameters)
         self.merges += 1
 
-    def _blocking_sync(self) -> None:
-        """``p = S / N`` plus optimizer state and buffers; all messages start before any wait."""
-        self.blocking_syncs += 1
-        scope = Scope.CROSS_NODE if self.across_nodes else Scope.NODE_LOCAL
-        model = self._model
-        buffers = None if model is None else start_buffer_average(model, "daso.buffers", self.counters, scope)
-        if self.across_nodes:
-            drift = self._layout.shard_of(self._flat_parameters()) - self._reference
-            params = self.sharding.start_sum(to_wire(drift, self.config.downcast), "daso.params_blocking")
-            state_tensors = _optimizer_state_tensors(self._optimizers)
-            state_flat = _flatten_as(state_tensors, self._work_dtype)
-            state_layout = self.sharding.layout(state_flat.numel())
-            state = self.sharding.start_sum(state_layout.shard_of(state_flat), "daso.optimizer_state")
-            self._reference = self._average_of_sent(params)
-            state_average = self.sharding.finish_sum(state, self._work_dtype) / self.sharding.num_nodes
-            full_params, full_state = self.sharding.gather_in_node(
-                [self._reference, state_average], [self._layout, state_layout]
-            )
-            with torch.no_grad():
-                unflatten_into(full_params, self._parameters)
-                unflatten_into(full_state, state_tensors)
-        finish_buffer_average(buffers)
+    def _start_buffer_average(self) -> PendingBufferAverage | None:
+        if self._model is None:
+            return None
+        return start_buffer_average(self._model, "daso.buffers", self.counters, self._global_scope)
 
-    def _install(self, shard: torch.Tensor) -> None:
-        """Assemble the node's shards and write them into the parameters."""
-        (full,) = self.sharding.gather_in_node([shard], [self._layout])
+    def _blocking_sync(self) -> None:
+        """Average parameters, optimizer state and buffers over all workers: one message per wire type."""
+        self.blocking_syncs += 1
+        hvd = horovod_torch()
+        if hvd.size() == 1:
+            return
+        state_tensors = optimizer_state_to_average(self._optimizers)
+        buffers = [] if self._model is None else [b for b in self._model.buffers() if b.is_floating_point()]
+        drift = to_wire(self._flat_parameters() - self._reference, self.config.downcast)
+        exact = _flatten_as([*state_tensors, *buffers], self._work_dtype)
+        messages = [drift] if exact.dtype != drift.dtype else [torch.cat([drift, exact])]
+        if exact.dtype != drift.dtype and exact.numel():
+            messages.append(exact)
+        handles = []
+        for index, message in enumerate(m for m in messages if m.numel()):
+            self.counters.record(self._global_scope, nbytes(message))
+            handles.append(hvd.allreduce_async(message, op=hvd.Average, name=f"daso.blocking.{index}"))
+        with self.counters.waiting():
+            results = [hvd.synchronize(handle).to(self._work_dtype) for handle in handles]
+        averaged = torch.cat(results) if results else torch.empty(0, dtype=self._work_dtype)
+        self._reference = self._reference + averaged[: drift.numel()]
         with torch.no_grad():
-            unflatten_into(full, self._parameters)
+            unflatten_into(self._reference, self._parameters)
+            unflatten_into(averaged[drift.numel() :], [*state_tensors, *buffers])
 
 
 def _flatten_as(tensors: Sequence[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
@@ -288,14 +339,26 @@ def _unique(parameters: Iterable[torch.nn.Parameter]) -> list[torch.nn.Parameter
     return unique
 
 
-def _optimizer_state_tensors(optimizers: Sequence[Optimizer]) -> list[torch.Tensor]:
-    """Floating-point state tensors of every optimizer, in the same order on every worker."""
+def optimizer_state_to_average(optimizers: Sequence[Optimizer]) -> list[torch.Tensor]:
+    """The optimizer state that lives with its parameter, in the same order on every worker.
+
+    Only floating tensors with the parameter's shape and device (Adam's moments, SGD's momentum):
+    a step count (Adam keeps ``step`` as a CPU scalar even for GPU parameters) or any other
+    bookkeeping is never averaged, and cannot break the flattening by living on another device.
+    """
     tensors = []
     for optimizer in optimizers:
         for parameter in optimizer_parameters(optimizer):
             state = optimizer.state.get(parameter, {})
             for key in sorted(state, key=str):
                 value = state[key]
-                if isinstance(value, torch.Tensor) and value.is_floating_point() and value.numel():
+                if (
+                    key != "step"
+                    and isinstance(value, torch.Tensor)
+                    and value.is_floating_point()
+                    and value.shape == parameter.shape
+                    and value.device == parameter.device
+                    and value.numel()
+                ):
                     tensors.append(value)
     return tensors

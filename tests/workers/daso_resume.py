@@ -2,8 +2,9 @@
 
     horovodrun -np 2 -H localhost:1,127.0.0.1:1 --gloo python tests/workers/daso_resume.py --out DIR
 
-No DasoScheduleCallback is passed: the strategy itself saves and restores the schedule. The script
-calls ``hvd.init()`` itself, before any Trainer, without dynamic process sets.
+The test suite runs it inside tests/workers/daso_checks.py. No DasoScheduleCallback is passed: the
+strategy itself saves and restores the schedule. The script calls ``hvd.init()`` itself, before
+any Trainer, without dynamic process sets.
 """
 
 from __future__ import annotations
@@ -21,8 +22,10 @@ from torch.utils.data import DataLoader
 
 from hvd_plugins import HorovodStrategy
 
-EPOCHS = 6
-STOP_AFTER_EPOCH = 3  # 0-based: epochs 1-4 cycle, so the interrupted run stops in the middle of cycling
+EPOCHS = 7
+STOP_AFTER_EPOCH = 3  # 0-based: epochs 1-5 cycle, so the interrupted run stops in the middle of cycling
+# A plateau on every 2nd non-improving epoch: the run stops with one bad epoch counted, which the
+# resumed run must remember for epoch 4 to shrink the skips as the uninterrupted run does.
 DASO = {"warmup_epochs": 1, "cooldown_epochs": 1, "stable_epochs": 1, "stability_level": 0.5}
 
 
@@ -48,7 +51,7 @@ def fit(checkpoints: Path | None = None, stop_after: int | None = None, ckpt_pat
         accelerator="cpu",
         devices=1,
         max_epochs=EPOCHS,
-        limit_train_batches=8,
+        limit_train_batches=6,
         callbacks=callbacks,
         logger=False,
         enable_checkpointing=checkpoints is not None,

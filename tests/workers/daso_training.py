@@ -1,31 +1,26 @@
-"""DASO under horovodrun on emulated nodes: consistency after syncs, final loss, bytes on the wire.
+"""DASO fits and probes run under horovodrun on emulated nodes (entry point: tests/workers/daso_checks.py).
 
-    horovodrun -np 4 -H localhost:2,127.0.0.1:2 --gloo python tests/workers/daso_training.py --out DIR
-    horovodrun -np 2 -H localhost:1,127.0.0.1:1 --gloo python tests/workers/daso_training.py --out DIR --case lean
-
-Every rank runs the same fits in the same order and writes ``rank<N>.json``.
+Consistency after every step and every epoch, rounds per step from the counters, final loss,
+bytes on the wire, and the merge weight driven directly on a DasoSync.
 """
 
 from __future__ import annotations
 
-import math
-import os
 from typing import Any
 
 import horovod.torch as hvd
 import torch
-from _common import parse_out, run_checks, write_result
 from lightning.pytorch import Callback, LightningModule, Trainer, seed_everything
+from lightning.pytorch.callbacks import BaseFinetuning
 from sklearn.datasets import make_classification
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 
 from hvd_plugins import HorovodStrategy
 from hvd_plugins.callbacks import DasoScheduleCallback
 from hvd_plugins.comm.counters import CommCounters
 from hvd_plugins.comm.topology import build_node_groups, discover_topology
 from hvd_plugins.daso.config import DasoConfig
-from hvd_plugins.daso.schedule import Phase
 from hvd_plugins.daso.sync import DasoSync
 
 BATCH_SIZE = 16
@@ -47,28 +42,76 @@ def noisy_classification() -> TensorDataset:
 
 
 class Classifier(LightningModule):
-    def __init__(self, optimizer: str, batchnorm: bool) -> None:
+    """A tiny MLP; ``node_zero_branch`` adds a layer only node 0 uses (no gradient on the others)."""
+
+    def __init__(self, optimizer: str, batchnorm: bool, node_zero_branch: bool = False, frozen_extra: bool = False):
         super().__init__()
         self.optimizer_name = optimizer
-        norm: list[nn.Module] = [nn.BatchNorm1d(64)] if batchnorm else []
-        self.net = nn.Sequential(nn.Linear(FEATURES, 64), *norm, nn.ReLU(), nn.Linear(64, CLASSES))
+        norm: list[nn.Module] = [nn.BatchNorm1d(32)] if batchnorm else []
+        self.net = nn.Sequential(nn.Linear(FEATURES, 32), *norm, nn.ReLU(), nn.Linear(32, CLASSES))
+        self.node_zero_branch = node_zero_branch
+        self.extra = nn.Linear(FEATURES, CLASSES) if node_zero_branch or frozen_extra else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.net(x)
+        if self.extra is not None and (not self.node_zero_branch or self.trainer.strategy.topology.node_index == 0):
+            out = out + self.extra(x)
+        return out
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         x, y = batch
-        return nn.functional.cross_entropy(self.net(x), y)
+        return nn.functional.cross_entropy(self(x), y)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
+        trainable = [p for p in self.parameters() if p.requires_grad]
         if self.optimizer_name == "adam":
-            return torch.optim.Adam(self.parameters(), lr=1e-2)
-        return torch.optim.SGD(self.parameters(), lr=0.1)
+            return torch.optim.Adam(trainable, lr=1e-2)
+        return torch.optim.SGD(trainable, lr=0.1)
+
+
+class TwoOptimizers(Classifier):
+    """Manual optimization with one optimizer per layer, both stepped every batch."""
+
+    def __init__(self) -> None:
+        super().__init__("adam", batchnorm=False)
+        self.automatic_optimization = False
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = nn.functional.cross_entropy(self(x), y)
+        first, second = self.optimizers()
+        first.zero_grad()
+        second.zero_grad()
+        self.manual_backward(loss)
+        first.step()
+        second.step()
+        return loss
+
+    def configure_optimizers(self) -> list[torch.optim.Optimizer]:
+        return [torch.optim.Adam(self.net[0].parameters(), lr=1e-2), torch.optim.SGD(self.net[-1].parameters(), lr=0.1)]
+
+
+class UnfreezeExtra(BaseFinetuning):
+    """Lightning's fine-tuning callback: ``extra`` frozen at the start, unfrozen at epoch ``epoch``."""
+
+    def __init__(self, epoch: int) -> None:
+        super().__init__()
+        self.epoch = epoch
+
+    def freeze_before_training(self, pl_module: LightningModule) -> None:
+        self.freeze(pl_module.extra)
+
+    def finetune_function(self, pl_module: LightningModule, epoch: int, optimizer: torch.optim.Optimizer) -> None:
+        if epoch == self.epoch:
+            self.unfreeze_and_add_param_group(pl_module.extra, optimizer)
 
 
 def model_state(model: LightningModule) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Flat parameters, floating optimizer state and floating buffers of this worker."""
+    """Flat parameters, floating optimizer state (every optimizer, ``step`` included) and floating buffers."""
     params = torch.cat([p.detach().reshape(-1).float() for p in model.parameters()])
-    optimizer = model.trainer.strategy.optimizers[0]
     state = [
         v.reshape(-1).float()
+        for optimizer in model.trainer.strategy.optimizers
         for p in model.parameters()
         for _, v in sorted(optimizer.state.get(p, {}).items())
         if isinstance(v, torch.Tensor) and v.is_floating_point()
@@ -78,53 +121,92 @@ def model_state(model: LightningModule) -> tuple[torch.Tensor, torch.Tensor, tor
     return params, torch.cat(state) if state else empty, torch.cat(buffers) if buffers else empty
 
 
-def daso_of(strategy: Any) -> Any:
-    """The strategy's DASO syncer (``daso_sync``; ``daso`` before the attribute was renamed)."""
-    return getattr(strategy, "daso_sync", None) or getattr(strategy, "daso", None)
-
-
-def gather_rows(flat: torch.Tensor, name: str) -> torch.Tensor:
-    return hvd.allgather(flat.unsqueeze(0), name=name)
-
-
 class ConsistencyProbe(Callback):
-    """After every blocking sync: all workers equal. Between cross-node syncs: nodes equal inside, differ across."""
+    """One allgather of (parameters, optimizer state, buffers) after every step and at every epoch end.
+
+    After a warmup or cooldown step: parameters and optimizer state bit-identical on all workers.
+    After a cycling step: equal inside each node, different across nodes. After every epoch (the
+    cycling epoch's closing blocking sync, the synchronous epoch's buffer average): parameters,
+    optimizer state and buffers bit-identical on all workers. Also counts, per step, the tensors
+    handed to collectives inside the node and across nodes (the comm counters).
+    """
 
     def __init__(self) -> None:
-        self.after_blocking = {"checked": 0, "params_equal": 0, "state_equal": 0, "buffers_equal": 0}
+        self.synchronous_steps = {"checked": 0, "params_equal": 0, "state_equal": 0}
+        self.epoch_ends = {"checked": 0, "params_equal": 0, "state_equal": 0, "buffers_equal": 0}
         self.between = {"checked": 0, "node_agrees": 0, "nodes_differ": 0}
+        self.calls_per_step: dict[str, list[list[float]]] = {}
+        self.blocking_syncs_after_epoch: list[int] = []
+        self.synced_parameters_per_epoch: list[int] = []
         self.phases_seen: set[str] = set()
         self.daso: Any = None
+        self._counters: CommCounters | None = None
+        self._epoch_start_step = 0
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self.daso = daso_of(trainer.strategy)
+        self.daso = trainer.strategy.daso_sync
+
+    def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._epoch_start_step = trainer.global_step
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
-        if batch_idx == 0:
-            return  # the previous epoch's end is checked in on_train_epoch_end
-        plan = self.daso.schedule.last_plan
-        self.phases_seen.add(self.daso.schedule.phase.value)
-        if plan.blocking:
-            self._check_all_equal(pl_module)
-        elif self.daso.schedule.phase is Phase.CYCLING:
-            self._check_nodes(trainer, pl_module)
+        counters = trainer.strategy.comm_counters
+        if batch_idx > 0 and self._counters is not None:  # the previous step, its gradient average included
+            phase = self.daso.schedule.phase
+            self.phases_seen.add(phase.value)
+            delta = counters.since(self._counters)
+            self.calls_per_step.setdefault(phase.value, []).append(
+                [delta.cross_node_calls, delta.node_local_calls, delta.cross_node_bytes]
+            )
+            if phase.synchronous:
+                self._check_synchronous(trainer, pl_module)
+            elif trainer.global_step > self._epoch_start_step:  # the nodes stepped apart since the epoch began
+                self._check_nodes(trainer, pl_module)
+        self._counters = counters.snapshot()
 
     def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self._check_all_equal(pl_module)
-
-    def _check_all_equal(self, pl_module: LightningModule) -> None:
-        counts = self.after_blocking
+        rows, sizes = self._gather(pl_module, "probe.epoch_end")
+        counts = self.epoch_ends
         counts["checked"] += 1
-        for key, flat in zip(("params_equal", "state_equal", "buffers_equal"), model_state(pl_module), strict=True):
-            rows = gather_rows(flat, f"probe.{key}")
-            counts[key] += int(all(torch.equal(rows[0], row) for row in rows))
+        for key, part in zip(("params_equal", "state_equal", "buffers_equal"), _split(rows, sizes), strict=True):
+            counts[key] += int(all(torch.equal(part[0], row) for row in part))
+        self.blocking_syncs_after_epoch.append(self.daso.blocking_syncs)
+        self.synced_parameters_per_epoch.append(sum(p.numel() for p in self.daso.parameters))
+
+    def _gather(self, pl_module: LightningModule, name: str) -> tuple[torch.Tensor, list[int]]:
+        parts = model_state(pl_module)
+        return hvd.allgather(torch.cat(parts).unsqueeze(0), name=name), [part.numel() for part in parts]
+
+    def _check_synchronous(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        rows, sizes = self._gather(pl_module, "probe.step")
+        params, state, _ = _split(rows, sizes)
+        self.synchronous_steps["checked"] += 1
+        self.synchronous_steps["params_equal"] += int(all(torch.equal(params[0], row) for row in params))
+        self.synchronous_steps["state_equal"] += int(all(torch.equal(state[0], row) for row in state))
 
     def _check_nodes(self, trainer: Trainer, pl_module: LightningModule) -> None:
         nodes = trainer.strategy.topology.nodes
-        rows = gather_rows(model_state(pl_module)[0], "probe.between")
+        rows, sizes = self._gather(pl_module, "probe.step")
+        params, state, _ = _split(rows, sizes)
+        both = torch.cat([params, state], dim=1)
         self.between["checked"] += 1
-        self.between["node_agrees"] += int(all(torch.equal(rows[node[0]], rows[r]) for node in nodes for r in node))
-        self.between["nodes_differ"] += int(not torch.equal(rows[nodes[0][0]], rows[nodes[1][0]]))
+        self.between["node_agrees"] += int(all(torch.equal(both[node[0]], both[r]) for node in nodes for r in node))
+        self.between["nodes_differ"] += int(not torch.equal(params[nodes[0][0]], params[nodes[1][0]]))
+
+    def result(self) -> dict[str, Any]:
+        return {
+            "synchronous_steps": self.synchronous_steps,
+            "epoch_ends": self.epoch_ends,
+            "between": self.between,
+            "calls_per_step": self.calls_per_step,
+            "blocking_syncs_after_epoch": self.blocking_syncs_after_epoch,
+            "synced_parameters_per_epoch": self.synced_parameters_per_epoch,
+            "phases_seen": sorted(self.phases_seen),
+        }
+
+
+def _split(rows: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
+    return list(rows.split(sizes, dim=1))
 
 
 class EpochBytes(Callback):
@@ -155,60 +237,67 @@ def fit(
     optimizer: str = "adam",
     batchnorm: bool = True,
     daso: dict[str, Any] | None = None,
-    probe: bool = False,
-    batches: int | None = None,
+    batches: int | None = 8,
+    model: Classifier | None = None,
+    callbacks: list[Callback] | None = None,
+    accumulate: int = 1,
+    data: Any = None,
 ) -> dict[str, Any]:
+    """One fit on every rank; with DASO the ConsistencyProbe and the schedule's history are reported."""
     seed_everything(0)
-    data = noisy_classification()
-    model = Classifier(optimizer, batchnorm)
-    probe_callback, bytes_callback = ConsistencyProbe(), EpochBytes()
-    callbacks: list[Callback] = [bytes_callback] + ([probe_callback] if probe else [])
+    dataset = noisy_classification()
+    model = model if model is not None else Classifier(optimizer, batchnorm)
+    probe, bytes_callback = ConsistencyProbe(), EpochBytes()
+    extra: list[Callback] = [bytes_callback, *(callbacks or [])]
     if sync == "daso":
-        callbacks.append(DasoScheduleCallback())  # logs daso/* per epoch
-    strategy = HorovodStrategy(sync=sync, daso=daso)
+        extra += [probe, DasoScheduleCallback()]  # the callback logs daso/* per epoch
     trainer = Trainer(
-        strategy=strategy,
+        strategy=HorovodStrategy(sync=sync, daso=daso),
         accelerator="cpu",
         devices=1,
         max_epochs=epochs,
         limit_train_batches=batches,
-        callbacks=callbacks,
+        accumulate_grad_batches=accumulate,
+        callbacks=extra,
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
     )
-    daso_holder: dict[str, Any] = {}
-
-    class KeepDaso(Callback):
-        def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-            daso_holder["daso"] = daso_of(trainer.strategy)
-
-    trainer.callbacks.append(KeepDaso())
-    trainer.fit(model, DataLoader(data, batch_size=BATCH_SIZE, shuffle=True))
+    trainer.fit(model, data if data is not None else DataLoader(dataset, batch_size=BATCH_SIZE, shuffle=True))
     result: dict[str, Any] = {
-        "final_loss": full_data_loss(model, data),
+        "final_loss": full_data_loss(model, dataset),
         "bytes_per_epoch": bytes_callback.per_epoch,
         "logged": {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("daso/")},
     }
-    if probe:
-        result["after_blocking"] = probe_callback.after_blocking
-        result["between"] = probe_callback.between
-        result["phases_seen"] = sorted(probe_callback.phases_seen)
-    daso_sync = daso_holder.get("daso")
-    if daso_sync is not None:
+    if sync == "daso":
+        daso_sync = probe.daso
+        result.update(probe.result())
         result["history"] = [
-            {
-                "phase": r.phase.value,
-                "global_skips": r.global_skips,
-                "batches_to_wait": r.batches_to_wait,
-                "loss": r.loss,
-            }
+            {"phase": r.phase.value, "global_skips": r.global_skips, "batches_to_wait": r.batches_to_wait}
+            | {"loss": r.loss}
             for r in daso_sync.schedule.history
         ]
         result["merges"] = daso_sync.merges
         result["blocking_syncs"] = daso_sync.blocking_syncs
     return result
+
+
+class Stream(IterableDataset):
+    """An IterableDataset without ``__len__``: Lightning cannot know how many batches a rank has."""
+
+    def __iter__(self) -> Any:
+        x, y = noisy_classification().tensors
+        return iter(zip(x[:64], y[:64], strict=True))
+
+
+def refuses_iterable_without_length() -> str:
+    """DASO refuses, on every rank at once, training data whose batch count is unknown."""
+    try:
+        fit("daso", epochs=1, batches=None, daso={"warmup_epochs": 0}, data=DataLoader(Stream(), batch_size=16))
+    except ValueError as error:
+        return str(error)
+    return "no error"
 
 
 def set_parameters(model: nn.Module, values: torch.Tensor) -> None:
@@ -225,12 +314,12 @@ def check_merge_weight() -> dict[str, Any]:
     Drives a DasoSync directly with parameters set to known per-node values: what each node holds
     when it sends (``sent``) and when the sum arrives B steps later (``local``). Values are multiples
     of 1/4, so float64 parameters with an fp32 wire give the formula exactly. Constant epoch losses
-    walk the schedule from its cycling start (4 skips, B=1) over two plateaus to its reset (8, B=2).
+    walk the schedule (patience 0) from its cycling start (4, 1, 1) over (2, 1, 1) and (1, 1, 1) to its reset (8, 2, 2).
     """
     topology = discover_topology()
     groups = build_node_groups(topology)
     config = DasoConfig(
-        warmup_epochs=0, cooldown_epochs=0, stable_epochs=1, max_global_skips=8, local_skip_factor=4, downcast="fp32"
+        warmup_epochs=0, cooldown_epochs=0, stable_epochs=0, max_global_skips=8, local_skip_factor=4, downcast="fp32"
     )
     daso = DasoSync(config, groups, CommCounters(), total_epochs=None)
     model = nn.Linear(4, 3).double()  # 15 parameters: an odd count, so the shards of a node are padded
@@ -286,65 +375,3 @@ def check_merge_weight() -> dict[str, Any]:
             )
         daso.on_train_epoch_end(1.0)  # closes the epoch with a blocking sync; a constant loss is a plateau
     return {"cases": cases, "nodes": nodes, "merges": daso.merges, "downcast": config.downcast}
-
-
-EPOCHS = 5
-CYCLING = {"warmup_epochs": 1, "cooldown_epochs": 1, "stable_epochs": 2}
-
-
-def main() -> None:
-    out, args = parse_out()
-    os.environ["HOROVOD_DYNAMIC_PROCESS_SETS"] = "1"  # DASO registers node and cross-node process sets
-    hvd.init()
-    results: dict[str, Any] = {}
-
-    def run(name: str, **kwargs: Any) -> Any:
-        results[name] = fit(**kwargs)
-        return results[name]
-
-    if args.case == "lean":
-        checks = {
-            "daso": lambda: run("daso", sync="daso", epochs=3, daso=CYCLING, probe=True),
-            "merge_weight": check_merge_weight,
-        }
-    else:
-        checks = {
-            "merge_weight": check_merge_weight,
-            "daso_adam_fp16": lambda: run("daso_adam_fp16", sync="daso", epochs=EPOCHS, daso=CYCLING, probe=True),
-            "allreduce_adam": lambda: run("allreduce_adam", sync="allreduce", epochs=EPOCHS),
-            "daso_sgd_fp16": lambda: run(
-                "daso_sgd_fp16",
-                sync="daso",
-                epochs=2,
-                optimizer="sgd",
-                batchnorm=False,
-                batches=8,
-                daso={"cooldown_epochs": 0, "warmup_epochs": 1},
-            ),
-            "daso_sgd_fp32": lambda: run(
-                "daso_sgd_fp32",
-                sync="daso",
-                epochs=2,
-                optimizer="sgd",
-                batchnorm=False,
-                batches=8,
-                daso={"cooldown_epochs": 0, "warmup_epochs": 1, "downcast": "fp32"},
-            ),
-            "allreduce_sgd": lambda: run(
-                "allreduce_sgd", sync="allreduce", epochs=2, optimizer="sgd", batchnorm=False, batches=8
-            ),
-        }
-    report = run_checks(checks)
-    write_result(
-        out,
-        hvd.rank(),
-        {
-            "checks": report,
-            "cross_rank": hvd.cross_rank(),
-            "finite": all(math.isfinite(r["final_loss"]) for r in results.values()),
-        },
-    )
-
-
-if __name__ == "__main__":
-    main()
