@@ -89,6 +89,11 @@ class HorovodConfig:
                 f"gradient_predivide_factor={self.gradient_predivide_factor!r} works only with sync='allreduce', "
                 f"not sync={self.sync!r}, whose collectives do not pre-divide"
             )
+        if self.op == "sum" and self.sync == "daso":
+            raise ValueError(
+                "op='sum' does not work with sync='daso': warmup and cooldown sum gradients over all workers but "
+                "cycling only inside the node, so the update's scale would change between phases; use op='average'"
+            )
         if self.op == "adasum" and self.sync != "allreduce":
             raise ValueError(f"op='adasum' works only with sync='allreduce', not sync={self.sync!r}")
         if self.compress_node_local and self.sync != "hierarchical":

@@ -37,19 +37,20 @@ class EpochEndPolicy:
     def check_even_batches(self, num_training_batches: float, data_name: str = "the training data") -> None:
         """Refuse uneven batch counts for the node-aware syncs before any rank can hang.
 
-        DASO also refuses an unknown count: its epoch ends with a blocking sync every rank must
-        reach, and a rank whose data runs out first would leave the others waiting there.
+        An unknown count is refused too: DASO's epoch ends with a blocking sync every rank must
+        reach, and the hierarchical legs have no join, so a rank whose data runs out first would
+        leave the others waiting.
         """
         if self.config.sync == "allreduce" or horovod_torch().size() == 1:
             return
         known = UNKNOWN_LENGTH if num_training_batches == float("inf") else int(num_training_batches)
         counts = self.all_gather(torch.tensor([known], dtype=torch.int64)).flatten().tolist()
-        if self.config.sync == "daso" and UNKNOWN_LENGTH in counts:
+        if UNKNOWN_LENGTH in counts:
             raise ValueError(
-                f"sync='daso' needs to know how many training batches each rank has, but {data_name} has no "
-                "length on some rank (an IterableDataset without __len__). Give the dataset a __len__ equal on "
-                "every rank, pass Trainer(limit_train_batches=<int>) with a count every rank reaches, or use "
-                "sync='allreduce', which handles uneven data with Horovod's join."
+                f"sync={self.config.sync!r} needs to know how many training batches each rank has, but "
+                f"{data_name} has no length on some rank (an IterableDataset without __len__). Give the dataset a "
+                "__len__ equal on every rank, pass Trainer(limit_train_batches=<int>) with a count every rank "
+                "reaches, or use sync='allreduce', which handles uneven data with Horovod's join."
             )
         if UNKNOWN_LENGTH not in counts and len(set(counts)) > 1:
             raise ValueError(

@@ -109,6 +109,7 @@ def test_buckets_split_by_dtype_and_size_and_round_trip() -> None:
         ({"gradient_predivide_factor": 2.0, "op": "sum"}, r"works only with op='average', not op='sum'"),
         ({"op": "adasum"}, r"op='adasum' needs Horovod's MPI controller"),
         ({"op": "adasum", "sync": "daso"}, r"op='adasum' works only with sync='allreduce'"),
+        ({"op": "sum", "sync": "daso"}, r"op='sum' does not work with sync='daso'.*use op='average'"),
         ({"daso": {"warmup_epochs": 1}}, r"DASO settings need sync='daso'"),
         ({"hierarchical_impl": "nccl"}, r"hierarchical_impl='nccl' is not supported"),
         ({"bucket_mb": -1}, r"bucket_mb=-1 must be a positive number"),
