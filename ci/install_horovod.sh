@@ -8,10 +8,17 @@
 # HOROVOD_GLOO_IFACE (they resolve the host name instead), which breaks multi-host Gloo
 # jobs whose host names resolve to 127.0.0.1.
 #
+# A CUDA torch is fine for a CPU-ops build (HVD_GPU=none): Horovod's CMake would otherwise see
+# the CUDA torch and insist on building its CUDA parts, so the script tells it torch has no CUDA.
+# NCCL builds compile Horovod's CUDA kernels with nvcc, which must be of the CUDA major version
+# torch was built with (CUDA 12 torch + nvcc 13 is refused; auto falls back to CPU ops then).
+#
 # Environment (all optional):
-#   HVD_GPU=auto|nccl|none     NCCL GPU ops; auto = when torch is a CUDA build and nvcc exists
+#   HVD_GPU=auto|nccl|none     NCCL GPU ops; auto = nccl when torch is a CUDA build, nvcc of the
+#                              same CUDA major exists and the nvidia-nccl wheel is installed
 #   HVD_MPI=auto|yes|no        MPI controller; auto = when mpicc is on PATH
 #   HVD_CUDA_ARCHS=90          GPU architectures to compile for (default: 80;90)
+#   CUDA_HOME=DIR              CUDA toolkit for NCCL builds (default /usr/local/cuda, else nvcc on PATH)
 #   HVD_WHEEL_CACHE=DIR        where built wheels are kept (default ~/.cache/hvd_plugins/wheels)
 #   HVD_FORCE_BUILD=1          ignore the cache
 set -euo pipefail
@@ -38,15 +45,46 @@ TORCH_MAJOR_MINOR=$("$PYTHON" -c 'import torch; v=torch.__version__.split("+")[0
 if [ "$TORCH_MAJOR_MINOR" -ge 214 ]; then CXX_STD=20; else CXX_STD=17; fi
 
 # --- which controllers and GPU ops --------------------------------------------------------
+# The CUDA toolkit a GPU build would use: CUDA_HOME, else /usr/local/cuda, else nvcc's folder.
+if [ -n "${CUDA_HOME:-}" ]; then CUDA_ROOT="$CUDA_HOME"
+elif [ -x /usr/local/cuda/bin/nvcc ]; then CUDA_ROOT=/usr/local/cuda
+elif command -v nvcc >/dev/null 2>&1; then CUDA_ROOT=$(dirname "$(dirname "$(command -v nvcc)")")
+else CUDA_ROOT=""
+fi
+NVCC_CUDA=""
+if [ -n "$CUDA_ROOT" ] && [ -x "$CUDA_ROOT/bin/nvcc" ]; then
+  NVCC_CUDA=$("$CUDA_ROOT/bin/nvcc" --version | sed -n 's/.*release \([0-9][0-9]*\.[0-9][0-9]*\).*/\1/p')
+fi
+HAVE_NCCL_WHEEL=no
+"$PYTHON" -c 'import nvidia.nccl' 2>/dev/null && HAVE_NCCL_WHEEL=yes
+
+# Why an NCCL build cannot be made here; empty when it can.
+nccl_obstacle() {
+  if [ "$TORCH_CUDA" = cpu ]; then echo "torch $TORCH_VERSION is a CPU-only build"
+  elif [ -z "$NVCC_CUDA" ]; then echo "no nvcc found (set CUDA_HOME to a CUDA $TORCH_CUDA toolkit)"
+  elif [ "${NVCC_CUDA%%.*}" != "${TORCH_CUDA%%.*}" ]; then
+    echo "nvcc in $CUDA_ROOT is CUDA $NVCC_CUDA but torch $TORCH_VERSION was built with CUDA $TORCH_CUDA (majors differ; set CUDA_HOME to a CUDA ${TORCH_CUDA%%.*}.x toolkit)"
+  elif [ "$HAVE_NCCL_WHEEL" = no ]; then echo "the nvidia-nccl wheel is not installed beside torch"
+  fi
+}
+
 GPU_MODE="${HVD_GPU:-auto}"
 case "$GPU_MODE" in
-  auto) if [ "$TORCH_CUDA" != "cpu" ] && command -v nvcc >/dev/null 2>&1; then GPU_MODE=nccl; else GPU_MODE=none; fi ;;
-  nccl|none) ;;
+  auto)
+    WHY_NOT=$(nccl_obstacle)
+    if [ -z "$WHY_NOT" ]; then
+      GPU_MODE=nccl
+      log "HVD_GPU=auto: NCCL build (torch CUDA $TORCH_CUDA, nvcc CUDA $NVCC_CUDA)"
+    else
+      GPU_MODE=none
+      log "HVD_GPU=auto: CPU-ops build because $WHY_NOT"
+    fi ;;
+  nccl)
+    WHY_NOT=$(nccl_obstacle)
+    [ -z "$WHY_NOT" ] || die "HVD_GPU=nccl cannot be built here: $WHY_NOT" ;;
+  none) ;;
   *) die "HVD_GPU=$GPU_MODE is not one of: auto, nccl, none" ;;
 esac
-if [ "$GPU_MODE" = nccl ] && [ "$TORCH_CUDA" = cpu ]; then
-  die "HVD_GPU=nccl asked for, but torch $TORCH_VERSION is a CPU-only build"
-fi
 MPI_MODE="${HVD_MPI:-auto}"
 case "$MPI_MODE" in
   auto) if command -v mpicc >/dev/null 2>&1; then MPI_MODE=yes; else MPI_MODE=no; fi ;;
@@ -90,6 +128,20 @@ else
     grep -q "CMAKE_CXX_STANDARD $CXX_STD" "$SRC/horovod/torch/CMakeLists.txt" \
       || die "could not raise the C++ standard in horovod/torch/CMakeLists.txt"
 
+    if [ "$GPU_MODE" = none ]; then
+      # Horovod adds its CUDA parts whenever torch is a CUDA build; a CPU-ops build must not
+      # (no-op for a CPU torch, so CPU-torch wheels are unchanged).
+      "$PYTHON" - "$SRC/cmake/Modules/FindPytorch.cmake" <<'PY'
+import pathlib, sys
+path = pathlib.Path(sys.argv[1])
+text = path.read_text()
+old = 'string(TOUPPER "${Pytorch_CUDA}" Pytorch_CUDA)\n'
+if text.count(old) != 1:
+    sys.exit("FindPytorch.cmake does not look as expected; cannot turn off torch's CUDA detection")
+path.write_text(text.replace(old, old + "set(Pytorch_CUDA FALSE)  # CPU-ops build of a CUDA torch\n"))
+PY
+    fi
+
     # Process-set Gloo contexts must use the network interface of the global context.
     GLOO_CC="$SRC/horovod/common/gloo/gloo_context.cc"
     "$PYTHON" - "$GLOO_CC" <<'PY'
@@ -113,7 +165,8 @@ PY
       ln -sf "$NCCL_ROOT/lib/libnccl.so.2" "$NCCL_LINKS/libnccl.so"
       export HOROVOD_GPU_OPERATIONS=NCCL HOROVOD_NCCL_LINK=SHARED \
         HOROVOD_NCCL_INCLUDE="$NCCL_ROOT/include" HOROVOD_NCCL_LIB="$NCCL_LINKS" \
-        HOROVOD_CUDA_HOME="${CUDA_HOME:-/usr/local/cuda}" HOROVOD_BUILD_CUDA_CC_LIST="${CUDA_ARCHS//;/,}"
+        HOROVOD_CUDA_HOME="$CUDA_ROOT" HOROVOD_BUILD_CUDA_CC_LIST="${CUDA_ARCHS//;/,}"
+      export PATH="$CUDA_ROOT/bin:$PATH"   # Horovod asks the nvcc on PATH for its flags
     fi
     mkdir -p "$WHEEL_DIR"
     rm -f "$WHEEL_DIR"/horovod-*.whl
