@@ -94,7 +94,9 @@ def _fit_once(setup: Setup, sync: str, compression: str) -> dict[str, Any]:
             self.steps = trainer.global_step - self.steps_at_start
 
     daso = common.daso_settings(compression, warmup_epochs=0, cooldown_epochs=0) if sync == "daso" else None
-    strategy = HorovodStrategy(sync=sync, compression=compression, daso=daso)
+    # Every bucket takes the two-level path (flat_below_mb=0), whose legs the analytic table counts.
+    two_level = {"flat_below_mb": 0.0} if sync == "hierarchical" else {}
+    strategy = HorovodStrategy(sync=sync, compression=compression, daso=daso, **two_level)
     strategy.set_world_ranks()
     meter = EpochBytes()
     trainer = common.cpu_trainer(strategy, [meter])

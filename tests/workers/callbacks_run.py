@@ -69,8 +69,10 @@ def main() -> None:
     rank_hint = int(os.environ.get("HOROVOD_RANK", "0"))  # hvd.init() has not run yet
     timeline = HorovodTimeline(out / f"timeline_rank{rank_hint}.json", start_step=1, stop_step=3)
     memory, comm, steps = PeakMemoryMonitor(), CommunicationMonitor(), StepsPerEpoch()
+    # The model is tiny, so the two-level path is forced (flat_below_mb=0): the test checks its legs.
+    two_level_even_when_tiny = {"flat_below_mb": 0.0} if args.sync == "hierarchical" else {}
     trainer = Trainer(
-        strategy=HorovodStrategy(compression=args.compression, sync=args.sync),
+        strategy=HorovodStrategy(compression=args.compression, sync=args.sync, **two_level_even_when_tiny),
         accelerator="cpu",
         max_epochs=EPOCHS,
         accumulate_grad_batches=args.accumulate,
