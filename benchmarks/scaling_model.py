@@ -276,6 +276,21 @@ class Observation:
         nodes, local = self.topology.split("x")
         return int(nodes), int(local)
 
+    @staticmethod
+    def of(run: dict[str, Any], phase: str, stats: dict[str, Any]) -> Observation:
+        """The observation of one phase of one run record of emulated_sweep.json."""
+        return Observation(
+            run["model"],
+            run["topology"],
+            str(run["link_mbit"]),
+            run["mode"],
+            phase,
+            float(run["params"]),
+            stats.get("syncs_per_step", 1.0),
+            run["steps_per_epoch"],
+            stats["step_s"],
+        )
+
 
 @dataclass
 class Calibration:
@@ -369,19 +384,7 @@ def observations_from(records: dict[str, Any]) -> list[Observation]:
     for run in records["runs"]:
         for phase, stats in run["phases"].items():
             if stats["steps"] >= 2:
-                found.append(
-                    Observation(
-                        run["model"],
-                        run["topology"],
-                        str(run["link_mbit"]),
-                        run["mode"],
-                        phase,
-                        float(run["params"]),
-                        stats.get("syncs_per_step", 1.0),
-                        run["steps_per_epoch"],
-                        stats["step_s"],
-                    )
-                )
+                found.append(Observation.of(run, phase, stats))
     return found
 
 
@@ -394,18 +397,7 @@ def check_against_sweep(records: dict[str, Any], calibration: Calibration) -> tu
             continue
         predicted = {}
         for phase, stats in phases.items():
-            obs = Observation(
-                run["model"],
-                run["topology"],
-                str(run["link_mbit"]),
-                run["mode"],
-                phase,
-                float(run["params"]),
-                stats.get("syncs_per_step", 1.0),
-                run["steps_per_epoch"],
-                stats["step_s"],
-            )
-            predicted[phase] = calibration.predict(obs)
+            predicted[phase] = calibration.predict(Observation.of(run, phase, stats))
         steps = sum(s["steps"] for s in phases.values())
         measured_step = sum(s["steps"] * s["step_s"] for s in phases.values()) / steps
         predicted_step = sum(s["steps"] * predicted[p] for p, s in phases.items()) / steps
