@@ -8,6 +8,7 @@ than assumed.
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,6 +17,8 @@ import torch
 from hvd_plugins._horovod import horovod_torch
 
 DYNAMIC_PROCESS_SETS_ENV = "HOROVOD_DYNAMIC_PROCESS_SETS"
+RESTART_SETTLE_SECONDS = 2.0
+"""Pause between the shutdown and the restart with process sets (see start_horovod_with_node_sets)."""
 
 
 @dataclass(frozen=True)
@@ -160,7 +163,14 @@ def start_horovod_with_node_sets(hvd: Any) -> Topology:
         for ranks in wanted:
             _REGISTERED[ranks] = hvd.add_process_set(list(ranks))
     elif wanted:
+        # Each rank's shutdown tells the rendezvous server it is done with the first start's keys,
+        # and the server drops them once every rank said so; a rank that restarted and published
+        # its new address before the slowest rank's shutdown would lose that address (a hang or a
+        # refused connection). The barrier makes ranks shut down together; the pause lets every
+        # shutdown reach the server before any rank starts again.
+        hvd.barrier()
         hvd.shutdown()
+        time.sleep(RESTART_SETTLE_SECONDS)
         forget_process_sets()
         process_sets = [hvd.ProcessSet(list(ranks)) for ranks in wanted]
         hvd.init(process_sets=process_sets)
