@@ -117,10 +117,8 @@ def worker_main(args: argparse.Namespace) -> None:
 
     common.one_thread_per_worker()
     setup = FULL if args.size == "full" else SMOKE
-    hvd.init()  # with HOROVOD_DYNAMIC_PROCESS_SETS=1 (set by the driver), so every sync mode can run here
+    hvd.init()
     results: dict[str, Any] = {"local_size": hvd.local_size(), "cross_size": hvd.cross_size(), "runs": {}}
-    # Node-aware modes first: their process sets are registered before any flat-allreduce fit ran
-    # (registering them after a flat fit with its end-of-epoch hvd.join() hung in this setup).
     for sync in args.syncs.split(","):
         for compression in COMPRESSIONS:
             results["runs"][f"{sync}/{compression}"] = _fit_once(setup, sync, compression)
@@ -138,7 +136,7 @@ def measure(size: str, syncs: list[str], workdir: Path, timeout: float) -> dict[
         np=4,
         hosts=common.TWO_EMULATED_NODES,
         timeout=timeout,
-        env={"HOROVOD_DYNAMIC_PROCESS_SETS": "1", "HOROVOD_GLOO_TIMEOUT_SECONDS": "120"},
+        env={"HOROVOD_GLOO_TIMEOUT_SECONDS": "120"},
     )
     if sorted(outcome.results) != [0, 1, 2, 3]:
         outcome.check("comm_volume job")

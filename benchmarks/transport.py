@@ -4,14 +4,13 @@ Compares, under real ``horovodrun`` jobs on 2 nodes x 1 worker and 2 nodes x 2 w
 on one machine with ``-H localhost:N,127.0.0.1:N``):
 
 - ``dynamic``: Horovod's dynamic process sets (``HOROVOD_DYNAMIC_PROCESS_SETS=1`` +
-  ``hvd.add_process_set``), what the package used before;
+  ``hvd.add_process_set``);
 - ``static_env``: static sets passed to ``hvd.init`` and derived from each rank's launcher
   variables (``HOROVOD_LOCAL_SIZE``, ``HOROVOD_CROSS_SIZE``: host-major numbering assumed), the
   assumption checked after start-up with an allgather (``layout_ok``);
-- ``static``: the package's way (``start_horovod_with_node_sets``): plain start, layout gathered,
-  restart with static sets only when some are needed;
-- ``alltoall``: no process sets at all: each leg is one global ``hvd.alltoall`` whose splits are
-  non-zero only towards the partners of that leg;
+- ``static``: plain start, layout gathered, restart with static sets only when some are needed;
+- ``alltoall``: the package's way (``comm.partners``): no process sets at all, each leg is a
+  global ``hvd.alltoall`` whose splits are non-zero only towards the partners of that leg;
 - ``flat``: plain ``hvd.init()`` and one global allreduce only (the ``global`` column of
   ``alltoall`` measures the same, so it is left out unless asked for).
 
@@ -64,7 +63,7 @@ def start(transport: str) -> tuple[Any, dict[str, Any]]:
     """Start Horovod as ``transport`` does; return hvd and ``{"local": set, "cross": set, ...}``."""
     import horovod.torch as hvd
 
-    from hvd_plugins.comm.topology import build_node_groups, discover_topology, start_horovod_with_node_sets
+    from hvd_plugins.comm.topology import build_node_groups, discover_topology
 
     begin = time.perf_counter()
     info: dict[str, Any] = {"layout_ok": True}
@@ -89,7 +88,7 @@ def start(transport: str) -> tuple[Any, dict[str, Any]]:
             "topology": topology,
         }
     elif transport == "static":
-        groups = build_node_groups(start_horovod_with_node_sets(hvd))
+        groups = start_with_static_sets(hvd)
     else:  # flat, alltoall: no process sets
         hvd.init()
         topology = discover_topology()
@@ -98,6 +97,28 @@ def start(transport: str) -> tuple[Any, dict[str, Any]]:
         groups = {"local": groups.local, "cross": groups.cross, "topology": groups.topology}
     info["init_s"] = time.perf_counter() - begin
     return hvd, {**groups, **info}
+
+
+def start_with_static_sets(hvd: Any) -> dict[str, Any]:
+    """Plain start, gather the layout, restart with the node and cross-node sets where needed."""
+    from hvd_plugins.comm.topology import discover_topology
+
+    hvd.init()
+    topology = discover_topology()
+    cross = [topology.cross_ranks(i) for i in range(topology.local_size)]
+    needed = [*topology.nodes, *cross] if topology.num_nodes > 1 and topology.local_size > 1 else []
+    sets = [hvd.ProcessSet(list(ranks)) for ranks in needed]
+    if sets:
+        hvd.barrier()
+        hvd.shutdown()
+        time.sleep(2.0)  # every rank's shutdown reaches the rendezvous server before any restarts
+        hvd.init(process_sets=sets)
+    by_ranks = dict(zip(needed, sets, strict=True))
+    return {
+        "local": by_ranks.get(topology.nodes[topology.node_index]),
+        "cross": by_ranks.get(topology.cross_ranks(topology.local_rank)),
+        "topology": topology,
+    }
 
 
 def set_legs(hvd: Any, groups: dict[str, Any]) -> dict[str, Callable[[Any], Any]]:
@@ -111,33 +132,21 @@ def set_legs(hvd: Any, groups: dict[str, Any]) -> dict[str, Callable[[Any], Any]
 
 
 def alltoall_legs(hvd: Any, groups: dict[str, Any]) -> dict[str, Callable[[Any], Any]]:
-    """The three legs as global alltoalls that send only to the leg's partners."""
-    import torch
+    """The three legs as the package runs them: global alltoalls that send only to the leg's partners."""
+    from hvd_plugins.comm import partners
+    from hvd_plugins.comm.compression import NoCompression
+    from hvd_plugins.comm.counters import CommCounters, Scope
+    from hvd_plugins.comm.topology import build_node_groups
 
-    topology = groups["topology"]
-    world = topology.size
-    node = topology.nodes[topology.node_index]
-    peers = topology.cross_ranks(topology.local_rank)
-
-    def exchange(pieces: dict[int, Any]) -> Any:
-        """Send ``pieces[rank]`` to each listed rank; return what arrived, in rank order."""
-        order = sorted(pieces)
-        splits = torch.tensor([pieces[r].numel() if r in pieces else 0 for r in range(world)], dtype=torch.int32)
-        received, _ = hvd.alltoall(torch.cat([pieces[r] for r in order]), splits=splits, name="a2a")
-        return received
-
-    def reduce_scatter(t: Any) -> Any:
-        shards = t.chunk(len(node))
-        return exchange(dict(zip(node, shards, strict=True))).view(len(node), -1).sum(0)
-
-    def cross_allreduce(t: Any) -> Any:
-        return exchange({r: t for r in peers}).view(len(peers), -1).sum(0)
-
-    def allgather(t: Any) -> Any:
-        received = exchange({r: t for r in node}).view(len(node), -1)
-        return received[[sorted(node).index(r) for r in node]].reshape(-1)
-
-    return {"rs": reduce_scatter, "xr": cross_allreduce, "ag": allgather}
+    node_groups = build_node_groups(groups["topology"])
+    local, cross, codec = node_groups.local, node_groups.cross, NoCompression()
+    legs: dict[str, Callable[[Any], Any]] = {}
+    if local is not None:
+        legs["rs"] = lambda t: partners.finish_reduce_scatter(partners.start_reduce_scatter(t, local, codec, "rs"))
+        legs["ag"] = lambda t: partners.finish_allgather(partners.start_allgather(t, local, codec, "ag"))
+    if cross is not None:
+        legs["xr"] = lambda t: partners.group_sum([t], cross, codec, "xr", CommCounters(), Scope.CROSS_NODE)[0]
+    return legs
 
 
 STEP_MODELS = {"small": (32, [64], 10), "large": (512, [1024, 1024], 10)}  # features, hidden, classes

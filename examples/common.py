@@ -78,7 +78,7 @@ def add_strategy_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--op", choices=GRADIENT_OPS, default="average", help="reduction of the gradients")
     group.add_argument("--scale-lr", action="store_true", help="multiply the learning rate by the number of workers")
     group.add_argument("--gradient-predivide-factor", type=float, default=1.0, help="split the averaging (op=average)")
-    group.add_argument("--hierarchical-impl", choices=HIERARCHICAL_IMPLS, default="process_sets")
+    group.add_argument("--hierarchical-impl", choices=HIERARCHICAL_IMPLS, default="portable")
     group.add_argument("--compress-node-local", action="store_true", help="sync=hierarchical: compress local legs too")
     group.add_argument("--sync-batchnorm", action="store_true", help="BatchNorm statistics over all workers")
     group.add_argument("--no-average-buffers", action="store_true", help="keep each worker's BatchNorm running stats")

@@ -17,7 +17,9 @@ from hvd_plugins.faults import DEFAULT_STALL_TIMEOUT_SECONDS, validate_stall_tim
 
 SYNC_MODES = ("allreduce", "hierarchical", "daso")
 """``allreduce``: flat; ``hierarchical``: inside the node, then across nodes; ``daso``: see DasoConfig."""
-HIERARCHICAL_IMPLS = ("process_sets", "native")
+HIERARCHICAL_IMPLS = ("portable", "native")
+"""``portable``: this package's two-level allreduce, on every build; ``native``: Horovod's (MPI + NCCL)."""
+_HIERARCHICAL_IMPL_ALIASES = {"process_sets": "portable"}  # the name of "portable" before it needed no process sets
 GRADIENT_OPS = ("average", "sum", "adasum")
 FLAT_BELOW_MB = 1.0
 """Default size (MiB) under which a hierarchical bucket is summed by one flat allreduce.
@@ -53,8 +55,8 @@ class HorovodConfig:
     """Multiply learning rates by the number of workers (never done silently)."""
     sync: str = "allreduce"
     """One of SYNC_MODES."""
-    hierarchical_impl: str = "process_sets"
-    """``"process_sets"`` (every build) or ``"native"`` (Horovod's own: MPI controller + NCCL)."""
+    hierarchical_impl: str = "portable"
+    """``"portable"`` (every build) or ``"native"`` (Horovod's own: MPI controller + NCCL)."""
     compress_node_local: bool = False
     """With ``sync="hierarchical"``, compress the node-local legs as well as the cross-node one."""
     daso: DasoConfig | None = None
@@ -76,6 +78,8 @@ class HorovodConfig:
         compressor_by_name(self.compression)  # raises naming the choices
         _choice("op", self.op, GRADIENT_OPS)
         _choice("sync", self.sync, SYNC_MODES)
+        impl = _HIERARCHICAL_IMPL_ALIASES.get(self.hierarchical_impl, self.hierarchical_impl)
+        object.__setattr__(self, "hierarchical_impl", impl)
         _choice("hierarchical_impl", self.hierarchical_impl, HIERARCHICAL_IMPLS)
         if not self.gradient_predivide_factor > 0:
             raise ValueError(f"gradient_predivide_factor={self.gradient_predivide_factor!r} must be a positive number")
@@ -98,7 +102,7 @@ class HorovodConfig:
             raise ValueError(f"op='adasum' works only with sync='allreduce', not sync={self.sync!r}")
         if self.compress_node_local and self.sync != "hierarchical":
             raise ValueError(f"compress_node_local=True works only with sync='hierarchical', not sync={self.sync!r}")
-        if self.hierarchical_impl != "process_sets" and self.sync != "hierarchical":
+        if self.hierarchical_impl != "portable" and self.sync != "hierarchical":
             raise ValueError(
                 f"hierarchical_impl={self.hierarchical_impl!r} works only with sync='hierarchical', "
                 f"not sync={self.sync!r}"
@@ -135,8 +139,8 @@ class HorovodConfig:
 
     @property
     def node_aware(self) -> bool:
-        """Whether the sync needs to know which workers share a node (our own process sets)."""
-        return self.sync == "daso" or (self.sync == "hierarchical" and self.hierarchical_impl == "process_sets")
+        """Whether the sync needs to know which workers share a node (this package's node-aware collectives)."""
+        return self.sync == "daso" or (self.sync == "hierarchical" and self.hierarchical_impl == "portable")
 
     @property
     def native_hierarchical(self) -> bool:

@@ -3,8 +3,8 @@
 Ranks may hold different numbers of batches (a custom sampler, an IterableDataset). With the flat
 allreduce, Horovod's ``join`` lets a rank that ran out of data wait while the others finish (its
 gradients count as zeros meanwhile); afterwards the rank that ran longest hands its state to the
-others. The node-aware syncs cannot join (their process sets have no join), so uneven batch
-counts are refused at the start of the epoch instead of hanging at its end.
+others. The node-aware syncs do not take part in that join (their collectives are not all allreduces),
+so uneven batch counts are refused at the start of the epoch instead of hanging at its end.
 """
 
 from __future__ import annotations

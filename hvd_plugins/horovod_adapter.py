@@ -16,7 +16,6 @@ from typing import TYPE_CHECKING, Any
 from torch.optim import Optimizer
 
 from hvd_plugins._horovod import horovod_torch
-from hvd_plugins.comm.topology import start_horovod_with_node_sets
 from hvd_plugins.faults import apply_stall_timeout
 
 if TYPE_CHECKING:
@@ -27,24 +26,17 @@ NATIVE_HIERARCHICAL_ENV = "HOROVOD_HIERARCHICAL_ALLREDUCE"
 
 # ---------------------------------------------------------------------------- start-up
 def init_horovod(config: HorovodConfig) -> ModuleType:
-    """Start Horovod with what ``config`` needs (idempotent).
+    """Start Horovod with what ``config`` needs (idempotent: a script's own ``hvd.init()`` is kept).
 
-    A node-aware sync gets its process sets as static sets created at start-up
-    (``start_horovod_with_node_sets``): Horovod's dynamic mode costs every collective a global
-    negotiation round, global ones included, so it is never turned on here. A script may have
-    called ``hvd.init()`` itself, as Horovod's own docs do; when sets are needed that start is
-    shut down and Horovod started again with them (every rank builds the same Trainer at the same
-    point, so all of them restart together, and ranks and sizes stay what the launcher set).
+    Node-aware syncs need no process sets (``comm.partners``), so Horovod is started plainly and
+    never restarted; only Horovod's native hierarchical allreduce is switched on before the start.
     """
     hvd = horovod_torch()
     apply_stall_timeout(config.stall_timeout_seconds, horovod_initialized=hvd.is_initialized())
     if not hvd.is_initialized():
         if config.native_hierarchical:
             os.environ[NATIVE_HIERARCHICAL_ENV] = "1"
-        if not config.node_aware:
-            hvd.init()
-    if config.node_aware:
-        start_horovod_with_node_sets(hvd)
+        hvd.init()
     return hvd
 
 
@@ -72,7 +64,7 @@ def require_job_supports(config: HorovodConfig, on_gpu: bool) -> None:
         raise ValueError(
             "hierarchical_impl='native' needs the MPI controller, NCCL and GPUs; this job has "
             f"mpi={hvd.mpi_enabled()}, nccl={bool(hvd.nccl_built())}, gpu={on_gpu}. "
-            "Use hierarchical_impl='process_sets', which works on every build."
+            "Use hierarchical_impl='portable', which works on every build."
         )
 
 

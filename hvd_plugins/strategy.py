@@ -76,7 +76,7 @@ class HorovodStrategy(ParallelStrategy):
         gradient_predivide_factor: divide before the sum, the rest after (``op="average"``, flat sync).
         scale_lr: multiply learning rates (and schedulers' base lrs) by the number of workers.
         sync: ``"allreduce"`` (flat), ``"hierarchical"`` (node, then across nodes) or ``"daso"``.
-        hierarchical_impl: ``"process_sets"`` (every build) or ``"native"`` (MPI + NCCL only).
+        hierarchical_impl: ``"portable"`` (every build) or ``"native"`` (MPI + NCCL only).
         compress_node_local: with ``sync="hierarchical"``, compress the node-local legs too.
         daso: a ``DasoConfig`` or a dict of its fields; only with ``sync="daso"``.
         sync_batchnorm: use ``HorovodSyncBatchNorm`` (CPU and GPU); ``Trainer(sync_batchnorm=True)`` too.
@@ -103,7 +103,7 @@ class HorovodStrategy(ParallelStrategy):
         gradient_predivide_factor: float = 1.0,
         scale_lr: bool = False,
         sync: str = "allreduce",
-        hierarchical_impl: str = "process_sets",
+        hierarchical_impl: str = "portable",
         compress_node_local: bool = False,
         daso: DasoConfig | dict[str, Any] | None = None,
         sync_batchnorm: bool = False,

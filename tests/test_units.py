@@ -15,7 +15,8 @@ from hvd_plugins.comm.buckets import bucket_tensors, flatten, unflatten_into
 from hvd_plugins.comm.compression import CountingCompressor, FP16Compression, NoCompression, compressor_by_name
 from hvd_plugins.comm.counters import CommCounters, Scope
 from hvd_plugins.comm.parameters import indexed_optimizer_parameters, optimizer_parameters
-from hvd_plugins.comm.topology import Topology, node_process_sets
+from hvd_plugins.comm.partners import PartnerGroup
+from hvd_plugins.comm.topology import Topology, build_node_groups
 from hvd_plugins.comm.wire import for_wire, from_wire, nbytes, reduce_op_name, wire_dtype
 from hvd_plugins.daso.config import DasoConfig
 
@@ -72,13 +73,28 @@ def test_topology_from_gathered_pairs_handles_non_contiguous_ranks() -> None:
     assert topology.equal_nodes and topology.size == 4 and topology.num_nodes == 2
 
 
-def test_node_process_sets_only_where_a_set_is_neither_global_nor_needless() -> None:
-    two_by_two = Topology.from_pairs(rank=0, pairs=[(0, 0), (0, 1), (1, 0), (1, 1)])
-    assert node_process_sets(two_by_two) == [(0, 1), (2, 3), (0, 2), (1, 3)]  # nodes, then cross pairs
-    interleaved = Topology.from_pairs(rank=0, pairs=[(0, 0), (1, 0), (0, 1), (1, 1)])
-    assert node_process_sets(interleaved) == [(0, 2), (1, 3), (0, 1), (2, 3)]
-    assert node_process_sets(Topology.from_pairs(rank=0, pairs=[(0, 0), (1, 0)])) == []  # 2 nodes x 1: global
-    assert node_process_sets(Topology.from_pairs(rank=0, pairs=[(0, 0), (0, 1)])) == []  # 1 node: global
+def test_node_groups_name_each_workers_partners_by_local_rank() -> None:
+    interleaved = Topology.from_pairs(rank=2, pairs=[(0, 0), (1, 0), (0, 1), (1, 1)])  # nodes (0, 2), (1, 3)
+    groups = build_node_groups(interleaved)
+    assert groups.local is not None and groups.cross is not None
+    assert groups.local.ranks == (0, 2) and groups.local.index == 1
+    assert groups.cross.ranks == (2, 3) and not groups.cross.spans_world
+    one_per_node = build_node_groups(Topology.from_pairs(rank=0, pairs=[(0, 0), (1, 0)]))
+    assert one_per_node.local is None and one_per_node.cross is not None and one_per_node.cross.spans_world
+    one_node = build_node_groups(Topology.from_pairs(rank=1, pairs=[(0, 0), (0, 1)]))
+    assert one_node.cross is None and one_node.local is not None and one_node.local.spans_world
+
+
+def test_partner_group_sends_only_to_partners_and_reads_rows_in_group_order() -> None:
+    group = PartnerGroup(ranks=(3, 1), rank=1, world=4)  # group order: rank 3 first
+    assert group.splits(5).tolist() == [0, 5, 0, 5]
+    # alltoall wants pieces in ascending rank: the piece for rank 1 (group index 1) first
+    pieces = [torch.full((2,), 30.0), torch.full((2,), 10.0)]
+    assert group.ascending(pieces).tolist() == [10.0, 10.0, 30.0, 30.0]
+    received = torch.tensor([1.0, 1.0, 3.0, 3.0])  # from rank 1, then rank 3
+    assert group.rows(received, 2).tolist() == [[3.0, 3.0], [1.0, 1.0]]
+    with pytest.raises(ValueError, match="rank 0 is not in the partner group"):
+        PartnerGroup(ranks=(3, 1), rank=0, world=4)
 
 
 def test_topology_rejects_unequal_nodes_with_the_sizes() -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 from torch.optim import Optimizer
@@ -22,6 +22,7 @@ from hvd_plugins.comm.compression import Compressor, CountingCompressor, compres
 from hvd_plugins.comm.counters import CommCounters, Scope
 from hvd_plugins.comm.hierarchical import hierarchical_allreduce_
 from hvd_plugins.comm.parameters import optimizer_parameters
+from hvd_plugins.comm.partners import group_sum
 from hvd_plugins.comm.topology import NodeGroups
 from hvd_plugins.comm.wire import horovod_op, nbytes
 from hvd_plugins.horovod_adapter import set_backward_passes
@@ -56,7 +57,6 @@ class GradientSync(ABC):
 class HorovodOptimizerSync(GradientSync):
     """Horovod's ``DistributedOptimizer``: one allreduce per gradient, started by backward hooks.
 
-    With ``process_set`` it averages inside that set only (DASO's node-local sync).
     Accumulation uses ``backward_passes_per_step`` so an allreduce runs once per optimizer
     step, not once per micro-batch.
     """
@@ -68,16 +68,13 @@ class HorovodOptimizerSync(GradientSync):
         counters: CommCounters,
         scope: Scope,
         gradient_predivide_factor: float = 1.0,
-        process_set: Any = None,
     ) -> None:
         self.compressor = CountingCompressor(compressor, counters, scope)
         self.op = op
         self.counters = counters
         self.gradient_predivide_factor = gradient_predivide_factor
-        self.process_set = process_set
 
     def wrap(self, optimizer: Optimizer, named_parameters: list[tuple[str, torch.nn.Parameter]]) -> Optimizer:
-        extra = {} if self.process_set is None else {"process_set": self.process_set}
         return horovod_torch().DistributedOptimizer(
             optimizer,
             named_parameters=named_parameters,
@@ -85,7 +82,6 @@ class HorovodOptimizerSync(GradientSync):
             backward_passes_per_step=self.backward_passes,
             op=horovod_op(self.op),
             gradient_predivide_factor=self.gradient_predivide_factor,
-            **extra,
         )
 
     @contextlib.contextmanager
@@ -207,29 +203,35 @@ class DasoGradientSync(GradientSync):
     def synchronize(self, optimizer: Optimizer) -> None:
         grads = _gradients_of(optimizer)
         everywhere = self.over_all_workers()
-        process_set = None if everywhere else self.groups.local
-        if not grads or horovod_torch().size() == 1 or (process_set is None and not everywhere):
+        if not grads or horovod_torch().size() == 1 or (self.groups.local is None and not everywhere):
             return  # alone in its group: nothing to average (the gradients are zero-filled all the same)
-        compressor = self.global_compressor if everywhere else self.node_compressor
-        across = everywhere and self.groups.topology.num_nodes > 1
-        scope = Scope.CROSS_NODE if across else Scope.NODE_LOCAL
         name = f"{self._names[id(optimizer)]}.{'all' if everywhere else 'node'}"
+        buckets = bucket_tensors(grads, self.bucket_bytes)
+        if everywhere:
+            averaged = self._over_all_workers([flatten(bucket) for bucket in buckets], name)
+        else:
+            assert self.groups.local is not None
+            flats = [flatten(bucket) for bucket in buckets]
+            sums = group_sum(flats, self.groups.local, self.node_compressor, name, self.counters, Scope.NODE_LOCAL)
+            averaged = sums if self.op == "sum" else [total.div_(self.groups.local.size) for total in sums]
+        for total, bucket in zip(averaged, buckets, strict=True):
+            unflatten_into(total, bucket)
+
+    def _over_all_workers(self, flats: list[torch.Tensor], name: str) -> list[torch.Tensor]:
+        """One fused allreduce round over every worker, on the global wire type."""
         hvd = horovod_torch()
-        extra = {} if process_set is None else {"process_set": process_set}
+        scope = Scope.CROSS_NODE if self.groups.topology.num_nodes > 1 else Scope.NODE_LOCAL
         launched = []
-        for index, bucket in enumerate(bucket_tensors(grads, self.bucket_bytes)):
-            wire, ctx = compressor.compress(flatten(bucket))
+        for index, flat in enumerate(flats):
+            wire, ctx = self.global_compressor.compress(flat)
             self.counters.record(scope, nbytes(wire))
-            handle = hvd.allreduce_async_(wire, op=horovod_op(self.op), name=f"{name}.{index}", **extra)
-            launched.append((handle, ctx, bucket))
+            launched.append((hvd.allreduce_async_(wire, op=horovod_op(self.op), name=f"{name}.{index}"), ctx))
         with self.counters.waiting():
-            results = [(hvd.synchronize(handle), ctx, bucket) for handle, ctx, bucket in launched]
-        for result, ctx, bucket in results:
-            unflatten_into(compressor.decompress(result, ctx), bucket)
+            return [self.global_compressor.decompress(hvd.synchronize(handle), ctx) for handle, ctx in launched]
 
 
 def make_gradient_sync(config: HorovodConfig, groups: NodeGroups | None, counters: CommCounters) -> GradientSync:
-    """The gradient sync ``config`` asks for; ``groups`` are the process sets of the node-aware syncs."""
+    """The gradient sync ``config`` asks for; ``groups`` are the partners of the node-aware syncs."""
     compressor = compressor_by_name(config.compression)
     if config.sync == "hierarchical" and not config.native_hierarchical:
         if groups is None:

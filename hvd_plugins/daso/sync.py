@@ -1,4 +1,4 @@
-"""HOW DASO syncs across nodes: gradients over all workers, or sharded parameter averaging over process sets.
+"""HOW DASO syncs across nodes: gradients over all workers, or sharded parameter averaging across nodes.
 
 Warmup and cooldown (synchronous phases): ``DasoGradientSync`` averages every step's gradients
 over ALL workers in one fused round, so every worker applies the same update and parameters
@@ -13,7 +13,8 @@ parameters and optimizer state while the nodes drift apart. Across nodes, every
 1. every local worker ``i`` takes shard ``i`` of the flat trainable parameters (the cross-node
    message is split across all L local workers, not carried by one of them);
 2. it sends ``shard - reference`` (see below), downcast, in chunks of at most
-   ``sending_chunk_size`` elements, with a non-blocking Sum over its cross-node process set;
+   ``sending_chunk_size`` elements, with a non-blocking Sum over its peers on the other nodes
+   (the workers with its local rank);
 3. ``batches_to_wait`` (B >= 1) steps later it receives the sum and merges
    ``p = (2B * p_local + S) / (2B + N)`` on its shard (S = sum over the N nodes);
 4. the node allgathers the merged shards and the new reference (one round), so every local
@@ -49,7 +50,6 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch.nn import Module
@@ -58,8 +58,10 @@ from torch.optim import Optimizer
 from hvd_plugins._horovod import horovod_torch
 from hvd_plugins.comm.buckets import flatten, unflatten_into
 from hvd_plugins.comm.buffers import PendingBufferAverage, finish_buffer_average, start_buffer_average
+from hvd_plugins.comm.compression import NoCompression
 from hvd_plugins.comm.counters import CommCounters, Scope
 from hvd_plugins.comm.parameters import optimizer_parameters
+from hvd_plugins.comm.partners import PendingGroupSum, finish_allgather, start_allgather
 from hvd_plugins.comm.topology import NodeGroups
 from hvd_plugins.comm.wire import nbytes
 from hvd_plugins.daso.config import DasoConfig
@@ -97,45 +99,44 @@ class ShardLayout:
 
 @dataclass
 class PendingSum:
-    """A cross-node Sum in flight: one Horovod handle per chunk."""
+    """A cross-node Sum in flight: one pending group sum per chunk."""
 
-    handles: list[Any]
+    chunks: list[PendingGroupSum]
     dtype: torch.dtype
 
 
 class CrossNodeSharding:
-    """Sum shards across nodes and reassemble them inside the node; counts every byte."""
+    """Sum shards across nodes and reassemble them inside the node; counts every byte.
+
+    Both legs reach the worker's partners through global alltoalls (``comm.partners``); with one
+    worker per node the cross-node sum is Horovod's allreduce.
+    """
 
     def __init__(self, groups: NodeGroups, counters: CommCounters, chunk_numel: int) -> None:
         self.groups = groups
         self.counters = counters
         self.chunk_numel = chunk_numel
         self.num_nodes = groups.topology.num_nodes
-        # Allgather rows come in global-rank order; shards are numbered by local rank.
-        node = groups.topology.node_ranks(groups.topology.node_index)
-        self._shard_order_of_rows = torch.tensor([sorted(node).index(rank) for rank in node])
 
     def layout(self, numel: int) -> ShardLayout:
-        topology = self.groups.topology
-        sharded = self.groups.local is not None
-        return ShardLayout(numel, topology.local_size if sharded else 1, topology.local_rank if sharded else 0)
+        local = self.groups.local
+        return ShardLayout(numel, local.size, local.index) if local is not None else ShardLayout(numel, 1, 0)
 
     def start_sum(self, wire: torch.Tensor, name: str) -> PendingSum:
-        """Start a non-blocking Sum of ``wire`` over this worker's cross-node set, chunk by chunk."""
-        hvd = horovod_torch()
+        """Start a non-blocking Sum of ``wire`` over this worker's cross-node peers, chunk by chunk."""
+        assert self.groups.cross is not None
         chunks = wire.split(self.chunk_numel) if wire.numel() else ()
-        handles = [
-            hvd.allreduce_async(chunk, op=hvd.Sum, name=f"{name}.{index}", process_set=self.groups.cross)
-            for index, chunk in enumerate(chunks)
-        ]
-        self.counters.record(Scope.CROSS_NODE, nbytes(wire), calls=len(handles))
-        return PendingSum(handles, wire.dtype)
+        codec = NoCompression()  # ``wire`` is already in its wire type
+        pending = [PendingGroupSum(chunk, self.groups.cross, codec, f"{name}.{i}") for i, chunk in enumerate(chunks)]
+        self.counters.record(Scope.CROSS_NODE, nbytes(wire), calls=len(pending))
+        return PendingSum(pending, wire.dtype)
 
     def finish_sum(self, pending: PendingSum, dtype: torch.dtype) -> torch.Tensor:
         """Wait for a Sum and return it in ``dtype``."""
-        hvd = horovod_torch()
         with self.counters.waiting():
-            parts = [hvd.synchronize(handle) for handle in pending.handles]
+            for chunk in pending.chunks:
+                chunk.start_second_round()
+            parts = [chunk.wait() for chunk in pending.chunks]
         if not parts:
             return torch.empty(0, dtype=dtype)
         return torch.cat(parts).to(dtype)
@@ -146,14 +147,14 @@ class CrossNodeSharding:
         Several vectors travel in ONE allgather (one latency round): each worker sends its
         shards back to back, and the result is split column-wise per vector.
         """
-        if self.groups.local is None:
+        local = self.groups.local
+        if local is None:
             return [shard[: layout.numel] for shard, layout in zip(shards, layouts, strict=True)]
-        hvd = horovod_torch()
         mine = torch.cat(list(shards))
-        self.counters.record(Scope.NODE_LOCAL, nbytes(mine))
+        pending = start_allgather(mine, local, NoCompression(), "daso.gather")
+        self.counters.record(Scope.NODE_LOCAL, pending.piece_nbytes)
         with self.counters.waiting():
-            rows = hvd.allgather(mine, name="daso.gather", process_set=self.groups.local)
-        rows = rows.view(self.groups.topology.local_size, mine.numel())[self._shard_order_of_rows]
+            rows = finish_allgather(pending).view(local.size, mine.numel())
         full, offset = [], 0
         for shard, layout in zip(shards, layouts, strict=True):
             full.append(rows[:, offset : offset + shard.numel()].reshape(-1)[: layout.numel])

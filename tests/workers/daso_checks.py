@@ -3,9 +3,9 @@
     horovodrun -np 4 -H localhost:2,127.0.0.1:2 --gloo python tests/workers/daso_checks.py --out DIR --case two_by_two
     horovodrun -np 2 -H localhost:1,127.0.0.1:1 --gloo python tests/workers/daso_checks.py --out DIR --case two_by_one
 
-Every rank runs the same checks in the same order and writes ``rank<N>.json``. The 2x1 job starts
-Horovod as Horovod's docs do (plain ``hvd.init()``, no dynamic process sets) and runs the resume
-check first: the strategy restarts Horovod with the process sets DASO needs.
+Every rank runs the same checks in the same order and writes ``rank<N>.json``. Both jobs start
+Horovod as Horovod's docs do (plain ``hvd.init()``) before any Trainer exists; the strategy keeps
+that start (DASO reaches its partners through global alltoalls, no process sets).
 """
 
 from __future__ import annotations
@@ -70,10 +70,10 @@ def two_by_one_checks(out: Any) -> dict[str, Callable[[], Any]]:
 def main() -> None:
     out, args = parse_out()
     if args.case == "two_by_two":
-        hvd.init()  # plain, as users start; the strategy restarts it with the node and cross-node sets
+        hvd.init()  # plain, as users start; the strategy keeps it
         checks = two_by_two_checks()
     else:
-        hvd.init()  # as Horovod's docs start a script; the strategy restarts it with the process sets DASO needs
+        hvd.init()  # as Horovod's docs start a script; the strategy keeps it
         checks = two_by_one_checks(out)
     report = run_checks(checks)
     write_result(out, hvd.rank(), {"checks": report, "cross_rank": hvd.cross_rank()})

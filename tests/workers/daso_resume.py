@@ -90,7 +90,7 @@ def resume_matches_uninterrupted(out: Path) -> dict[str, Any]:
 
 def main() -> None:
     out, _ = parse_out()
-    hvd.init()  # as Horovod's docs start a script; the strategy restarts it with the process sets DASO needs
+    hvd.init()  # as Horovod's docs start a script; the strategy keeps it
     report = run_checks({"resume": lambda: resume_matches_uninterrupted(out)})
     write_result(out, hvd.rank(), {"checks": report})
 

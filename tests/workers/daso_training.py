@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 from hvd_plugins import HorovodStrategy
 from hvd_plugins.callbacks import DasoScheduleCallback
 from hvd_plugins.comm.counters import CommCounters
-from hvd_plugins.comm.topology import build_node_groups, start_horovod_with_node_sets
+from hvd_plugins.comm.topology import build_node_groups, start_horovod_and_discover
 from hvd_plugins.daso.config import DasoConfig
 from hvd_plugins.daso.sync import DasoSync
 
@@ -316,7 +316,7 @@ def check_merge_weight() -> dict[str, Any]:
     of 1/4, so float64 parameters with an fp32 wire give the formula exactly. Constant epoch losses
     walk the schedule (patience 0) from its cycling start (4, 1, 1) over (2, 1, 1) and (1, 1, 1) to its reset (8, 2, 2).
     """
-    topology = start_horovod_with_node_sets(hvd)  # the static node and cross-node sets DasoSync uses
+    topology = start_horovod_and_discover(hvd)  # the layout DasoSync reaches its partners by
     groups = build_node_groups(topology)
     config = DasoConfig(
         warmup_epochs=0, cooldown_epochs=0, stable_epochs=0, max_global_skips=8, local_skip_factor=4, downcast="fp32"

@@ -2,14 +2,12 @@
 every rank (so the ranks stay in step and the next case can run), or behave identically.
 
 ``CHECKS`` runs inside the two-worker job of tests/workers/strategy_features.py; run as a script
-(``horovodrun -np 2``) it runs them alone. Horovod must start with ``HOROVOD_DYNAMIC_PROCESS_SETS=1``
-(for the DASO case), which both set before ``hvd.init()``.
+(``horovodrun -np 2``) it runs them alone, after a plain ``hvd.init()``.
 """
 
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Callable
 from typing import Any
 
@@ -22,8 +20,6 @@ from lightning.pytorch.plugins.precision import MixedPrecision
 from hvd_plugins import DasoConfig, HorovodStrategy
 
 BAD_BATCH = 3
-DYNAMIC_PROCESS_SETS = {"HOROVOD_DYNAMIC_PROCESS_SETS": "1"}
-"""Lets the DASO case set up its process sets after ``hvd.init()``."""
 
 
 def first_error(run: Callable[[], Any]) -> str:
@@ -109,6 +105,5 @@ CHECKS: dict[str, Callable[[], Any]] = {
 
 if __name__ == "__main__":
     OUT, _ = parse_out()
-    os.environ.update(DYNAMIC_PROCESS_SETS)
     hvd.init()
     write_result(OUT, hvd.rank(), run_checks(CHECKS))

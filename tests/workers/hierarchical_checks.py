@@ -1,8 +1,8 @@
 """Two-level allreduce and the node-aware strategy modes, on whatever topology horovodrun gives.
 
 Run under ``-np 4 -H localhost:2,127.0.0.1:2`` (two emulated nodes) and ``-np 2`` (one node).
-The script starts Horovod itself with a plain ``hvd.init()``, as Horovod's docs do, so the
-restart with static process sets is exercised too.
+The script starts Horovod itself with a plain ``hvd.init()``, as Horovod's docs do; the
+node-aware syncs must keep that start (no restart, no process set beyond the global one).
 """
 
 from __future__ import annotations
@@ -25,8 +25,9 @@ from hvd_plugins.comm import (
     build_node_groups,
     discover_topology,
     hierarchical_allreduce_,
+    partners,
+    start_horovod_and_discover,
 )
-from hvd_plugins.comm.topology import start_horovod_with_node_sets
 
 OUT, _ = parse_out()
 
@@ -50,10 +51,9 @@ def check_topology() -> dict[str, Any]:
 
 
 def check_startup() -> dict[str, Any]:
-    """After the script's own plain ``hvd.init()``: the sets a node-aware sync needs, static, no dynamic mode."""
+    """After the script's own plain ``hvd.init()`` and the node-aware strategy runs: still one Horovod start."""
     before = (hvd.rank(), hvd.size(), hvd.local_rank(), hvd.cross_rank())
-    start_horovod_with_node_sets(hvd)
-    start_horovod_with_node_sets(hvd)  # idempotent: no second restart
+    start_horovod_and_discover(hvd)
     return {
         "same_ranks": before == (hvd.rank(), hvd.size(), hvd.local_rank(), hvd.cross_rank()),
         "dynamic_env": os.environ.get("HOROVOD_DYNAMIC_PROCESS_SETS"),
@@ -65,7 +65,7 @@ def check_startup() -> dict[str, Any]:
 def compare_with_flat(
     dtype: torch.dtype, integers: bool, sizes: list[int], fp16: bool, flat_below_bytes: int = 0
 ) -> dict[str, Any]:
-    groups = build_node_groups(start_horovod_with_node_sets(hvd))
+    groups = build_node_groups(start_horovod_and_discover(hvd))
     buffers = [rank_tensor(n, dtype, integers, seed=i) for i, n in enumerate(sizes)]
     flat = [hvd.allreduce(b.clone(), op=hvd.Average, name=f"flat.{dtype}.{i}.{fp16}") for i, b in enumerate(buffers)]
     counters = CommCounters()
@@ -84,6 +84,16 @@ def compare_with_flat(
         "counters": counters.as_dict(),
         "elements": sum(sizes),
     }
+
+
+def check_two_round_groups() -> dict[str, Any]:
+    """Groups of two summing by reduce-scatter + allgather (the path of groups larger than two) equal flat."""
+    exchange_max_size = partners.EXCHANGE_MAX_SIZE
+    partners.EXCHANGE_MAX_SIZE = 1
+    try:
+        return compare_with_flat(torch.float64, True, [3, 1001], fp16=False)
+    finally:
+        partners.EXCHANGE_MAX_SIZE = exchange_max_size
 
 
 class Net(pl.LightningModule):
@@ -192,7 +202,6 @@ if __name__ == "__main__":
     report = run_checks(
         {
             "topology": check_topology,
-            "startup": check_startup,
             "fp64_integers": lambda: compare_with_flat(torch.float64, True, [1, 7, 1000, 4096], fp16=False),
             "fp64_random": lambda: compare_with_flat(torch.float64, False, [13, 2049], fp16=False),
             "fp32_random": lambda: compare_with_flat(torch.float32, False, [5, 100_001], fp16=False),
@@ -201,8 +210,10 @@ if __name__ == "__main__":
             "fp32_mixed": lambda: compare_with_flat(
                 torch.float32, False, [1000, 100_001], fp16=False, flat_below_bytes=4001
             ),
+            "fp64_two_round_groups": check_two_round_groups,
             "strategy_modes": check_strategy_modes,
             "compress_node_local": check_compress_node_local,
+            "startup": check_startup,  # again, after the strategies ran: nothing restarted Horovod
         }
     )
     write_result(OUT, hvd.rank(), report)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import copy
 import hashlib
-import os
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +18,6 @@ import torch
 import torchmetrics
 from _common import parse_out, run_checks, write_result
 from faults_checks import CHECKS as FAULT_CHECKS
-from faults_checks import DYNAMIC_PROCESS_SETS
 from lightning.pytorch.callbacks import Callback, GradientAccumulationScheduler, ModelCheckpoint
 from torch import nn
 from torch.utils.data import DataLoader, Subset, TensorDataset
@@ -610,7 +608,6 @@ def check_uneven_sync_batchnorm() -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    os.environ.update(DYNAMIC_PROCESS_SETS)
     hvd.init()
     checks = {
         "accumulation": check_accumulation,

@@ -1,0 +1,204 @@
+"""Sums among a few workers (one node, or one worker per node) without Horovod process sets.
+
+Every collective here is a GLOBAL ``hvd.alltoall`` whose splits send data only to the worker's
+partners (zero elements to everyone else), so Horovod runs one process set, the global one, and
+needs no restart to learn about groups. Why, measured on this project's 2-core machine (two
+emulated nodes of two workers, medians of 5 jobs, ``benchmarks/transport.py``): once Horovod
+runs process sets every collective negotiates per set each 1 ms cycle, so a flat allreduce of
+1k float32 cost 15-21 ms with static sets against 8-12 ms without; a two-level allreduce built
+from partner-only alltoalls took 105 ms (1k) / 210 ms (1M float32) against 117-123 / 213-265 ms
+on static sets; and starting Horovod again with static sets (the only way to get them without
+dynamic mode, which made every collective slower still) was a second rendezvous that could hang
+when a rank published its new address before the slowest rank had left the first one.
+
+A group of two exchanges whole tensors in one round (each member sends its tensor to the other
+and both add the two in the group's order, so both hold the same bits; the bytes equal a ring's).
+Larger groups reduce-scatter and allgather, two rounds with the ring's bytes. A group that spans
+every worker uses Horovod's allreduce.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from hvd_plugins._horovod import horovod_torch
+from hvd_plugins.comm.compression import Compressor
+from hvd_plugins.comm.counters import CommCounters, Scope
+from hvd_plugins.comm.wire import nbytes
+
+EXCHANGE_MAX_SIZE = 2
+"""Groups up to this size sum by exchanging whole tensors (one round, a ring's bytes at size 2)."""
+
+
+@dataclass(frozen=True)
+class PartnerGroup:
+    """Workers that reduce together, seen from one of them.
+
+    ``ranks`` are global ranks in the group's own order (for a node: by local rank); shard ``i``
+    of a reduce-scatter belongs to ``ranks[i]``.
+    """
+
+    ranks: tuple[int, ...]
+    rank: int
+    world: int
+    _row_order: tuple[int, ...] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.rank not in self.ranks:
+            raise ValueError(f"rank {self.rank} is not in the partner group {self.ranks}")
+        # alltoall delivers what it receives in ascending global rank; this puts it in group order
+        ascending = sorted(self.ranks)
+        object.__setattr__(self, "_row_order", tuple(ascending.index(rank) for rank in self.ranks))
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+    @property
+    def index(self) -> int:
+        """This worker's position in ``ranks``."""
+        return self.ranks.index(self.rank)
+
+    @property
+    def spans_world(self) -> bool:
+        return self.size == self.world
+
+    def splits(self, numel: int) -> torch.Tensor:
+        """alltoall splits sending ``numel`` elements to each member and none elsewhere."""
+        splits = [0] * self.world
+        for rank in self.ranks:
+            splits[rank] = numel
+        return torch.tensor(splits, dtype=torch.int32)
+
+    def rows(self, received: torch.Tensor, numel: int) -> torch.Tensor:
+        """What every member sent (``numel`` each), one row per member in group order."""
+        return received.view(self.size, numel)[list(self._row_order)]
+
+    def ascending(self, per_member: Sequence[torch.Tensor]) -> torch.Tensor:
+        """One send buffer from a piece per member (group order), in the ascending rank order alltoall wants."""
+        return torch.cat([per_member[self.ranks.index(rank)] for rank in sorted(self.ranks)])
+
+
+def pad_to_multiple(tensor: torch.Tensor, parts: int) -> torch.Tensor:
+    """``tensor`` zero-padded so it splits into ``parts`` equal shards."""
+    remainder = tensor.numel() % parts
+    return torch.cat([tensor, tensor.new_zeros(parts - remainder)]) if remainder else tensor
+
+
+class PendingAlltoall:
+    """A partner-only alltoall in flight; ``rows()`` waits and returns one decompressed row per member."""
+
+    def __init__(
+        self, per_member: Sequence[torch.Tensor], group: PartnerGroup, codec: Compressor, name: str
+    ) -> None:
+        self.group = group
+        self.codec = codec
+        self.numel = per_member[0].numel()
+        wire, self.ctx = codec.compress(group.ascending(per_member))
+        self.piece_nbytes = nbytes(wire) // group.size
+        """Bytes of one member's piece on the wire."""
+        self.handle = horovod_torch().alltoall_async(wire, splits=group.splits(self.numel), name=name)
+
+    def rows(self) -> torch.Tensor:
+        received = horovod_torch().synchronize(self.handle)[0]
+        return self.group.rows(self.codec.decompress(received, self.ctx), self.numel)
+
+
+def start_reduce_scatter(tensor: torch.Tensor, group: PartnerGroup, codec: Compressor, name: str) -> PendingAlltoall:
+    """Start summing ``tensor`` over ``group`` so member ``i`` gets shard ``i``; ``finish_reduce_scatter`` waits.
+
+    ``tensor.numel()`` must be a multiple of the group's size (see ``pad_to_multiple``).
+    """
+    return PendingAlltoall(tensor.chunk(group.size), group, codec, name)
+
+
+def finish_reduce_scatter(pending: PendingAlltoall) -> torch.Tensor:
+    """This worker's shard of the group's sum, added in group order."""
+    return pending.rows().sum(0)
+
+
+def start_allgather(shard: torch.Tensor, group: PartnerGroup, codec: Compressor, name: str) -> PendingAlltoall:
+    """Start sending ``shard`` to every member; ``finish_allgather`` waits."""
+    return PendingAlltoall([shard] * group.size, group, codec, name)
+
+
+def finish_allgather(pending: PendingAlltoall) -> torch.Tensor:
+    """Every member's shard, back to back in group order."""
+    return pending.rows().reshape(-1)
+
+
+class PendingGroupSum:
+    """``tensor`` summed over ``group``, in flight: one round for groups of up to two, two for larger.
+
+    Every member must start the same sums in the same order with tensors of equal size and
+    dtype; every member ends with the same bits. ``wait()`` returns the sum in ``tensor``'s dtype.
+    """
+
+    def __init__(self, tensor: torch.Tensor, group: PartnerGroup, codec: Compressor, name: str) -> None:
+        self.tensor = tensor
+        self.group = group
+        self.codec = codec
+        self.name = name
+        hvd = horovod_torch()
+        self._allreduce: tuple[Any, Any] | None = None
+        self._exchange: PendingAlltoall | None = None
+        self._scatter: PendingAlltoall | None = None
+        self._gather: PendingAlltoall | None = None
+        self.nbytes = 0
+        """Bytes of ``tensor`` on the wire (what this worker hands to the sum), 0 when nothing is sent."""
+        if group.size == 1 or tensor.numel() == 0:
+            return
+        if group.spans_world:
+            wire, ctx = codec.compress(tensor)
+            self.nbytes = nbytes(wire)
+            self._allreduce = (hvd.allreduce_async(wire, op=hvd.Sum, name=name), ctx)
+        elif group.size <= EXCHANGE_MAX_SIZE:
+            self._exchange = start_allgather(tensor, group, codec, name)
+            self.nbytes = self._exchange.piece_nbytes
+        else:
+            self._scatter = start_reduce_scatter(pad_to_multiple(tensor, group.size), group, codec, f"{name}.rs")
+            self.nbytes = self._scatter.piece_nbytes * group.size
+
+    def start_second_round(self) -> None:
+        """For groups of more than two: wait for the reduce-scatter and start the allgather."""
+        if self._scatter is not None:
+            shard = finish_reduce_scatter(self._scatter)
+            self._scatter = None
+            self._gather = start_allgather(shard, self.group, self.codec, f"{self.name}.ag")
+
+    def wait(self) -> torch.Tensor:
+        self.start_second_round()
+        if self._allreduce is not None:
+            handle, ctx = self._allreduce
+            return self.codec.decompress(horovod_torch().synchronize(handle), ctx).to(self.tensor.dtype)
+        if self._exchange is not None:
+            return self._exchange.rows().sum(0).to(self.tensor.dtype)
+        if self._gather is not None:
+            return finish_allgather(self._gather)[: self.tensor.numel()].to(self.tensor.dtype)
+        return self.tensor.clone()
+
+
+def group_sum(
+    tensors: Sequence[torch.Tensor],
+    group: PartnerGroup,
+    codec: Compressor,
+    name: str,
+    counters: CommCounters,
+    scope: Scope,
+) -> list[torch.Tensor]:
+    """Sum each tensor over ``group``, counting its bytes under ``scope``.
+
+    Each round is started for every tensor before any is awaited, so Horovod can fuse them.
+    """
+    pending = [PendingGroupSum(tensor, group, codec, f"{name}.{index}") for index, tensor in enumerate(tensors)]
+    for sum_ in pending:
+        if sum_.nbytes:
+            counters.record(scope, sum_.nbytes)
+    with counters.waiting():
+        for sum_ in pending:
+            sum_.start_second_round()
+        return [sum_.wait() for sum_ in pending]
