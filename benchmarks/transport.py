@@ -63,14 +63,12 @@ def start(transport: str) -> tuple[Any, dict[str, Any]]:
     """Start Horovod as ``transport`` does; return hvd and ``{"local": set, "cross": set, ...}``."""
     import horovod.torch as hvd
 
-    from hvd_plugins.comm.topology import build_node_groups, discover_topology
+    from hvd_plugins.comm.topology import discover_topology
 
     begin = time.perf_counter()
     info: dict[str, Any] = {"layout_ok": True}
     if transport == "dynamic":
-        os.environ["HOROVOD_DYNAMIC_PROCESS_SETS"] = "1"
-        hvd.init()
-        groups = build_node_groups(discover_topology())
+        groups = start_with_dynamic_sets(hvd)
     elif transport == "static_env":
         local_size, cross_size = int(os.environ["HOROVOD_LOCAL_SIZE"]), int(os.environ["HOROVOD_CROSS_SIZE"])
         world = local_size * cross_size
@@ -93,10 +91,32 @@ def start(transport: str) -> tuple[Any, dict[str, Any]]:
         hvd.init()
         topology = discover_topology()
         groups = {"local": None, "cross": None, "topology": topology}
-    if not isinstance(groups, dict):
-        groups = {"local": groups.local, "cross": groups.cross, "topology": groups.topology}
     info["init_s"] = time.perf_counter() - begin
     return hvd, {**groups, **info}
+
+
+def node_sets(topology: Any) -> list[tuple[int, ...]]:
+    """The node and cross-node sets of a layout, where they are neither the global set nor single workers."""
+    cross = [topology.cross_ranks(i) for i in range(topology.local_size)]
+    return [*topology.nodes, *cross] if topology.num_nodes > 1 and topology.local_size > 1 else []
+
+
+def groups_of(topology: Any, sets: dict[tuple[int, ...], Any]) -> dict[str, Any]:
+    return {
+        "local": sets.get(topology.nodes[topology.node_index]),
+        "cross": sets.get(topology.cross_ranks(topology.local_rank)),
+        "topology": topology,
+    }
+
+
+def start_with_dynamic_sets(hvd: Any) -> dict[str, Any]:
+    """Dynamic mode, the layout gathered, the node and cross-node sets added."""
+    from hvd_plugins.comm.topology import discover_topology
+
+    os.environ["HOROVOD_DYNAMIC_PROCESS_SETS"] = "1"
+    hvd.init()
+    topology = discover_topology()
+    return groups_of(topology, {ranks: hvd.add_process_set(list(ranks)) for ranks in node_sets(topology)})
 
 
 def start_with_static_sets(hvd: Any) -> dict[str, Any]:
@@ -105,20 +125,14 @@ def start_with_static_sets(hvd: Any) -> dict[str, Any]:
 
     hvd.init()
     topology = discover_topology()
-    cross = [topology.cross_ranks(i) for i in range(topology.local_size)]
-    needed = [*topology.nodes, *cross] if topology.num_nodes > 1 and topology.local_size > 1 else []
+    needed = node_sets(topology)
     sets = [hvd.ProcessSet(list(ranks)) for ranks in needed]
     if sets:
         hvd.barrier()
         hvd.shutdown()
         time.sleep(2.0)  # every rank's shutdown reaches the rendezvous server before any restarts
         hvd.init(process_sets=sets)
-    by_ranks = dict(zip(needed, sets, strict=True))
-    return {
-        "local": by_ranks.get(topology.nodes[topology.node_index]),
-        "cross": by_ranks.get(topology.cross_ranks(topology.local_rank)),
-        "topology": topology,
-    }
+    return groups_of(topology, dict(zip(needed, sets, strict=True)))
 
 
 def set_legs(hvd: Any, groups: dict[str, Any]) -> dict[str, Callable[[Any], Any]]:
