@@ -9,19 +9,23 @@ The model. A step costs ``compute + sum over its collective legs of the exposed 
 (one collective) costs ``rounds x round_s + hops x latency_s + bytes / bandwidth`` of the link that
 bounds it, where ``bytes`` is what crosses the busiest port of that link:
 
-- ring allreduce of ``n`` bytes over ``p`` workers: ``2(p-1)`` hops, ``2(p-1)/p x n`` bytes; a ring
-  visits each node once, so a flat ring over ``N`` nodes x ``L`` workers puts ``2(p-1)/p x n``
-  (``p = N L``) through each node's link to the others;
-- reduce-scatter and allgather: ``p-1`` hops, ``(p-1)/p x n`` bytes;
+- ring allreduce of ``n`` bytes over ``p`` workers (Horovod's allreduce over every worker):
+  ``2(p-1)`` hops, ``2(p-1)/p x n`` bytes; a ring visits each node once, so a flat ring over ``N``
+  nodes x ``L`` workers puts ``2(p-1)/p x n`` (``p = N L``) through each node's link to the others;
+- the package's partner collectives (``hvd_plugins.comm.partners``: alltoalls that send only to
+  the partners): a reduce-scatter or allgather is one round of one hop, ``(p-1)/p x n`` bytes; a
+  sum over a group of two exchanges the tensors (one round, ``n`` bytes: a ring's), a larger group
+  reduce-scatters and allgathers (two rounds, a ring's bytes);
 - flat (fp32 or fp16 on the wire): one ring allreduce of the gradients over all workers;
-- hierarchical: reduce-scatter inside the node, ``L`` parallel cross-node allreduces of a ``1/L``
-  shard (together ``2(N-1)/N x n`` through the node's link), allgather inside the node; with one
-  worker per node it is exactly the flat allreduce;
+- hierarchical: reduce-scatter inside the node, ``L`` parallel cross-node sums of a ``1/L`` shard
+  (together ``2(N-1)/N x n`` through the node's link), allgather inside the node; with one worker
+  per node it is exactly the flat allreduce;
 - DASO warmup/cooldown: one flat allreduce of the gradients per step in the downcast type;
-- DASO cycling: a gradient allreduce inside the node every step; every ``global_skips`` steps a
+- DASO cycling: a gradient sum inside the node every step; every ``global_skips`` steps a
   cross-node sum of the parameters in the downcast type (sharded over the node's workers) plus an
   allgather of the shards inside the node, which may hide behind the ``batches_to_wait`` steps of
-  compute before its result is needed; once per epoch the same sync blocking.
+  compute before its result is needed; once per epoch a blocking flat allreduce of the parameters
+  (downcast) and the optimizer state (float32, ``state_per_param`` values per parameter).
 
 Gradient legs may hide behind ``overlap_s`` of the backward pass (Horovod starts allreducing
 gradients as they become ready). Steps to the target are taken as equal for every mode: the
@@ -130,7 +134,9 @@ class DasoPlan:
     """Mean steps between cross-node syncs while cycling."""
     batches_to_wait: int = 1
     steps_per_epoch: float = math.inf
-    """One blocking cross-node sync per epoch."""
+    """One blocking sync per epoch."""
+    state_per_param: float = 1.0
+    """Optimizer state averaged by the blocking sync, in float32 values per parameter (SGD momentum 1, Adam 2)."""
 
 
 @dataclass(frozen=True)
@@ -157,6 +163,18 @@ def reduce_scatter(scope: str, p: int, nbytes: float, **kw: Any) -> Leg:
 allgather = reduce_scatter  # same bytes and hops, the other direction
 
 
+def partner_scatter(scope: str, p: int, nbytes: float, **kw: Any) -> Leg:
+    """A reduce-scatter or allgather as one alltoall among ``p`` partners: one round, one hop."""
+    return Leg(scope, (p - 1) / p * nbytes, 1, **kw)
+
+
+def partner_sum(scope: str, p: int, nbytes: float, **kw: Any) -> Leg:
+    """A sum among ``p`` partners that are not every worker: an exchange for two, else scatter + gather."""
+    if p <= 2:
+        return Leg(scope, (p - 1) * nbytes, 1, **kw)
+    return Leg(scope, 2 * (p - 1) / p * nbytes, 2, rounds=2, **kw)
+
+
 def _flat(cluster: Cluster, nbytes: float, fp16: bool = False) -> list[Leg]:
     if cluster.workers == 1:
         return []
@@ -171,34 +189,33 @@ def _hierarchical(cluster: Cluster, nbytes: float, cross_bytes: float) -> list[L
     if local == 1 or n == 1:
         return _flat(cluster, cross_bytes, fp16) if n > 1 else _flat(cluster, nbytes)
     return [
-        reduce_scatter(INTRA, local, nbytes),
-        ring_allreduce(INTER, n, cross_bytes, fp16=fp16),  # L rings of n/L bytes share the node's link: 2(N-1)/N x n
-        allgather(INTRA, local, nbytes),
+        partner_scatter(INTRA, local, nbytes),
+        partner_sum(INTER, n, cross_bytes, fp16=fp16),  # L sums of n/L bytes share the node's link: 2(N-1)/N x n
+        partner_scatter(INTRA, local, nbytes),
     ]
 
 
 def _daso_parameter_sync(cluster: Cluster, params: float, plan: DasoPlan, per_step: float, hide: int) -> list[Leg]:
+    """The non-blocking cross-node send: a sum of the downcast shards, then an allgather inside the node."""
     n, local = cluster.nodes, cluster.workers_per_node
-    legs = (
-        []
-        if n == 1
-        else [
-            ring_allreduce(
-                INTER,
-                n,
-                params * plan.downcast_bytes,
-                per_step=per_step,
-                gradient=False,
-                hideable_steps=hide,
-                fp16=plan.downcast_bytes == FP16_BYTES,
-            )
-        ]
-    )
+    wire = params * plan.downcast_bytes
+    fp16 = plan.downcast_bytes == FP16_BYTES
+    extra = {"per_step": per_step, "gradient": False, "hideable_steps": hide, "fp16": fp16}
+    legs = []
+    if n > 1:  # with one worker per node the peers are every worker: Horovod's ring
+        legs.append(ring_allreduce(INTER, n, wire, **extra) if local == 1 else partner_sum(INTER, n, wire, **extra))
     if local > 1:  # the node's workers each carried a shard: gather them
-        legs.append(
-            allgather(INTRA, local, params * FP32_BYTES, per_step=per_step, gradient=False, hideable_steps=hide)
-        )
+        legs.append(partner_scatter(INTRA, local, params * FP32_BYTES, per_step=per_step, gradient=False,
+                                    hideable_steps=hide))  # fmt: skip
     return legs
+
+
+def _daso_blocking_sync(cluster: Cluster, params: float, plan: DasoPlan, per_step: float) -> list[Leg]:
+    """Once per epoch: parameters (downcast) and optimizer state (float32) averaged over every worker."""
+    scope = INTER if cluster.nodes > 1 else INTRA
+    nbytes = params * plan.downcast_bytes + params * plan.state_per_param * FP32_BYTES
+    rounds = 1 if plan.downcast_bytes == FP32_BYTES else 2  # one message per wire type
+    return [ring_allreduce(scope, cluster.workers, nbytes, rounds=rounds, per_step=per_step, gradient=False)]
 
 
 def legs_of(mode: str, phase: str, cluster: Cluster, params: float, plan: DasoPlan | None = None) -> list[Leg]:
@@ -216,14 +233,15 @@ def legs_of(mode: str, phase: str, cluster: Cluster, params: float, plan: DasoPl
         return _flat(cluster, params * plan.downcast_bytes, fp16=plan.downcast_bytes == FP16_BYTES)
     if phase != "cycling":
         raise ValueError(f"DASO phase {phase!r} is not one of {list(PHASES)}")
-    local_sum = ring_allreduce(INTRA, cluster.workers_per_node, params * wire, fp16=wire == FP16_BYTES)
+    node_sum = ring_allreduce if cluster.nodes == 1 else partner_sum  # one node: the node is every worker
+    local_sum = node_sum(INTRA, cluster.workers_per_node, params * wire, fp16=wire == FP16_BYTES)
     local = [] if cluster.workers_per_node == 1 else [local_sum]
     blocking = 0.0 if math.isinf(plan.steps_per_epoch) else 1 / plan.steps_per_epoch
     sends = max(0.0, 1 / plan.global_skips - blocking)
     return (
         local
         + _daso_parameter_sync(cluster, params, plan, sends, hide=plan.batches_to_wait)
-        + _daso_parameter_sync(cluster, params, plan, blocking, hide=0)
+        + (_daso_blocking_sync(cluster, params, plan, blocking) if blocking and cluster.workers > 1 else [])
     )
 
 

@@ -30,8 +30,8 @@ on loopback (noisy, benchmarks/transport.py): a round costs 20-50 ms whatever it
 two-level allreduce of 1k floats took 105-123 ms against 45-57 ms flat. What the two extra
 rounds buy is cross-node bytes: each worker sends half a bucket across instead of all of it, so
 at 200 Mbit/s (25 MB/s) a 1 MiB bucket saves about 20 ms, the price of one round here. On a fast
-link flat wins at every size (4 MB: 210-265 ms two-level, 75-89 ms flat); there, set
-``flat_below_mb`` above the model's size and ``sync="hierarchical"`` runs as flat allreduce.
+link flat wins at every size (4 MB: 210-265 ms two-level, 75-89 ms flat), which is why the
+default, ``flat_below_mb="auto"``, times both routes for the larger buckets (``comm.route_tuning``).
 """
 
 
@@ -67,8 +67,9 @@ class HorovodConfig:
     """Average floating buffers over all workers at the end of every training epoch."""
     bucket_mb: float = 32.0
     """Gradient bucket size of the hierarchical allreduce, in MiB."""
-    flat_below_mb: float = FLAT_BELOW_MB
-    """With ``sync="hierarchical"``, buckets smaller than this (MiB) take one flat allreduce; see FLAT_BELOW_MB."""
+    flat_below_mb: float | str = "auto"
+    """With ``sync="hierarchical"``, buckets smaller than this (MiB) take one flat allreduce; see FLAT_BELOW_MB.
+    ``"auto"``: FLAT_BELOW_MB, and larger buckets time both routes on the first steps and keep the faster."""
     stall_timeout_seconds: int | None = DEFAULT_STALL_TIMEOUT_SECONDS
     """Longest wait in one collective before the worker ends the job; None waits forever."""
     check_finite_gradients: bool = False
@@ -111,9 +112,11 @@ class HorovodConfig:
             raise ValueError(f"daso={self.daso!r} was given but sync={self.sync!r}; DASO settings need sync='daso'")
         if self.sync == "daso" and self.daso is None:
             object.__setattr__(self, "daso", DasoConfig())
-        if not self.flat_below_mb >= 0:
-            raise ValueError(f"flat_below_mb={self.flat_below_mb!r} must be a number of megabytes >= 0")
-        if self.flat_below_mb != FLAT_BELOW_MB and self.sync != "hierarchical":
+        if self.flat_below_mb != "auto" and (
+            isinstance(self.flat_below_mb, (str, bool)) or not self.flat_below_mb >= 0
+        ):
+            raise ValueError(f"flat_below_mb={self.flat_below_mb!r} must be 'auto' or a number of megabytes >= 0")
+        if self.flat_below_mb != "auto" and self.sync != "hierarchical":
             raise ValueError(
                 f"flat_below_mb={self.flat_below_mb!r} works only with sync='hierarchical', not sync={self.sync!r}"
             )
@@ -152,7 +155,12 @@ class HorovodConfig:
 
     @property
     def flat_below_bytes(self) -> int:
-        return int(self.flat_below_mb * 2**20)
+        return int((FLAT_BELOW_MB if self.flat_below_mb == "auto" else float(self.flat_below_mb)) * 2**20)
+
+    @property
+    def tune_hierarchical_route(self) -> bool:
+        """``flat_below_mb="auto"``: buckets of FLAT_BELOW_MB or more try both routes, the faster stays."""
+        return self.flat_below_mb == "auto"
 
     def fingerprint(self) -> dict[str, Any]:
         """The settings every rank must share, or the first collective would deadlock."""

@@ -71,9 +71,13 @@ def test_daso_phases_by_hand() -> None:
     terms = sm.linear_terms(sm.legs_of("daso/fp16", "cycling", c, 1000, plan))
     assert terms == {"rounds_inter": 0.25, "rounds_intra": 1.25, "bytes_inter": 500.0, "bytes_intra": 2500.0,
                      "bytes_fp16": 2500.0}  # fmt: skip
-    # One blocking sync per 8-step epoch replaces one of the two sends of that epoch.
+    # One blocking sync per 8-step epoch replaces one of the two sends of that epoch: a flat allreduce over
+    # all 4 workers in two rounds (fp16 parameters, fp32 momentum): 1/8 send + 2/8 blocking rounds, and
+    # 2*3/4*(2000 + 4000) bytes per blocking sync.
     plan = sm.DasoPlan(sm.FP16_BYTES, global_skips=4, batches_to_wait=0, steps_per_epoch=8)
-    assert sm.linear_terms(sm.legs_of("daso/fp16", "cycling", c, 1000, plan))["rounds_inter"] == pytest.approx(0.25)
+    terms = sm.linear_terms(sm.legs_of("daso/fp16", "cycling", c, 1000, plan))
+    assert terms["rounds_inter"] == pytest.approx(0.375)
+    assert terms["bytes_inter"] == pytest.approx(2000 / 8 + 9000 / 8)
 
 
 def test_daso_send_hides_behind_batches_to_wait_steps_of_compute() -> None:

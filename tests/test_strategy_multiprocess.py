@@ -184,6 +184,7 @@ def two_nodes(tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict]:
     out = tmp_path_factory.mktemp("two_nodes")
     job = run_job("hierarchical_checks.py", np=4, hosts=TWO_NODES, out_dir=out, timeout=900).check()
     assert sorted(job.results) == [0, 1, 2, 3], job.output[-3000:]
+    job.results[0]["route_lines"] = [line for line in job.output.splitlines() if "ms two-level vs" in line]
     return job.results
 
 
@@ -238,6 +239,16 @@ def test_hierarchical_bytes_per_leg_on_two_nodes(two_nodes: dict[int, dict]) -> 
         assert mixed["cross_node_bytes"] == 4 * (1000 + (100_001 + 1) // 2)
         assert mixed["node_local_bytes"] == 4 * (100_002 + 100_002 // 2)
         assert mixed["cross_node_calls"] == 2 and mixed["node_local_calls"] == 2
+
+
+def test_hierarchical_times_both_routes_and_every_rank_keeps_the_same_one(two_nodes: dict[int, dict]) -> None:
+    for rank in range(4):
+        tuning = value(two_nodes[rank], "route_tuning")
+        assert tuning["timed_steps"] == {"two_level": 3, "flat": 3} and tuning["steps"] > 7
+        assert tuning["choices"] in ([1] * 4, [2] * 4)  # decided, and the same on every rank
+        assert tuning["vs_flat"] < 1e-12  # float64: either route gives flat's training
+    (line,) = two_nodes[0]["route_lines"]  # printed once, by rank 0
+    assert "large buckets now take the" in line
 
 
 def test_strategy_hierarchical_matches_flat_and_counts_bytes(two_nodes: dict[int, dict]) -> None:

@@ -16,6 +16,7 @@ from hvd_plugins.comm.compression import CountingCompressor, FP16Compression, No
 from hvd_plugins.comm.counters import CommCounters, Scope
 from hvd_plugins.comm.parameters import indexed_optimizer_parameters, optimizer_parameters
 from hvd_plugins.comm.partners import PartnerGroup
+from hvd_plugins.comm.route_tuning import FLAT, TWO_LEVEL, RouteTuner
 from hvd_plugins.comm.topology import Topology, build_node_groups
 from hvd_plugins.comm.wire import for_wire, from_wire, nbytes, reduce_op_name, wire_dtype
 from hvd_plugins.daso.config import DasoConfig
@@ -129,7 +130,7 @@ def test_buckets_split_by_dtype_and_size_and_round_trip() -> None:
         ({"daso": {"warmup_epochs": 1}}, r"DASO settings need sync='daso'"),
         ({"hierarchical_impl": "nccl"}, r"hierarchical_impl='nccl' is not supported"),
         ({"bucket_mb": -1}, r"bucket_mb=-1 must be a positive number"),
-        ({"sync": "hierarchical", "flat_below_mb": -1}, r"flat_below_mb=-1 must be a number of megabytes >= 0"),
+        ({"sync": "hierarchical", "flat_below_mb": -1}, r"flat_below_mb=-1 must be 'auto' or a number of"),
         ({"flat_below_mb": 4.0}, r"flat_below_mb=4.0 works only with sync='hierarchical', not sync='allreduce'"),
     ],
 )
@@ -204,3 +205,29 @@ def test_optimizer_parameters_walk_groups_in_order() -> None:
     assert optimizer_parameters(optimizer) == [a, b, c]
     assert optimizer_parameters(optimizer, trainable_only=True) == [a, c]
     assert [(g, i) for g, i, _ in indexed_optimizer_parameters(optimizer)] == [(0, 0), (0, 1), (1, 0)]
+
+
+def _run_tuner(two_level_s: float, flat_s: float) -> tuple[RouteTuner, list[str]]:
+    agreed: list[torch.Tensor] = []
+    tuner = RouteTuner(lambda t: agreed.append(t) or t * 1.0, trials_per_route=3)
+    routes = []
+    for _ in range(10):
+        routes.append(tuner.route)
+        tuner.record(9.0 if not routes[:-1] else two_level_s if routes[-1] == TWO_LEVEL else flat_s)
+    assert len(agreed) == 1  # one agreement, after the trials
+    return tuner, routes
+
+
+def test_route_tuner_alternates_then_keeps_the_faster_route() -> None:
+    tuner, routes = _run_tuner(two_level_s=0.3, flat_s=0.1)
+    assert routes[:7] == [TWO_LEVEL, TWO_LEVEL, FLAT, TWO_LEVEL, FLAT, TWO_LEVEL, FLAT]  # the first is untimed
+    assert routes[7:] == [FLAT] * 3 and tuner.choice == FLAT
+    assert tuner.seconds == {TWO_LEVEL: [0.3] * 3, FLAT: [0.1] * 3}  # the untimed 9 s step is not counted
+    assert "300.0 ms two-level vs 100.0 ms flat" in tuner.summary()
+    tuner, routes = _run_tuner(two_level_s=0.1, flat_s=0.3)
+    assert routes[7:] == [TWO_LEVEL] * 3 and tuner.choice == TWO_LEVEL
+
+
+def test_route_tuner_refuses_zero_trials() -> None:
+    with pytest.raises(ValueError, match="trials_per_route=0 must be >= 1"):
+        RouteTuner(lambda t: t, trials_per_route=0)

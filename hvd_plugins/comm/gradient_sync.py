@@ -9,6 +9,8 @@ before gradient clipping and the AMP unscale see the gradients.
 from __future__ import annotations
 
 import contextlib
+import sys
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING
@@ -23,6 +25,7 @@ from hvd_plugins.comm.counters import CommCounters, Scope
 from hvd_plugins.comm.hierarchical import hierarchical_allreduce_
 from hvd_plugins.comm.parameters import optimizer_parameters
 from hvd_plugins.comm.partners import group_sum
+from hvd_plugins.comm.route_tuning import FLAT, RouteTuner
 from hvd_plugins.comm.topology import NodeGroups
 from hvd_plugins.comm.wire import horovod_op, nbytes
 from hvd_plugins.horovod_adapter import set_backward_passes
@@ -101,7 +104,9 @@ class HorovodOptimizerSync(GradientSync):
 class HierarchicalGradientSync(GradientSync):
     """Two-level allreduce of bucketed gradients after backward (see ``comm.hierarchical``).
 
-    Buckets under ``flat_below_bytes`` take one flat allreduce instead of the three legs.
+    Buckets under ``flat_below_bytes`` take one flat allreduce instead of the three legs. With
+    ``tune_route`` the larger ones try both routes on the first steps and keep the faster
+    (``comm.route_tuning``); the choice is printed once by rank 0 and kept in ``route_tuner``.
     """
 
     def __init__(
@@ -113,9 +118,12 @@ class HierarchicalGradientSync(GradientSync):
         compress_node_local: bool = False,
         bucket_bytes: int = 32 * 2**20,
         flat_below_bytes: int = 0,
+        tune_route: bool = False,
     ) -> None:
         if op not in ("average", "sum"):
             raise ValueError(f"op={op!r} is not supported with sync='hierarchical'; choose 'average' or 'sum'")
+        self.tune_route = tune_route
+        self.route_tuner: RouteTuner | None = None
         self.groups = groups
         self.compressor = compressor
         self.average = op == "average"
@@ -133,6 +141,8 @@ class HierarchicalGradientSync(GradientSync):
         grads = _gradients_of(optimizer)
         buckets = bucket_tensors(grads, self.bucket_bytes)
         flats = [flatten(bucket) for bucket in buckets]
+        tuner = self._tuner_for(flats)
+        began = time.perf_counter()
         hierarchical_allreduce_(
             flats,
             self.groups,
@@ -141,10 +151,29 @@ class HierarchicalGradientSync(GradientSync):
             compress_node_local=self.compress_node_local,
             counters=self.counters,
             name=self._names[id(optimizer)],
-            flat_below_bytes=self.flat_below_bytes,
+            flat_below_bytes=sys.maxsize if tuner is not None and tuner.route == FLAT else self.flat_below_bytes,
         )
+        if tuner is not None and tuner.choice is None:
+            tuner.record(time.perf_counter() - began)
+            if tuner.choice is not None and self.groups.topology.rank == 0:
+                print(f"hvd_plugins: {tuner.summary()}", flush=True)
         for flat, bucket in zip(flats, buckets, strict=True):
             unflatten_into(flat, bucket)
+
+    def _tuner_for(self, flats: Sequence[torch.Tensor]) -> RouteTuner | None:
+        """The tuner when there is a choice to make: two-level legs exist and some bucket would take them.
+
+        Bucket sizes and the layout are equal on every worker, so every worker decides alike.
+        """
+        groups = self.groups
+        if not self.tune_route or groups.local is None or groups.cross is None:
+            return None
+        if not any(nbytes(flat) >= self.flat_below_bytes for flat in flats):
+            return None
+        if self.route_tuner is None:
+            hvd = horovod_torch()
+            self.route_tuner = RouteTuner(lambda t: hvd.allreduce(t, op=hvd.Average, name="hvd_plugins.route"))
+        return self.route_tuner
 
 
 def _gradients_of(optimizer: Optimizer) -> Sequence[torch.Tensor]:
@@ -218,16 +247,11 @@ class DasoGradientSync(GradientSync):
             unflatten_into(total, bucket)
 
     def _over_all_workers(self, flats: list[torch.Tensor], name: str) -> list[torch.Tensor]:
-        """One fused allreduce round over every worker, on the global wire type."""
-        hvd = horovod_torch()
+        """One fused sum over every worker on the global wire type (``comm.partners``: an allreduce,
+        or for float16 on the CPU a transfer added in float32), then the average."""
         scope = Scope.CROSS_NODE if self.groups.topology.num_nodes > 1 else Scope.NODE_LOCAL
-        launched = []
-        for index, flat in enumerate(flats):
-            wire, ctx = self.global_compressor.compress(flat)
-            self.counters.record(scope, nbytes(wire))
-            launched.append((hvd.allreduce_async_(wire, op=horovod_op(self.op), name=f"{name}.{index}"), ctx))
-        with self.counters.waiting():
-            return [self.global_compressor.decompress(hvd.synchronize(handle), ctx) for handle, ctx in launched]
+        sums = group_sum(flats, self.groups.world, self.global_compressor, name, self.counters, scope)
+        return sums if self.op == "sum" else [total.div_(self.groups.world.size) for total in sums]
 
 
 def make_gradient_sync(config: HorovodConfig, groups: NodeGroups | None, counters: CommCounters) -> GradientSync:
@@ -244,6 +268,7 @@ def make_gradient_sync(config: HorovodConfig, groups: NodeGroups | None, counter
             compress_node_local=config.compress_node_local,
             bucket_bytes=config.bucket_bytes,
             flat_below_bytes=config.flat_below_bytes,
+            tune_route=config.tune_hierarchical_route,
         )
     if config.sync == "daso":
         if groups is None:

@@ -97,6 +97,7 @@ class NodeGroups:
     topology: Topology
     local: PartnerGroup | None  # this worker's node, by local rank
     cross: PartnerGroup | None  # the workers with this local rank, one per node
+    world: PartnerGroup  # every worker, by global rank
 
 
 def start_horovod_and_discover(hvd: Any) -> Topology:
@@ -117,4 +118,5 @@ def build_node_groups(topology: Topology) -> NodeGroups:
     local = PartnerGroup(node, topology.rank, topology.size) if topology.local_size > 1 else None
     cross_ranks = topology.cross_ranks(topology.local_rank)
     cross = PartnerGroup(cross_ranks, topology.rank, topology.size) if topology.num_nodes > 1 else None
-    return NodeGroups(topology=topology, local=local, cross=cross)
+    world = PartnerGroup(tuple(range(topology.size)), topology.rank, topology.size)
+    return NodeGroups(topology=topology, local=local, cross=cross, world=world)

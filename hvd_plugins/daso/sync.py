@@ -61,7 +61,7 @@ from hvd_plugins.comm.buffers import PendingBufferAverage, finish_buffer_average
 from hvd_plugins.comm.compression import NoCompression
 from hvd_plugins.comm.counters import CommCounters, Scope
 from hvd_plugins.comm.parameters import optimizer_parameters
-from hvd_plugins.comm.partners import PendingGroupSum, finish_allgather, start_allgather
+from hvd_plugins.comm.partners import PendingGroupSum, finish_allgather, group_sum, start_allgather
 from hvd_plugins.comm.topology import NodeGroups
 from hvd_plugins.comm.wire import nbytes
 from hvd_plugins.daso.config import DasoConfig
@@ -311,12 +311,10 @@ class DasoSync:
         messages = [drift] if exact.dtype != drift.dtype else [torch.cat([drift, exact])]
         if exact.dtype != drift.dtype and exact.numel():
             messages.append(exact)
-        handles = []
-        for index, message in enumerate(m for m in messages if m.numel()):
-            self.counters.record(self._global_scope, nbytes(message))
-            handles.append(hvd.allreduce_async(message, op=hvd.Average, name=f"daso.blocking.{index}"))
-        with self.counters.waiting():
-            results = [hvd.synchronize(handle).to(self._work_dtype) for handle in handles]
+        messages = [m for m in messages if m.numel()]
+        sums = group_sum(messages, self.groups.world, NoCompression(), "daso.blocking", self.counters,
+                         self._global_scope)  # fmt: skip
+        results = [total.to(self._work_dtype) / hvd.size() for total in sums]
         averaged = torch.cat(results) if results else torch.empty(0, dtype=self._work_dtype)
         self._reference = self._reference + averaged[: drift.numel()]
         with torch.no_grad():

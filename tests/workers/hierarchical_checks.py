@@ -111,11 +111,20 @@ class Net(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.05)
 
 
-def fit(strategy: HorovodStrategy, accumulate: int = 1) -> tuple[Net, pl.Trainer]:
+class WideNet(Net):
+    """135,169 float64 parameters: one 1.08 MB gradient bucket, at least the 1 MiB that route tuning times."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(6, 512), nn.Tanh(), nn.Linear(512, 256), nn.Tanh(), nn.Linear(256, 1))
+
+
+def fit(strategy: HorovodStrategy, accumulate: int = 1, wide: bool = False) -> tuple[Net, pl.Trainer]:
     generator = torch.Generator().manual_seed(11)
     x = torch.randn(128, 6, generator=generator, dtype=torch.float64)
     y = torch.sin(x.sum(dim=1, keepdim=True))
-    model = Net()
+    model = WideNet() if wide else Net()
     trainer = pl.Trainer(
         strategy=strategy,
         accelerator="cpu",
@@ -179,6 +188,22 @@ def check_strategy_modes() -> dict[str, Any]:
     }
 
 
+def check_route_tuning() -> dict[str, Any]:
+    """flat_below_mb="auto" (the default) with a 1 MiB bucket: both routes timed, one choice everywhere."""
+    flat_model, _ = fit(HorovodStrategy(sync="allreduce"), wide=True)
+    tuned_model, trainer = fit(HorovodStrategy(sync="hierarchical"), wide=True)
+    tuner = trainer.strategy.route_tuner
+    choice = torch.tensor([0 if tuner is None or tuner.choice is None else 1 + (tuner.choice == "flat")])
+    choices = hvd.allgather(choice, name="test.route_choice")
+    return {
+        "vs_flat": float((parameters_of(tuned_model) - parameters_of(flat_model)).abs().max()),
+        "steps": trainer.global_step,
+        "timed_steps": None if tuner is None else {route: len(times) for route, times in tuner.seconds.items()},
+        "choices": choices.tolist(),
+        "agreed_seconds": None if tuner is None else tuner.agreed_seconds,
+    }
+
+
 def check_compress_node_local() -> dict[str, Any]:
     """compress_node_local=True: fp16 on the node-local legs too; compared with the runs of strategy_modes."""
     strategy = HorovodStrategy(sync="hierarchical", compression="fp16", compress_node_local=True, **TWO_LEVEL)
@@ -213,6 +238,7 @@ if __name__ == "__main__":
             "fp64_two_round_groups": check_two_round_groups,
             "strategy_modes": check_strategy_modes,
             "compress_node_local": check_compress_node_local,
+            "route_tuning": check_route_tuning,
             "startup": check_startup,  # again, after the strategies ran: nothing restarted Horovod
         }
     )
