@@ -28,6 +28,7 @@ links are removed at the end, also after an error or Ctrl-C.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import itertools
 import json
@@ -656,6 +657,8 @@ def main() -> None:
                         help="seconds of training after which a run stops at its epoch's end (default 150)")
     parser.add_argument("--results-dir", type=Path,
                         help="write emulated_sweep.{txt,json,csv,png} here (default with --sweep: docs/benchmarks)")
+    parser.add_argument("--logs-dir", type=Path, help="keep every run's worker logs under this folder (default: "
+                        "a temporary folder, removed afterwards)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--spec", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
@@ -675,7 +678,9 @@ def main() -> None:
     results_dir = args.results_dir or (common.RESULTS_DIR if args.sweep else None)
     started = time.monotonic()
     rows: list[dict[str, Any]] = []
-    with tempfile.TemporaryDirectory(prefix="hvd_emulated_") as tmp:
+    keep = contextlib.nullcontext(str(args.logs_dir)) if args.logs_dir else None
+    workdir = keep or tempfile.TemporaryDirectory(prefix="hvd_emulated_")
+    with workdir as tmp:
         try:
             for index, part in enumerate(grids):
                 rows += run_grid(part, Path(tmp) / f"grid{index}", log=lambda line: print(line, flush=True))

@@ -90,7 +90,7 @@ class HorovodStrategy(ParallelStrategy):
         bucket_mb: gradient bucket size of the hierarchical allreduce.
         flat_below_mb: with ``sync="hierarchical"``, buckets smaller than this many MiB take one flat
             allreduce (few bytes: one round beats three); larger ones take the two-level legs.
-            ``"auto"`` (default): 1 MiB, and the larger buckets try both routes on the first 7 steps
+            ``"auto"`` (default): 1 MiB, and the larger buckets try both routes on the first 11 steps
             and keep the faster (rank 0 prints what it measured).
         stall_timeout_seconds: a worker waiting this long in a gradient allreduce or barrier ends the job
             (exit 75). ``"auto"``: horovodrun's ``--stall-check-shutdown-time-seconds`` if given, else 1800;

@@ -16,7 +16,7 @@ from collections.abc import Callable
 import torch
 
 TWO_LEVEL, FLAT = "two_level", "flat"
-TRIAL_STEPS_PER_ROUTE = 3
+TRIAL_STEPS_PER_ROUTE = 5
 """Timed steps per route before choosing, after one untimed step (Horovod sizes its buffers then)."""
 
 Agree = Callable[[torch.Tensor], torch.Tensor]
