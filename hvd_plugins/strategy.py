@@ -100,7 +100,8 @@ class HorovodStrategy(ParallelStrategy):
 
     Public state for callbacks: ``config``, ``comm_counters`` (what this worker sent), ``topology``
     (node layout, node-aware syncs), ``daso_sync`` (with ``sync="daso"``) and ``route_tuner``
-    (with ``sync="hierarchical"``: the route its large buckets took, and what was measured).
+    (the route measured and kept: the large buckets' with ``sync="hierarchical"``, the float16
+    synchronous steps' with ``sync="daso"`` on CPUs).
     """
 
     strategy_name = "horovod"
@@ -294,7 +295,7 @@ class HorovodStrategy(ParallelStrategy):
         if self.config.scale_lr:
             scale_learning_rates_(self.optimizers, [c.scheduler for c in self.lr_scheduler_configs], self.world_size)
         self.gradient_sync = make_gradient_sync(self.config, self._groups, self.comm_counters)
-        if isinstance(self.gradient_sync, HierarchicalGradientSync) and self.route_tuner is not None:
+        if isinstance(self.gradient_sync, (HierarchicalGradientSync, DasoGradientSync)) and self.route_tuner:
             self.gradient_sync.route_tuner = self.route_tuner  # a later fit keeps the route chosen before
         self.gradient_sync.backward_passes = self._backward_passes
         wrapped = [
@@ -474,7 +475,7 @@ class HorovodStrategy(ParallelStrategy):
             self._finite_check = None
         for optimizer in self.optimizers:
             horovod_adapter.drop_gradient_hooks(optimizer)
-        if isinstance(self.gradient_sync, HierarchicalGradientSync):
+        if isinstance(self.gradient_sync, (HierarchicalGradientSync, DasoGradientSync)):
             self.route_tuner = self.gradient_sync.route_tuner or self.route_tuner
         self.gradient_sync = None
         self.daso_sync = None

@@ -223,7 +223,7 @@ def test_route_tuner_alternates_then_keeps_the_faster_route() -> None:
     assert routes[:7] == [TWO_LEVEL, TWO_LEVEL, FLAT, TWO_LEVEL, FLAT, TWO_LEVEL, FLAT]  # the first is untimed
     assert routes[7:] == [FLAT] * 3 and tuner.choice == FLAT
     assert tuner.seconds == {TWO_LEVEL: [0.3] * 3, FLAT: [0.1] * 3}  # the untimed 9 s step is not counted
-    assert "300.0 ms two-level vs 100.0 ms flat" in tuner.summary()
+    assert tuner.measured() == "300.0 ms two_level vs 100.0 ms flat (median of 3 steps each, mean over workers)"
     tuner, routes = _run_tuner(two_level_s=0.1, flat_s=0.3)
     assert routes[7:] == [TWO_LEVEL] * 3 and tuner.choice == TWO_LEVEL
 

@@ -16,6 +16,7 @@ from collections.abc import Callable
 import torch
 
 TWO_LEVEL, FLAT = "two_level", "flat"
+ALLREDUCE, ALLTOALL = "allreduce", "alltoall"
 TRIAL_STEPS_PER_ROUTE = 5
 """Timed steps per route before choosing, after one untimed step (Horovod sizes its buffers then)."""
 
@@ -24,20 +25,23 @@ Agree = Callable[[torch.Tensor], torch.Tensor]
 
 
 class RouteTuner:
-    """Alternates the routes for the first steps, then keeps the one with the lower step time.
+    """Alternates two routes for the first steps, then keeps the one with the lower step time.
 
     Every worker times its own steps; the choice compares the mean over workers of each route's
     median, agreed in one small allreduce, so every worker keeps the same route. Every worker
-    must call ``record`` once per gradient sync, as the sync itself is collective.
+    must call ``record`` once per sync, as the sync itself is collective. ``routes[1]`` wins ties.
     """
 
-    def __init__(self, agree: Agree, trials_per_route: int = TRIAL_STEPS_PER_ROUTE) -> None:
+    def __init__(
+        self, agree: Agree, routes: tuple[str, str] = (TWO_LEVEL, FLAT), trials_per_route: int = TRIAL_STEPS_PER_ROUTE
+    ) -> None:
         if trials_per_route < 1:
             raise ValueError(f"trials_per_route={trials_per_route!r} must be >= 1")
         self._agree = agree
-        self._plan = [TWO_LEVEL] + [TWO_LEVEL, FLAT] * trials_per_route
+        self.routes = routes
+        self._plan = [routes[0]] + [routes[0], routes[1]] * trials_per_route
         self._step = 0
-        self.seconds: dict[str, list[float]] = {TWO_LEVEL: [], FLAT: []}
+        self.seconds: dict[str, list[float]] = {route: [] for route in routes}
         self.choice: str | None = None
         self.agreed_seconds: dict[str, float] = {}
         """The medians compared, averaged over workers (set once the choice is made)."""
@@ -55,17 +59,13 @@ class RouteTuner:
             self.seconds[self._plan[self._step]].append(seconds)
         self._step += 1
         if self._step == len(self._plan):
-            medians = torch.tensor([statistics.median(self.seconds[r]) for r in (TWO_LEVEL, FLAT)], dtype=torch.float64)
-            two_level, flat = (float(v) for v in self._agree(medians))
-            self.agreed_seconds = {TWO_LEVEL: two_level, FLAT: flat}
-            self.choice = FLAT if flat <= two_level else TWO_LEVEL
+            medians = [statistics.median(self.seconds[route]) for route in self.routes]
+            agreed = [float(v) for v in self._agree(torch.tensor(medians, dtype=torch.float64))]
+            self.agreed_seconds = dict(zip(self.routes, agreed, strict=True))
+            self.choice = self.routes[1] if agreed[1] <= agreed[0] else self.routes[0]
 
-    def summary(self) -> str:
-        """One line for the log: what was measured and what was chosen."""
-        ms = {route: 1e3 * value for route, value in self.agreed_seconds.items()}
-        return (
-            f"sync='hierarchical': gradient sync took {ms[TWO_LEVEL]:.1f} ms two-level vs {ms[FLAT]:.1f} ms flat "
-            f"(median of {len(self.seconds[FLAT])} steps each, mean over workers); large buckets now take the "
-            f"{'flat allreduce' if self.choice == FLAT else 'two-level legs'}. Pass flat_below_mb=<MiB> to fix "
-            "the route instead."
-        )
+    def measured(self) -> str:
+        """What was compared, for a log line: '131.2 ms two_level vs 52.0 ms flat (median of 5 steps each, ...)'."""
+        first, second = (f"{1e3 * self.agreed_seconds[route]:.1f} ms {route}" for route in self.routes)
+        trials = len(self.seconds[self.routes[1]])
+        return f"{first} vs {second} (median of {trials} steps each, mean over workers)"
