@@ -66,7 +66,7 @@ if TYPE_CHECKING:
     import lightning.pytorch as pl
 
 CHECKPOINT_KEY = "hvd_plugins"
-"""Where the strategy keeps its own state (DASO's schedule) in a Lightning checkpoint."""
+"""Where the strategy keeps its own state (DASO's schedule, the measured route) in a Lightning checkpoint."""
 
 
 class HorovodStrategy(ParallelStrategy):
@@ -100,8 +100,7 @@ class HorovodStrategy(ParallelStrategy):
 
     Public state for callbacks: ``config``, ``comm_counters`` (what this worker sent), ``topology``
     (node layout, node-aware syncs), ``daso_sync`` (with ``sync="daso"``) and ``route_tuner``
-    (the route measured and kept: the large buckets' with ``sync="hierarchical"``, the float16
-    synchronous steps' with ``sync="daso"`` on CPUs).
+    (with ``sync="hierarchical"``: the route its large buckets took, and what was measured).
     """
 
     strategy_name = "horovod"
@@ -295,7 +294,7 @@ class HorovodStrategy(ParallelStrategy):
         if self.config.scale_lr:
             scale_learning_rates_(self.optimizers, [c.scheduler for c in self.lr_scheduler_configs], self.world_size)
         self.gradient_sync = make_gradient_sync(self.config, self._groups, self.comm_counters)
-        if isinstance(self.gradient_sync, (HierarchicalGradientSync, DasoGradientSync)) and self.route_tuner:
+        if isinstance(self.gradient_sync, HierarchicalGradientSync) and self.route_tuner is not None:
             self.gradient_sync.route_tuner = self.route_tuner  # a later fit keeps the route chosen before
         self.gradient_sync.backward_passes = self._backward_passes
         wrapped = [
@@ -384,15 +383,25 @@ class HorovodStrategy(ParallelStrategy):
     # ------------------------------------------------------------------ checkpoints
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
+        own: dict[str, Any] = {}
         if self.daso_sync is not None:
-            checkpoint[CHECKPOINT_KEY] = {"daso_schedule": self.daso_sync.schedule.state_dict()}
+            own["daso_schedule"] = self.daso_sync.schedule.state_dict()
+        tuner = getattr(self.gradient_sync, "route_tuner", None) or self.route_tuner
+        if tuner is not None and tuner.choice is not None:
+            own["route"] = tuner.state_dict()
+        if own:
+            checkpoint[CHECKPOINT_KEY] = own
         super().save_checkpoint(checkpoint, filepath, storage_options)
 
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, *args: Any, **kwargs: Any) -> dict[str, Any]:
-        """Keep DASO's schedule for ``_setup_daso``: Lightning restores checkpoints before ``setup``."""
+        """Keep DASO's schedule for ``_setup_daso`` and the measured route for the gradient sync:
+        Lightning restores checkpoints before ``setup``."""
         checkpoint = super().load_checkpoint(checkpoint_path, *args, **kwargs)
-        self._restored_daso_schedule = checkpoint.get(CHECKPOINT_KEY, {}).get("daso_schedule")
+        own = checkpoint.get(CHECKPOINT_KEY, {})
+        self._restored_daso_schedule = own.get("daso_schedule")
+        if own.get("route") is not None:
+            self.route_tuner = RouteTuner.restored(own["route"])
         return checkpoint
 
     @override
@@ -475,7 +484,7 @@ class HorovodStrategy(ParallelStrategy):
             self._finite_check = None
         for optimizer in self.optimizers:
             horovod_adapter.drop_gradient_hooks(optimizer)
-        if isinstance(self.gradient_sync, (HierarchicalGradientSync, DasoGradientSync)):
+        if isinstance(self.gradient_sync, HierarchicalGradientSync):
             self.route_tuner = self.gradient_sync.route_tuner or self.route_tuner
         self.gradient_sync = None
         self.daso_sync = None

@@ -231,3 +231,13 @@ def test_route_tuner_alternates_then_keeps_the_faster_route() -> None:
 def test_route_tuner_refuses_zero_trials() -> None:
     with pytest.raises(ValueError, match="trials_per_route=0 must be >= 1"):
         RouteTuner(lambda t: t, trials_per_route=0)
+
+
+def test_route_tuner_state_round_trips_so_a_resumed_run_keeps_the_route() -> None:
+    tuner, _ = _run_tuner(two_level_s=0.1, flat_s=0.3)
+    restored = RouteTuner.restored(tuner.state_dict())
+    assert restored.choice == TWO_LEVEL and restored.route == TWO_LEVEL
+    assert restored.agreed_seconds == tuner.agreed_seconds
+    restored.record(5.0)  # decided: nothing is timed or agreed again
+    with pytest.raises(ValueError, match="not a route tuner's state"):
+        RouteTuner.restored({"routes": ["two_level", "flat"], "choice": "ring", "agreed_seconds": {}})

@@ -13,7 +13,6 @@ import sys
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
-from functools import partial
 from typing import TYPE_CHECKING
 
 import torch
@@ -21,12 +20,12 @@ from torch.optim import Optimizer
 
 from hvd_plugins._horovod import horovod_torch
 from hvd_plugins.comm.buckets import bucket_tensors, flatten, unflatten_into
-from hvd_plugins.comm.compression import Compressor, CountingCompressor, FP16Compression, compressor_by_name
+from hvd_plugins.comm.compression import Compressor, CountingCompressor, compressor_by_name
 from hvd_plugins.comm.counters import CommCounters, Scope
 from hvd_plugins.comm.hierarchical import hierarchical_allreduce_
 from hvd_plugins.comm.parameters import optimizer_parameters
 from hvd_plugins.comm.partners import group_sum
-from hvd_plugins.comm.route_tuning import ALLREDUCE, ALLTOALL, FLAT, RouteTuner
+from hvd_plugins.comm.route_tuning import FLAT, RouteTuner
 from hvd_plugins.comm.topology import NodeGroups
 from hvd_plugins.comm.wire import horovod_op, nbytes
 from hvd_plugins.horovod_adapter import set_backward_passes
@@ -224,7 +223,6 @@ class DasoGradientSync(GradientSync):
         self.op = op
         self.counters = counters
         self.bucket_bytes = bucket_bytes
-        self.route_tuner: RouteTuner | None = None
         self.over_all_workers: Callable[[], bool] = lambda: True
         self._names: dict[int, str] = {}  # by optimizer, in wrap order: equal on every rank
 
@@ -254,33 +252,10 @@ class DasoGradientSync(GradientSync):
             unflatten_into(total, bucket)
 
     def _over_all_workers(self, flats: list[torch.Tensor], name: str) -> list[torch.Tensor]:
-        """One fused sum over every worker on the global wire type, then the average.
-
-        float16 on the CPU has two routes: Horovod's allreduce (Gloo adds float16 slowly) or
-        partner alltoalls added in float32 here (same bytes, but much slower on a shaped link:
-        see ``comm.partners``); the first steps time both and every worker keeps the faster.
-        """
+        """One fused allreduce over every worker on the global wire type, then the average."""
         scope = Scope.CROSS_NODE if self.groups.topology.num_nodes > 1 else Scope.NODE_LOCAL
-        tuner = self._wire_tuner(flats)
-        began = time.perf_counter()
-        via_alltoall = tuner is not None and tuner.route == ALLTOALL
-        sums = group_sum(flats, self.groups.world, self.global_compressor, name, self.counters, scope, via_alltoall)
-        if tuner is not None and tuner.choice is None:
-            tuner.record(time.perf_counter() - began)
-            if tuner.choice is not None and self.groups.topology.rank == 0:
-                print(f"hvd_plugins: sync='daso': float16 average over every worker took {tuner.measured()}; "
-                      f"synchronous steps now use the {tuner.choice}.", flush=True)  # fmt: skip
+        sums = group_sum(flats, self.groups.world, self.global_compressor, name, self.counters, scope)
         return sums if self.op == "sum" else [total.div_(self.groups.world.size) for total in sums]
-
-    def _wire_tuner(self, flats: Sequence[torch.Tensor]) -> RouteTuner | None:
-        """A tuner when the synchronous steps send float16 from the CPU (the same on every worker)."""
-        if not isinstance(self.global_compressor, FP16Compression) or not flats or flats[0].device.type != "cpu":
-            return None
-        if self.route_tuner is None:
-            hvd = horovod_torch()
-            agree = partial(hvd.allreduce, op=hvd.Average, name="hvd_plugins.daso_route")
-            self.route_tuner = RouteTuner(agree, routes=(ALLREDUCE, ALLTOALL))
-        return self.route_tuner
 
 
 def make_gradient_sync(config: HorovodConfig, groups: NodeGroups | None, counters: CommCounters) -> GradientSync:

@@ -142,16 +142,14 @@ class PendingGroupSum:
 
     Every member must start the same sums in the same order with tensors of equal size and
     dtype; every member ends with the same bits. A group of every worker uses Horovod's
-    allreduce unless ``via_alltoall``: on a shaped 50 Mbit/s link between 2 nodes x 1 worker, DASO's float16 parameter
+    allreduce: on a shaped 50 Mbit/s link between 2 nodes x 1 worker, DASO's float16 parameter
     sum as a partner exchange made a step 348 ms against 210 ms as an allreduce, although the
     bytes are the same (on an unshaped link the exchange was faster: Gloo adds float16 slowly).
     ``wait()`` returns the sum, as precise as ``tensor`` or more (half types added by this module
     come back float32).
     """
 
-    def __init__(
-        self, tensor: torch.Tensor, group: PartnerGroup, codec: Compressor, name: str, via_alltoall: bool = False
-    ) -> None:
+    def __init__(self, tensor: torch.Tensor, group: PartnerGroup, codec: Compressor, name: str) -> None:
         self.tensor = tensor
         self.group = group
         self.codec = codec
@@ -167,7 +165,7 @@ class PendingGroupSum:
         self.wire, self.ctx = codec.compress(tensor)
         self.nbytes = nbytes(self.wire)
         plain = NoCompression()
-        if group.spans_world and not via_alltoall:
+        if group.spans_world:
             hvd = horovod_torch()
             self._allreduce = hvd.allreduce_async(self.wire, op=hvd.Sum, name=name)
         elif group.size <= EXCHANGE_MAX_SIZE:
@@ -203,16 +201,12 @@ def group_sum(
     name: str,
     counters: CommCounters,
     scope: Scope,
-    via_alltoall: bool = False,
 ) -> list[torch.Tensor]:
     """Sum each tensor over ``group``, counting its bytes under ``scope``.
 
     Each round is started for every tensor before any is awaited, so Horovod can fuse them.
-    ``via_alltoall`` makes a group of every worker sum by alltoall too (added in float32 here).
     """
-    pending = [
-        PendingGroupSum(tensor, group, codec, f"{name}.{index}", via_alltoall) for index, tensor in enumerate(tensors)
-    ]
+    pending = [PendingGroupSum(tensor, group, codec, f"{name}.{index}") for index, tensor in enumerate(tensors)]
     for sum_ in pending:
         if sum_.nbytes:
             counters.record(scope, sum_.nbytes)

@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
 TWO_LEVEL, FLAT = "two_level", "flat"
-ALLREDUCE, ALLTOALL = "allreduce", "alltoall"
 TRIAL_STEPS_PER_ROUTE = 5
 """Timed steps per route before choosing, after one untimed step (Horovod sizes its buffers then)."""
 
@@ -63,6 +63,25 @@ class RouteTuner:
             agreed = [float(v) for v in self._agree(torch.tensor(medians, dtype=torch.float64))]
             self.agreed_seconds = dict(zip(self.routes, agreed, strict=True))
             self.choice = self.routes[1] if agreed[1] <= agreed[0] else self.routes[0]
+
+    def state_dict(self) -> dict[str, Any]:
+        """The choice, for checkpoints: a resumed run keeps the route instead of timing both again."""
+        return {"routes": list(self.routes), "choice": self.choice, "agreed_seconds": dict(self.agreed_seconds)}
+
+    @staticmethod
+    def restored(state: dict[str, Any]) -> RouteTuner:
+        """A tuner that already made the choice in ``state`` (it never agrees again)."""
+
+        def already_agreed(medians: torch.Tensor) -> torch.Tensor:
+            raise RuntimeError("a restored RouteTuner has made its choice")
+
+        routes = tuple(state["routes"])
+        if len(routes) != 2 or state["choice"] not in routes:
+            raise ValueError(f"not a route tuner's state: {state!r}")
+        tuner = RouteTuner(already_agreed, routes=(routes[0], routes[1]))
+        tuner.choice = state["choice"]
+        tuner.agreed_seconds = {route: float(value) for route, value in state["agreed_seconds"].items()}
+        return tuner
 
     def measured(self) -> str:
         """What was compared, for a log line: '131.2 ms two_level vs 52.0 ms flat (median of 5 steps each, ...)'."""
