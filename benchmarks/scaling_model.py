@@ -288,6 +288,8 @@ class Observation:
     syncs_per_step: float
     steps_per_epoch: float
     step_s: float
+    flat_route: bool = False
+    """A hierarchical run whose buckets took the flat allreduce (small buckets, or the route measured faster)."""
 
     @property
     def nodes_and_local(self) -> tuple[int, int]:
@@ -307,6 +309,7 @@ class Observation:
             stats.get("syncs_per_step", 1.0),
             run["steps_per_epoch"],
             stats["step_s"],
+            flat_route=run["mode"].startswith("hierarchical") and _crossed_whole_gradient(run, stats),
         )
 
 
@@ -336,7 +339,19 @@ class Calibration:
         return step_seconds(_observed_legs(obs, cluster), cluster, workload)
 
 
+def _crossed_whole_gradient(run: dict[str, Any], stats: dict[str, Any]) -> bool:
+    """Whether each worker handed (nearly) its whole gradient to cross-node collectives: the flat route.
+
+    The two-level legs hand ``1/L`` of it (L workers per node), compressed or not.
+    """
+    wire = FP16_BYTES if run["mode"].endswith("fp16") else FP32_BYTES
+    crossed = stats.get("cross_node_bytes_per_step")
+    return crossed is not None and crossed >= 0.75 * float(run["params"]) * wire
+
+
 def _observed_legs(obs: Observation, cluster: Cluster) -> list[Leg]:
+    if obs.flat_route:
+        obs = replace(obs, mode=obs.mode.replace("hierarchical", "allreduce"), phase="sync", flat_route=False)
     wire = FP16_BYTES if obs.mode.endswith("fp16") else FP32_BYTES
     plan = DasoPlan(
         downcast_bytes=wire,

@@ -329,7 +329,7 @@ def main() -> None:
     parser.add_argument("--layouts", nargs="+", choices=list(LAYOUTS), default=list(LAYOUTS))
     parser.add_argument("--transports", nargs="+", choices=TRANSPORTS, default=list(DEFAULT_TRANSPORTS))
     parser.add_argument("--append", action="store_true", help="add to docs/benchmarks/transport.txt, not replace")
-    parser.add_argument("--smoke", action="store_true", help="2x1, 1k, one job per transport; writes no file")
+    parser.add_argument("--smoke", action="store_true", help="2x1, 1k, one job of static and alltoall; writes no file")
     parser.add_argument("--step-times", action="store_true", help="only time training steps, flat vs hierarchical")
     parser.add_argument("--step-worker", choices=STEP_SYNCS, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -342,8 +342,10 @@ def main() -> None:
     if args.step_times:
         print(step_times(args.repeats))
         return
-    if args.smoke:
+    if args.smoke:  # the package's transport and one with process sets, unless others are asked for
         args.layouts, args.sizes, args.repeats = ["2x1"], ["1k"], 1
+        if args.transports == list(DEFAULT_TRANSPORTS):
+            args.transports = ["static", "alltoall"]
     begin = time.monotonic()
     rows = []
     for layout in args.layouts:

@@ -94,11 +94,11 @@ def test_emulated_cluster_smoke_sweeps_both_topologies_and_writes_records(tmp_pa
     assert "-node0" not in leftovers and "-node1" not in leftovers, f"namespaces left behind: {leftovers}"
 
 
-def test_transport_smoke_runs_every_transport_and_checks_the_sums() -> None:
+def test_transport_smoke_runs_the_packages_and_a_process_set_transport_and_checks_the_sums() -> None:
     result = run_smoke("transport.py", timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     rows = {line.split()[1]: line for line in result.stdout.splitlines() if line.split()[:3:2] == ["2x1", "1k"]}
-    assert set(rows) == {"dynamic", "static_env", "static", "alltoall"}, result.stdout
+    assert set(rows) == {"static", "alltoall"}, result.stdout
     for transport, line in rows.items():
         assert re.search(r"\syes\s+0/1$", line.rstrip()), (transport, line)  # two-level sum correct, no failure
         global_ms, two_level_ms = re.findall(r"\s([0-9.]+) \(", line)[0], re.findall(r"\s([0-9.]+) \(", line)[-1]
