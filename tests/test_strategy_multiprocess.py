@@ -198,9 +198,11 @@ def test_two_emulated_nodes_have_the_expected_topology(two_nodes: dict[int, dict
 
 def test_node_aware_syncs_keep_the_scripts_plain_init_and_add_no_process_set(two_nodes: dict[int, dict]) -> None:
     for rank in range(4):
-        startup = value(two_nodes[rank], "startup")  # taken after the hierarchical strategies trained
+        startup = value(two_nodes[rank], "startup")
         assert startup["same_ranks"] and startup["dynamic_env"] is None
         assert startup["process_sets"] == [[0, 1, 2, 3]]  # the global set only: partners are reached by alltoall
+        after = value(two_nodes[rank], "after_training")  # every hierarchical strategy of the job has trained
+        assert after == {"rank": rank, "size": 4, "process_sets": 1}
 
 
 @pytest.mark.parametrize(
