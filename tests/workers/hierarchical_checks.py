@@ -104,7 +104,7 @@ def check_two_round_groups() -> dict[str, Any]:
     exchange_max_size = partners.EXCHANGE_MAX_SIZE
     partners.EXCHANGE_MAX_SIZE = 1
     try:
-        return compare_with_flat(torch.float64, True, [3, 1001], fp16=False)
+        return compare_with_flat(torch.float64, True, [3, 1001, 200_001], fp16=False)
     finally:
         partners.EXCHANGE_MAX_SIZE = exchange_max_size
 
@@ -241,7 +241,7 @@ if __name__ == "__main__":
         {
             "topology": check_topology,
             "startup": check_startup,
-            "fp64_integers": lambda: compare_with_flat(torch.float64, True, [1, 7, 1000, 4096], fp16=False),
+            "fp64_integers": lambda: compare_with_flat(torch.float64, True, [1, 7, 1000, 4096, 150_000], fp16=False),
             "fp64_random": lambda: compare_with_flat(torch.float64, False, [13, 2049], fp16=False),
             "fp32_random": lambda: compare_with_flat(torch.float32, False, [5, 100_001], fp16=False),
             "fp32_fp16_wire": lambda: compare_with_flat(torch.float32, False, [999, 4096], fp16=True),
