@@ -240,22 +240,16 @@ class DasoGradientSync(GradientSync):
         if not grads or horovod_torch().size() == 1 or (self.groups.local is None and not everywhere):
             return  # alone in its group: nothing to average (the gradients are zero-filled all the same)
         name = f"{self._names[id(optimizer)]}.{'all' if everywhere else 'node'}"
-        buckets = bucket_tensors(grads, self.bucket_bytes)
-        if everywhere:
-            averaged = self._over_all_workers([flatten(bucket) for bucket in buckets], name)
+        if everywhere:  # one fused allreduce over every worker, on the global wire type
+            group, compressor = self.groups.world, self.global_compressor
+            scope = Scope.CROSS_NODE if self.groups.topology.num_nodes > 1 else Scope.NODE_LOCAL
         else:
             assert self.groups.local is not None
-            flats = [flatten(bucket) for bucket in buckets]
-            sums = group_sum(flats, self.groups.local, self.node_compressor, name, self.counters, Scope.NODE_LOCAL)
-            averaged = sums if self.op == "sum" else [total.div_(self.groups.local.size) for total in sums]
-        for total, bucket in zip(averaged, buckets, strict=True):
-            unflatten_into(total, bucket)
-
-    def _over_all_workers(self, flats: list[torch.Tensor], name: str) -> list[torch.Tensor]:
-        """One fused allreduce over every worker on the global wire type, then the average."""
-        scope = Scope.CROSS_NODE if self.groups.topology.num_nodes > 1 else Scope.NODE_LOCAL
-        sums = group_sum(flats, self.groups.world, self.global_compressor, name, self.counters, scope)
-        return sums if self.op == "sum" else [total.div_(self.groups.world.size) for total in sums]
+            group, compressor, scope = self.groups.local, self.node_compressor, Scope.NODE_LOCAL
+        buckets = bucket_tensors(grads, self.bucket_bytes)
+        sums = group_sum([flatten(bucket) for bucket in buckets], group, compressor, name, self.counters, scope)
+        for total, bucket in zip(sums, buckets, strict=True):
+            unflatten_into(total if self.op == "sum" else total.div_(group.size), bucket)
 
 
 def make_gradient_sync(config: HorovodConfig, groups: NodeGroups | None, counters: CommCounters) -> GradientSync:

@@ -19,16 +19,17 @@ from collections.abc import Sequence
 
 import torch
 
-from hvd_plugins._horovod import horovod_torch
 from hvd_plugins.comm.compression import Compressor, NoCompression
 from hvd_plugins.comm.counters import CommCounters, Scope
 from hvd_plugins.comm.partners import (
+    PendingGroupSum,
     finish_allgather,
     finish_reduce_scatter,
     group_sum,
     pad_to_multiple,
     start_allgather,
     start_reduce_scatter,
+    wait_all,
 )
 from hvd_plugins.comm.topology import NodeGroups
 from hvd_plugins.comm.wire import nbytes
@@ -59,19 +60,6 @@ def _two_level(
         return [finish_allgather(pending) for pending in gathers]
 
 
-def _flat(
-    buffers: Sequence[torch.Tensor], codec: Compressor, counters: CommCounters, name: str
-) -> list[tuple[object, object]]:
-    """Start one flat allreduce (Sum over every worker) per buffer; counted as cross-node traffic."""
-    hvd = horovod_torch()
-    pending = []
-    for index, buffer in enumerate(buffers):
-        wire, ctx = codec.compress(buffer)
-        counters.record(Scope.CROSS_NODE, nbytes(wire))
-        pending.append((hvd.allreduce_async(wire, op=hvd.Sum, name=f"{name}.flat.{index}"), ctx))
-    return pending
-
-
 def hierarchical_allreduce_(
     buffers: Sequence[torch.Tensor],
     groups: NodeGroups,
@@ -93,7 +81,6 @@ def hierarchical_allreduce_(
     and the legs run stage by stage while they are in flight, so Horovod can fuse and overlap.
     With a single node, or one worker per node, there is one leg only: a sum over every worker.
     """
-    hvd = horovod_torch()
     cross_codec = compression or NoCompression()
     local_codec = cross_codec if compress_node_local else NoCompression()
     counters = counters if counters is not None else CommCounters()
@@ -109,12 +96,15 @@ def hierarchical_allreduce_(
     else:
         flat = [i for i, buffer in enumerate(buffers) if nbytes(buffer) < flat_below_bytes]
         legs = [i for i in range(len(buffers)) if i not in set(flat)]
-        pending = _flat([buffers[i] for i in flat], cross_codec, counters, name)
+        # One allreduce over every worker per small buffer, counted as cross-node traffic.
+        world = groups.world
+        pending = [PendingGroupSum(buffers[i], world, cross_codec, f"{name}.flat.{n}") for n, i in enumerate(flat)]
+        for sum_ in pending:
+            counters.record(Scope.CROSS_NODE, sum_.nbytes)
         leg_totals = _two_level([buffers[i] for i in legs], groups, local_codec, cross_codec, counters, name)
         by_index = dict(zip(legs, leg_totals, strict=True))
         with counters.waiting():
-            flat_totals = [cross_codec.decompress(hvd.synchronize(handle), ctx) for handle, ctx in pending]
-        by_index.update(zip(flat, flat_totals, strict=True))
+            by_index.update(zip(flat, wait_all(pending), strict=True))
         totals = [by_index[i] for i in range(len(buffers))]
     for buffer, total in zip(buffers, totals, strict=True):
         buffer.copy_(total[: buffer.numel()])

@@ -189,8 +189,7 @@ class PendingGroupSum:
         if self._exchange is not None:
             return accumulating(self.codec.decompress(self._exchange.rows(), self.ctx)).sum(0)
         if self._gather is not None:
-            gathered = self._gather.rows().reshape(-1)[: self.tensor.numel()]
-            return self.codec.decompress(gathered, self.ctx)
+            return self.codec.decompress(finish_allgather(self._gather)[: self.tensor.numel()], self.ctx)
         return self.tensor.clone()
 
 
@@ -211,6 +210,11 @@ def group_sum(
         if sum_.nbytes:
             counters.record(scope, sum_.nbytes)
     with counters.waiting():
-        for sum_ in pending:
-            sum_.start_second_round()
-        return [sum_.wait() for sum_ in pending]
+        return wait_all(pending)
+
+
+def wait_all(pending: Sequence[PendingGroupSum]) -> list[torch.Tensor]:
+    """Finish sums started together: every second round starts before any sum is awaited."""
+    for sum_ in pending:
+        sum_.start_second_round()
+    return [sum_.wait() for sum_ in pending]

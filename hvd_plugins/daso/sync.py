@@ -61,7 +61,7 @@ from hvd_plugins.comm.buffers import PendingBufferAverage, finish_buffer_average
 from hvd_plugins.comm.compression import NoCompression
 from hvd_plugins.comm.counters import CommCounters, Scope
 from hvd_plugins.comm.parameters import optimizer_parameters
-from hvd_plugins.comm.partners import PendingGroupSum, finish_allgather, group_sum, start_allgather
+from hvd_plugins.comm.partners import PendingGroupSum, finish_allgather, group_sum, start_allgather, wait_all
 from hvd_plugins.comm.topology import NodeGroups
 from hvd_plugins.comm.wire import nbytes
 from hvd_plugins.daso.config import DasoConfig
@@ -134,9 +134,7 @@ class CrossNodeSharding:
     def finish_sum(self, pending: PendingSum, dtype: torch.dtype) -> torch.Tensor:
         """Wait for a Sum and return it in ``dtype``."""
         with self.counters.waiting():
-            for chunk in pending.chunks:
-                chunk.start_second_round()
-            parts = [chunk.wait() for chunk in pending.chunks]
+            parts = wait_all(pending.chunks)
         if not parts:
             return torch.empty(0, dtype=dtype)
         return torch.cat(parts).to(dtype)
