@@ -129,6 +129,10 @@ def run_lightning_ddp(setup: Setup, out: Path, profile: bool) -> None:
     strategy = DDPStrategy(process_group_backend="gloo")
     step_ends, rank = _fit(setup, strategy, 2, 2, out / "profile_ddp.txt" if profile else None)
     common.write_rank_file(out, rank, {"step_ends": step_ends})
+    # Left to interpreter exit, torch's Gloo process group can abort the worker ("terminate called
+    # without an active exception", SIGABRT) after the run finished; end it explicitly.
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
 
 
 def worker_main(args: argparse.Namespace) -> None:
