@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from hvd_plugins.comm.compression import compressor_by_name
+from hvd_plugins.cpu_threads import validate_cpu_threads
 from hvd_plugins.daso.config import DasoConfig
 from hvd_plugins.faults import DEFAULT_STALL_TIMEOUT_SECONDS, validate_stall_timeout
 
@@ -74,6 +75,9 @@ class HorovodConfig:
     """Longest wait in one collective before the worker ends the job; None waits forever."""
     check_finite_gradients: bool = False
     """Stop every rank at the first step whose gradients hold NaN/Inf."""
+    cpu_threads: int | str | None = "auto"
+    """torch's intra-op threads per worker: ``"auto"`` shares the host's cores among its workers unless
+    ``OMP_NUM_THREADS`` is set, a number sets it, None leaves torch's default (see ``cpu_threads``)."""
 
     def __post_init__(self) -> None:
         compressor_by_name(self.compression)  # raises naming the choices
@@ -126,6 +130,7 @@ class HorovodConfig:
             isinstance(self.stall_timeout_seconds, bool) or not isinstance(self.stall_timeout_seconds, int)
         ):
             raise ValueError(f"stall_timeout_seconds={self.stall_timeout_seconds!r} must be whole seconds or None")
+        validate_cpu_threads(self.cpu_threads)
 
     @staticmethod
     def build(
@@ -163,5 +168,10 @@ class HorovodConfig:
         return self.flat_below_mb == "auto"
 
     def fingerprint(self) -> dict[str, Any]:
-        """The settings every rank must share, or the first collective would deadlock."""
-        return asdict(self)
+        """The settings every rank must share, or the first collective would deadlock.
+
+        ``cpu_threads`` is left out: hosts may differ in cores, and threads never change a collective.
+        """
+        settings = asdict(self)
+        del settings["cpu_threads"]
+        return settings

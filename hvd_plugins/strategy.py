@@ -45,6 +45,7 @@ from hvd_plugins.comm.wire import GATHER, for_wire, from_wire, horovod_op, reduc
 from hvd_plugins.config import HorovodConfig
 from hvd_plugins.config_check import assert_ranks_agree
 from hvd_plugins.console import follow_rank, progress_bar_given_to_trainer, use_line_progress_bar
+from hvd_plugins.cpu_threads import apply_cpu_threads
 from hvd_plugins.daso.config import DasoConfig
 from hvd_plugins.daso.sync import DasoSync
 from hvd_plugins.environment import HorovodEnvironment
@@ -97,6 +98,9 @@ class HorovodStrategy(ParallelStrategy):
             ``None`` waits forever. Must exceed the longest legitimate wait (e.g. a checkpoint write).
         check_finite_gradients: stop every rank with ``NonFiniteGradientError`` at the first NaN/Inf
             gradient (one small allreduce per step; not with a GradScaler).
+        cpu_threads: torch's intra-op threads in each worker. ``"auto"`` (default): the host's cores
+            divided among the workers on it (as ``torchrun`` does), unless ``OMP_NUM_THREADS`` is set;
+            a number: exactly that many; ``None``: torch's default (one per core, in every worker).
 
     Public state for callbacks: ``config``, ``comm_counters`` (what this worker sent), ``topology``
     (node layout, node-aware syncs), ``daso_sync`` (with ``sync="daso"``) and ``route_tuner``
@@ -121,6 +125,7 @@ class HorovodStrategy(ParallelStrategy):
         flat_below_mb: float | str = "auto",
         stall_timeout_seconds: float | str | None = "auto",
         check_finite_gradients: bool = False,
+        cpu_threads: int | str | None = "auto",
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         checkpoint_io: CheckpointIO | None = None,
@@ -148,6 +153,7 @@ class HorovodStrategy(ParallelStrategy):
             flat_below_mb=flat_below_mb,
             stall_timeout_seconds=stall_timeout_seconds,
             check_finite_gradients=bool(check_finite_gradients),
+            cpu_threads=cpu_threads,
         )
         horovod_adapter.require_build_supports(self.config)
         self.num_nodes = 1  # set by the Trainer; checked against the launch in setup_environment
@@ -244,6 +250,7 @@ class HorovodStrategy(ParallelStrategy):
             num_devices=local_size if on_gpu and devices >= local_size else devices, num_nodes=self.num_nodes
         )
         horovod_adapter.require_job_supports(self.config, on_gpu)
+        apply_cpu_threads(self.config.cpu_threads, local_size)
         if on_gpu:
             horovod_adapter.require_gpu_for_local_rank(self.local_rank, torch.cuda.device_count(), local_size)
             torch.cuda.set_device(self.root_device)

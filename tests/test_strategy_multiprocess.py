@@ -61,6 +61,15 @@ def test_reduce_all_gather_broadcast_barrier(features: dict[int, dict]) -> None:
         assert result["sampler_kwargs"] == {"num_replicas": 2, "rank": rank}
 
 
+def test_two_workers_on_a_host_share_its_cores_unless_omp_num_threads_says_otherwise(
+    features: dict[int, dict],
+) -> None:
+    for result in both(features, "collectives"):
+        chosen = result["omp_num_threads"]
+        expected = int(chosen) if chosen else max(1, result["usable_cpus"] // 2)
+        assert result["torch_threads"] == expected, result
+
+
 def test_torchmetrics_sync_equals_metric_on_full_data(features: dict[int, dict]) -> None:
     results = both(features, "metrics")
     assert any(abs(r["local"] - r["full_data"]) > 1e-3 for r in results)  # syncing matters on this data

@@ -19,6 +19,7 @@ from hvd_plugins.comm.partners import PartnerGroup
 from hvd_plugins.comm.route_tuning import FLAT, TWO_LEVEL, RouteTuner
 from hvd_plugins.comm.topology import Topology, build_node_groups
 from hvd_plugins.comm.wire import for_wire, from_wire, nbytes, reduce_op_name, wire_dtype
+from hvd_plugins.cpu_threads import choose_cpu_threads
 from hvd_plugins.daso.config import DasoConfig
 
 
@@ -132,6 +133,8 @@ def test_buckets_split_by_dtype_and_size_and_round_trip() -> None:
         ({"bucket_mb": -1}, r"bucket_mb=-1 must be a positive number"),
         ({"sync": "hierarchical", "flat_below_mb": -1}, r"flat_below_mb=-1 must be 'auto' or a number of"),
         ({"flat_below_mb": 4.0}, r"flat_below_mb=4.0 works only with sync='hierarchical', not sync='allreduce'"),
+        ({"cpu_threads": 0}, r"cpu_threads=0 must be 'auto', None or a whole number of threads >= 1"),
+        ({"cpu_threads": "all"}, r"cpu_threads='all' must be 'auto', None or a whole number"),
     ],
 )
 def test_strategy_rejects_bad_arguments_by_name(kwargs: dict, message: str) -> None:
@@ -241,3 +244,13 @@ def test_route_tuner_state_round_trips_so_a_resumed_run_keeps_the_route() -> Non
     restored.record(5.0)  # decided: nothing is timed or agreed again
     with pytest.raises(ValueError, match="not a route tuner's state"):
         RouteTuner.restored({"routes": ["two_level", "flat"], "choice": "ring", "agreed_seconds": {}})
+
+
+def test_cpu_threads_share_the_host_unless_the_user_chose() -> None:
+    assert choose_cpu_threads("auto", workers_on_host=4, cpus=16, environ={}) == 4
+    assert choose_cpu_threads("auto", workers_on_host=4, cpus=2, environ={}) == 1  # never below one
+    assert choose_cpu_threads("auto", workers_on_host=1, cpus=16, environ={}) is None  # alone: torch's default
+    assert choose_cpu_threads("auto", workers_on_host=4, cpus=16, environ={"OMP_NUM_THREADS": "8"}) is None
+    assert choose_cpu_threads(3, workers_on_host=4, cpus=16, environ={"OMP_NUM_THREADS": "8"}) == 3
+    assert choose_cpu_threads(None, workers_on_host=4, cpus=16, environ={}) is None
+    assert "cpu_threads" not in HorovodStrategy(cpu_threads=2).config.fingerprint()  # hosts may differ

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import os
 from pathlib import Path
 from typing import Any
 
@@ -243,6 +244,9 @@ def check_collectives() -> dict[str, Any]:
         "any_true": strategy.reduce_boolean_decision(hvd.rank() == 1, all=False),
         "all_true": strategy.reduce_boolean_decision(hvd.rank() == 1, all=True),
         "sampler_kwargs": strategy.distributed_sampler_kwargs,
+        "torch_threads": torch.get_num_threads(),
+        "usable_cpus": len(os.sched_getaffinity(0)),
+        "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
     }
 
 
