@@ -87,6 +87,19 @@ def test_node_groups_name_each_workers_partners_by_local_rank() -> None:
     assert one_node.cross is None and one_node.local is not None and one_node.local.spans_world
 
 
+def test_cross_node_pairs_relay_and_neighbouring_lanes_start_in_opposite_directions() -> None:
+    two_by_two = [(0, 0), (0, 1), (1, 0), (1, 1)]  # ranks 0, 1 on node 0; ranks 2, 3 on node 1
+    lane0 = build_node_groups(Topology.from_pairs(rank=2, pairs=two_by_two)).cross
+    lane1 = build_node_groups(Topology.from_pairs(rank=1, pairs=two_by_two)).cross
+    assert lane0 is not None and lane1 is not None and lane0.relays and lane1.relays
+    assert (lane0.ranks, lane0.first_sender, lane0.partner) == ((0, 2), 0, 0)  # node 0 sends first
+    assert (lane1.ranks, lane1.first_sender, lane1.partner) == ((1, 3), 3, 3)  # node 1 sends first
+    local = build_node_groups(Topology.from_pairs(rank=0, pairs=two_by_two)).local
+    assert local is not None and not local.relays  # inside a node a pair exchanges in one round
+    one_per_node = build_node_groups(Topology.from_pairs(rank=0, pairs=[(0, 0), (1, 0)])).cross
+    assert one_per_node is not None and not one_per_node.relays  # every worker: Horovod's allreduce
+
+
 def test_partner_group_sends_only_to_partners_and_reads_rows_in_group_order() -> None:
     group = PartnerGroup(ranks=(3, 1), rank=1, world=4)  # group order: rank 3 first
     assert group.splits(5).tolist() == [0, 5, 0, 5]

@@ -117,6 +117,7 @@ def build_node_groups(topology: Topology) -> NodeGroups:
     node = topology.nodes[topology.node_index]
     local = PartnerGroup(node, topology.rank, topology.size) if topology.local_size > 1 else None
     cross_ranks = topology.cross_ranks(topology.local_rank)
-    cross = PartnerGroup(cross_ranks, topology.rank, topology.size) if topology.num_nodes > 1 else None
+    lane = topology.local_rank  # neighbouring local ranks start their relays in opposite directions
+    cross = PartnerGroup(cross_ranks, topology.rank, topology.size, lane) if topology.num_nodes > 1 else None
     world = PartnerGroup(tuple(range(topology.size)), topology.rank, topology.size)
     return NodeGroups(topology=topology, local=local, cross=cross, world=world)

@@ -131,6 +131,11 @@ class CrossNodeSharding:
         self.counters.record(Scope.CROSS_NODE, nbytes(wire), calls=len(pending))
         return PendingSum(pending, wire.dtype)
 
+    def advance(self, pending: PendingSum) -> None:
+        """Let a Sum in flight start its next round where the last one arrived (no waiting)."""
+        for chunk in pending.chunks:
+            chunk.progress()
+
     def finish_sum(self, pending: PendingSum, dtype: torch.dtype) -> torch.Tensor:
         """Wait for a Sum and return it in ``dtype``."""
         with self.counters.waiting():
@@ -235,6 +240,8 @@ class DasoSync:
             self._reference = self._flat_parameters()
 
     def after_optimizer_step(self, last_batch_of_epoch: bool) -> None:
+        if self._in_flight is not None:
+            self.sharding.advance(self._in_flight)
         self._carry_out(self.schedule.on_optimizer_step(last_batch_of_epoch))
 
     def on_train_epoch_end(self, epoch_loss: float | None) -> None:
