@@ -14,8 +14,9 @@ bounds it, where ``bytes`` is what crosses the busiest port of that link:
   nodes x ``L`` workers puts ``2(p-1)/p x n`` (``p = N L``) through each node's link to the others;
 - the package's partner collectives (``hvd_plugins.comm.partners``: alltoalls that send only to
   the partners): a reduce-scatter or allgather is one round of one hop, ``(p-1)/p x n`` bytes; a
-  sum over a group of two exchanges the tensors (one round, ``n`` bytes: a ring's), a larger group
-  reduce-scatters and allgathers (two rounds, a ring's bytes);
+  sum over a pair exchanges the tensors (one round, ``n`` bytes: a ring's), except the two-level
+  allreduce's cross-node pairs, which relay them (two one-way rounds, the same bytes); a larger
+  group reduce-scatters and allgathers (two rounds, a ring's bytes);
 - flat (fp32 or fp16 on the wire): one ring allreduce of the gradients over all workers;
 - hierarchical: reduce-scatter inside the node, ``L`` parallel cross-node sums of a ``1/L`` shard
   (together ``2(N-1)/N x n`` through the node's link), allgather inside the node; with one worker
@@ -168,10 +169,11 @@ def partner_scatter(scope: str, p: int, nbytes: float, **kw: Any) -> Leg:
     return Leg(scope, (p - 1) / p * nbytes, 1, **kw)
 
 
-def partner_sum(scope: str, p: int, nbytes: float, **kw: Any) -> Leg:
-    """A sum among ``p`` partners that are not every worker: an exchange for two, else scatter + gather."""
+def partner_sum(scope: str, p: int, nbytes: float, relay: bool = False, **kw: Any) -> Leg:
+    """A sum among ``p`` partners that are not every worker: for two, an exchange (one round) or a
+    relay (two one-way rounds, the two-level allreduce's cross-node pairs); for more, scatter + gather."""
     if p <= 2:
-        return Leg(scope, (p - 1) * nbytes, 1, **kw)
+        return Leg(scope, (p - 1) * nbytes, 2 if relay else 1, rounds=2 if relay else 1, **kw)
     return Leg(scope, 2 * (p - 1) / p * nbytes, 2, rounds=2, **kw)
 
 
@@ -190,7 +192,7 @@ def _hierarchical(cluster: Cluster, nbytes: float, cross_bytes: float) -> list[L
         return _flat(cluster, cross_bytes, fp16) if n > 1 else _flat(cluster, nbytes)
     return [
         partner_scatter(INTRA, local, nbytes),
-        partner_sum(INTER, n, cross_bytes, fp16=fp16),  # L sums of n/L bytes share the node's link: 2(N-1)/N x n
+        partner_sum(INTER, n, cross_bytes, relay=True, fp16=fp16),  # L sums of n/L bytes share the node's link: 2(N-1)/N x n
         partner_scatter(INTRA, local, nbytes),
     ]
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import horovod.torch as hvd
@@ -93,25 +94,49 @@ def test_a_failed_worker_ends_the_whole_job(tmp_path: Path, case: str, np: int, 
     assert_no_worker_survives(tmp_path, np)
 
 
+@pytest.fixture(scope="module")
+def stalled_jobs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[JobResult, Path]]:
+    """Both stall jobs, run side by side: each spends most of its time waiting out the stall.
+
+    ``explicit``: ``stall_timeout_seconds=3``. ``default``: no argument, and horovodrun's
+    ``--stall-check-shutdown-time-seconds 3`` exported to every worker. Without the bound each
+    job would hang until run_job's timeout failed the test.
+    """
+    jobs = {
+        "explicit": (("--stall-timeout", "3"), None),
+        "default": ((), {"HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": "3"}),
+    }
+
+    def run(name: str) -> tuple[JobResult, Path]:
+        args, env = jobs[name]
+        out = tmp_path_factory.mktemp(f"stall_{name}")
+        return run_job("faults_crash.py", "--case", "stall", *args, out_dir=out, timeout=240, env=env), out
+
+    with ThreadPoolExecutor(max_workers=len(jobs)) as pool:
+        return dict(zip(jobs, pool.map(run, jobs), strict=True))
+
+
 @pytest.mark.multiprocess
-def test_a_rank_that_skips_a_collective_ends_the_job_after_the_stall_timeout(tmp_path: Path) -> None:
-    """Without stall_timeout_seconds this job hangs until run_job's timeout fails the test."""
-    job = run_job("faults_crash.py", "--case", "stall", "--stall-timeout", "3", out_dir=tmp_path, timeout=240)
+def test_a_rank_that_skips_a_collective_ends_the_job_after_the_stall_timeout(
+    stalled_jobs: dict[str, tuple[JobResult, Path]],
+) -> None:
+    job, out = stalled_jobs["explicit"]
     assert_failed(job)
     assert "hvd_plugins: rank 0 of 2" in job.output and "stall_timeout_seconds=3" in job.output
     assert "Process 0 exit with status code 75" in job.output
-    assert_no_worker_survives(tmp_path, 2)
+    assert_no_worker_survives(out, 2)
 
 
 @pytest.mark.multiprocess
-def test_by_default_a_stalled_rank_ends_the_job_after_horovodruns_stall_shutdown_time(tmp_path: Path) -> None:
+def test_by_default_a_stalled_rank_ends_the_job_after_horovodruns_stall_shutdown_time(
+    stalled_jobs: dict[str, tuple[JobResult, Path]],
+) -> None:
     """No stall_timeout_seconds given: the default honours what horovodrun's
     --stall-check-shutdown-time-seconds exports to every worker, instead of waiting forever."""
-    env = {"HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": "3"}
-    job = run_job("faults_crash.py", "--case", "stall", out_dir=tmp_path, timeout=240, env=env)
+    job, out = stalled_jobs["default"]
     assert_failed(job)
     assert "stall_timeout_seconds=3" in job.output and "Process 0 exit with status code 75" in job.output
-    assert_no_worker_survives(tmp_path, 2)
+    assert_no_worker_survives(out, 2)
 
 
 def test_the_default_stall_timeout_is_bounded_and_follows_horovodrun() -> None:

@@ -181,10 +181,13 @@ class PendingGroupSum:
     sum as a partner exchange made a step 348 ms against 210 ms as an allreduce, although the
     bytes are the same (on an unshaped link the exchange was faster: Gloo adds float16 slowly).
     ``wait()`` returns the sum, as precise as ``tensor`` or more (half types added by this module
-    come back float32).
+    come back float32). ``relay=False`` makes a relaying pair exchange instead: one round where a
+    relay's second one would be waited for right away.
     """
 
-    def __init__(self, tensor: torch.Tensor, group: PartnerGroup, codec: Compressor, name: str) -> None:
+    def __init__(
+        self, tensor: torch.Tensor, group: PartnerGroup, codec: Compressor, name: str, relay: bool = True
+    ) -> None:
         self.tensor = tensor
         self.group = group
         self.codec = codec
@@ -206,7 +209,7 @@ class PendingGroupSum:
         if group.spans_world:
             hvd = horovod_torch()
             self._allreduce = hvd.allreduce_async(self.wire, op=hvd.Sum, name=name)
-        elif group.relays:
+        elif relay and group.relays:
             to = group.partner if group.rank == group.first_sender else None
             self._relay_out = start_one_way(self.wire, to, group.world, f"{name}.r1")
         elif group.size <= EXCHANGE_MAX_SIZE:
@@ -214,12 +217,6 @@ class PendingGroupSum:
         else:
             padded = pad_to_multiple(self.wire, group.size)
             self._scatter = start_reduce_scatter(padded, group, plain, f"{name}.rs")
-
-    def progress(self) -> None:
-        """Start the second round if the first has arrived, without waiting (a sum in flight moves on)."""
-        first = self._relay_out if self._relay_out is not None else getattr(self._scatter, "handle", None)
-        if first is not None and horovod_torch().poll(first):
-            self.start_second_round()
 
     def start_second_round(self) -> None:
         """Wait for the first round and start the second: a relay's way back, or the allgather of this shard."""
