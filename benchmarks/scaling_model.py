@@ -192,7 +192,8 @@ def _hierarchical(cluster: Cluster, nbytes: float, cross_bytes: float) -> list[L
         return _flat(cluster, cross_bytes, fp16) if n > 1 else _flat(cluster, nbytes)
     return [
         partner_scatter(INTRA, local, nbytes),
-        partner_sum(INTER, n, cross_bytes, relay=True, fp16=fp16),  # L sums of n/L bytes share the node's link: 2(N-1)/N x n
+        # L relays of n/L bytes share the node's link: 2(N-1)/N x n
+        partner_sum(INTER, n, cross_bytes, relay=True, fp16=fp16),
         partner_scatter(INTRA, local, nbytes),
     ]
 
