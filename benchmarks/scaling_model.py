@@ -14,9 +14,9 @@ bounds it, where ``bytes`` is what crosses the busiest port of that link:
   nodes x ``L`` workers puts ``2(p-1)/p x n`` (``p = N L``) through each node's link to the others;
 - the package's partner collectives (``hvd_plugins.comm.partners``: alltoalls that send only to
   the partners): a reduce-scatter or allgather is one round of one hop, ``(p-1)/p x n`` bytes; a
-  sum over a pair exchanges the tensors (one round, ``n`` bytes: a ring's), except the two-level
-  allreduce's cross-node pairs, which relay them (two one-way rounds, the same bytes); a larger
-  group reduce-scatters and allgathers (two rounds, a ring's bytes);
+  sum over a pair inside a node exchanges the tensors (one round, ``n`` bytes: a ring's), a pair
+  across nodes relays them (two one-way rounds, the same bytes); a larger group reduce-scatters
+  and allgathers (two rounds, a ring's bytes);
 - flat (fp32 or fp16 on the wire): one ring allreduce of the gradients over all workers;
 - hierarchical: reduce-scatter inside the node, ``L`` parallel cross-node sums of a ``1/L`` shard
   (together ``2(N-1)/N x n`` through the node's link), allgather inside the node; with one worker
@@ -170,8 +170,8 @@ def partner_scatter(scope: str, p: int, nbytes: float, **kw: Any) -> Leg:
 
 
 def partner_sum(scope: str, p: int, nbytes: float, relay: bool = False, **kw: Any) -> Leg:
-    """A sum among ``p`` partners that are not every worker: for two, an exchange (one round) or a
-    relay (two one-way rounds, the two-level allreduce's cross-node pairs); for more, scatter + gather."""
+    """A sum among ``p`` partners that are not every worker: for two, an exchange (one round, inside a
+    node) or a relay (two one-way rounds, across nodes); for more, scatter + gather."""
     if p <= 2:
         return Leg(scope, (p - 1) * nbytes, 2 if relay else 1, rounds=2 if relay else 1, **kw)
     return Leg(scope, 2 * (p - 1) / p * nbytes, 2, rounds=2, **kw)
@@ -206,7 +206,8 @@ def _daso_parameter_sync(cluster: Cluster, params: float, plan: DasoPlan, per_st
     extra = {"per_step": per_step, "gradient": False, "hideable_steps": hide, "fp16": fp16}
     legs = []
     if n > 1:  # with one worker per node the peers are every worker: Horovod's ring
-        legs.append(ring_allreduce(INTER, n, wire, **extra) if local == 1 else partner_sum(INTER, n, wire, **extra))
+        relayed = partner_sum(INTER, n, wire, relay=True, **extra)
+        legs.append(ring_allreduce(INTER, n, wire, **extra) if local == 1 else relayed)
     if local > 1:  # the node's workers each carried a shard: gather them
         legs.append(partner_scatter(INTRA, local, params * FP32_BYTES, per_step=per_step, gradient=False,
                                     hideable_steps=hide))  # fmt: skip

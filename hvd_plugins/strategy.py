@@ -385,6 +385,8 @@ class HorovodStrategy(ParallelStrategy):
                 f"{trainer.current_epoch} (was {self._backward_passes}). HorovodStrategy follows accumulation "
                 "schedules that change at epoch starts (GradientAccumulationScheduler), not within an epoch."
             )
+        if self.daso_sync is not None:
+            self.daso_sync.on_train_batch_start()
         super().on_train_batch_start(batch, batch_idx)
 
     # ------------------------------------------------------------------ checkpoints

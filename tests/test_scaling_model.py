@@ -66,17 +66,18 @@ def test_daso_phases_by_hand() -> None:
     # Warmup and cooldown: one flat allreduce of the gradients in the downcast type.
     assert sm.legs_of("daso/fp16", "warmup", c, 1000) == sm.legs_of("allreduce/fp16", "sync", c, 1000)
     # Cycling, global_skips 4, no epoch end: fp16 gradients inside the node every step (2*1/2*2000 bytes),
-    # every 4th step a cross-node fp16 parameter sum (2*1/2*2000) and an fp32 gather of shards (1/2*4000).
+    # every 4th step a cross-node fp16 parameter sum relayed in two rounds (2*1/2*2000 bytes) and an fp32
+    # gather of shards (1/2*4000).
     plan = sm.DasoPlan(sm.FP16_BYTES, global_skips=4, batches_to_wait=0)
     terms = sm.linear_terms(sm.legs_of("daso/fp16", "cycling", c, 1000, plan))
-    assert terms == {"rounds_inter": 0.25, "rounds_intra": 1.25, "bytes_inter": 500.0, "bytes_intra": 2500.0,
+    assert terms == {"rounds_inter": 0.5, "rounds_intra": 1.25, "bytes_inter": 500.0, "bytes_intra": 2500.0,
                      "bytes_fp16": 2500.0}  # fmt: skip
     # One blocking sync per 8-step epoch replaces one of the two sends of that epoch: a flat allreduce over
-    # all 4 workers in two rounds (fp16 parameters, fp32 momentum): 1/8 send + 2/8 blocking rounds, and
+    # all 4 workers in two rounds (fp16 parameters, fp32 momentum): 2 x 1/8 relay + 2/8 blocking rounds, and
     # 2*3/4*(2000 + 4000) bytes per blocking sync.
     plan = sm.DasoPlan(sm.FP16_BYTES, global_skips=4, batches_to_wait=0, steps_per_epoch=8)
     terms = sm.linear_terms(sm.legs_of("daso/fp16", "cycling", c, 1000, plan))
-    assert terms["rounds_inter"] == pytest.approx(0.375)
+    assert terms["rounds_inter"] == pytest.approx(0.5)
     assert terms["bytes_inter"] == pytest.approx(2000 / 8 + 9000 / 8)
 
 
