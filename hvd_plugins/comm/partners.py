@@ -173,7 +173,8 @@ def start_one_way(tensor: torch.Tensor, to: int | None, world: int, name: str) -
 
 
 class PendingGroupSum:
-    """``tensor`` summed over ``group``, in flight: one round for groups of up to two, two for larger.
+    """``tensor`` summed over ``group``, in flight: one round for groups of up to two (two for a
+    relaying pair), two for larger.
 
     Every member must start the same sums in the same order with tensors of equal size and
     dtype; every member ends with the same bits. A group of every worker uses Horovod's
