@@ -292,6 +292,21 @@ def worker_main(spec: Path, out: Path) -> None:
 # ------------------------------------------------------------------------------------------ launching
 def launch_on_cluster(cluster: NamespaceCluster, run: Run, out: Path) -> None:
     """Launch the run's workers across the namespaces with Horovod's Gloo launcher (no ssh), bounded in time."""
+    out.mkdir(parents=True, exist_ok=True)
+    spec = out / "run.json"
+    spec.write_text(json.dumps(asdict(run)))
+    command = [sys.executable, str(Path(__file__).resolve()), "--worker", "--spec", str(spec), "--out", str(out)]
+    run_on_cluster(cluster, command, run.topology.workers_per_node, out / "logs", run.budget_s + STARTUP_ALLOWANCE_S)
+
+
+def run_on_cluster(
+    cluster: NamespaceCluster, command: list[str], workers_per_node: int, logs: Path, limit_s: float
+) -> None:
+    """Run ``command`` as ``workers_per_node`` Horovod workers in every namespace, each rank's output in ``logs``.
+
+    Every worker is killed once ``limit_s`` has passed or another rank failed (a rank that failed
+    leaves the others waiting in a collective); raises with the logs' tails if any rank failed.
+    """
     from horovod.runner.common.util.settings import Settings
     from horovod.runner.gloo_run import launch_gloo
 
@@ -305,14 +320,10 @@ def launch_on_cluster(cluster: NamespaceCluster, run: Run, out: Path) -> None:
         "OMP_NUM_THREADS": "1",
         "HOROVOD_GLOO_TIMEOUT_SECONDS": "120",  # process-set rendezvous waits for the slowest worker
     }
-    topology = run.topology
-    hosts = ",".join(f"{cluster.host_name(n)}:{topology.workers_per_node}" for n in range(topology.nodes))
-    settings = Settings(hosts=hosts, num_proc=topology.workers, verbose=0)
-    deadline = time.monotonic() + run.budget_s + STARTUP_ALLOWANCE_S
-    logs = out / "logs"
+    hosts = ",".join(f"{cluster.host_name(n)}:{workers_per_node}" for n in range(cluster.nodes))
+    settings = Settings(hosts=hosts, num_proc=workers_per_node * cluster.nodes, verbose=0)
+    deadline = time.monotonic() + limit_s
     logs.mkdir(parents=True, exist_ok=True)
-    spec = out / "run.json"
-    spec.write_text(json.dumps(asdict(run)))
     stopped_by: set[str] = set()  # "signal" (Ctrl-C, SIGTERM), "deadline" or "failure" (another rank failed)
 
     def exec_command(command: str, slot_info: Any, events: list[threading.Event]) -> tuple[int, float]:
@@ -333,14 +344,13 @@ def launch_on_cluster(cluster: NamespaceCluster, run: Run, out: Path) -> None:
             stopped_by.add("failure")
         return process.returncode, time.time()
 
-    command = [sys.executable, str(Path(__file__).resolve()), "--worker", "--spec", str(spec), "--out", str(out)]
     previous = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
     try:
         launch_gloo(command, exec_command, settings, nics={"eth0"}, env=env, server_ip=cluster.bridge_ip)
     except RuntimeError as error:
         if "signal" in stopped_by:  # stop the whole sweep; the caller's context removes the namespaces
             raise KeyboardInterrupt from None
-        limit = f"killed after {run.budget_s + STARTUP_ALLOWANCE_S:.0f} s\n" if "deadline" in stopped_by else ""
+        limit = f"killed after {limit_s:.0f} s\n" if "deadline" in stopped_by else ""
         tails = "\n".join(f"--- {p.name}\n{p.read_text()[-1500:]}" for p in sorted(logs.glob("*.log")))
         raise RuntimeError(f"{limit}{error}\n{tails}") from None
     finally:

@@ -103,3 +103,21 @@ def test_transport_smoke_runs_the_packages_and_a_process_set_transport_and_check
         assert re.search(r"\syes\s+0/1$", line.rstrip()), (transport, line)  # two-level sum correct, no failure
         global_ms, two_level_ms = re.findall(r"\s([0-9.]+) \(", line)[0], re.findall(r"\s([0-9.]+) \(", line)[-1]
         assert float(global_ms) > 0 and float(two_level_ms) > 0, line
+
+
+def test_duplex_times_every_collective_on_two_emulated_nodes() -> None:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONWARNINGS": "ignore"}
+    args = ["--link-mbit", "unshaped", "--mb", "0.2", "--trials", "2", "--no-save"]
+    result = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "duplex.py"), *args], cwd=REPO, env=env, capture_output=True, text=True,
+        timeout=300,
+    )  # fmt: skip
+    if result.returncode == SKIP_EXIT_CODE:
+        pytest.skip(result.stdout.strip().splitlines()[-1])
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    rows = {line.split()[1]: line.split() for line in result.stdout.splitlines() if line.split()[:1] == ["unshaped"]}
+    assert set(rows) == {"flat", "exchange", "relay", "one_way", "two_level"}, result.stdout
+    for cells in rows.values():
+        assert float(cells[2]) > 0 and float(cells[4]) > 0, cells
+    leftovers = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert "-node0" not in leftovers and "-node1" not in leftovers, f"namespaces left behind: {leftovers}"

@@ -19,10 +19,11 @@ every worker uses Horovod's allreduce.
 A pair that crosses nodes side by side with other pairs (``PartnerGroup.relay_lane``) relays
 instead: one member sends, the other adds and sends the sum back, two one-way rounds with the
 same bytes, half the pairs starting in each direction so both directions of the link stay busy.
-Measured on two emulated nodes of two workers at 50 Mbit/s (``tc tbf``), 3.2 MB per node: a
-Gloo connection carrying data both ways at once moved it in 530-1020 ms (median 650-690 ms,
-often exactly half the link rate), one way at a time in 526-557 ms (median 534); Horovod's ring
-allreduce, which uses each connection one way, took 800 ms for the ring's 1.5x bytes.
+Why, measured with ``benchmarks/duplex.py`` (two emulated nodes of two workers, 50 Mbit/s
+``tc tbf``, 3.2 MB per worker, slowest rank, medians of two runs of 10 trials): a Gloo connection
+carrying data both ways at once was slower and less steady (exchange 588-663 ms, 515-829 ms
+range) than one way at a time (relay 559-603 ms, 509-723 ms); the whole two-level sum took
+603-611 ms relayed, against 737-1010 ms exchanged and 843-913 ms for Horovod's ring allreduce.
 """
 
 from __future__ import annotations
