@@ -161,7 +161,7 @@ class HorovodStrategy(ParallelStrategy):
         self.topology: Topology | None = None
         self.daso_sync: DasoSync | None = None
         self.gradient_sync: GradientSync | None = None
-        self.route_tuner: RouteTuner | None = None
+        self._kept_route_tuner: RouteTuner | None = None  # between fits, or restored from a checkpoint
         self._groups: NodeGroups | None = None
         self._finite_check: FiniteGradientCheck | None = None
         self._watchdog: CollectiveWatchdog | None = None
@@ -190,6 +190,14 @@ class HorovodStrategy(ParallelStrategy):
     def optimizers(self, optimizers: list[Optimizer]) -> None:
         ParallelStrategy.optimizers.fset(self, optimizers)
         horovod_adapter.pin_zero_grad(self._lightning_optimizers)
+
+    @property
+    def route_tuner(self) -> RouteTuner | None:
+        """With ``sync="hierarchical"``: the route its large buckets took and what was measured (None
+        until there was a choice); the gradient sync's while it runs, kept across fits and checkpoints."""
+        sync = self.gradient_sync
+        live = sync.route_tuner if isinstance(sync, HierarchicalGradientSync) else None
+        return live or self._kept_route_tuner
 
     # ------------------------------------------------------------------ ranks and devices
     @property
@@ -301,8 +309,8 @@ class HorovodStrategy(ParallelStrategy):
         if self.config.scale_lr:
             scale_learning_rates_(self.optimizers, [c.scheduler for c in self.lr_scheduler_configs], self.world_size)
         self.gradient_sync = make_gradient_sync(self.config, self._groups, self.comm_counters)
-        if isinstance(self.gradient_sync, HierarchicalGradientSync) and self.route_tuner is not None:
-            self.gradient_sync.route_tuner = self.route_tuner  # a later fit keeps the route chosen before
+        if isinstance(self.gradient_sync, HierarchicalGradientSync) and self._kept_route_tuner is not None:
+            self.gradient_sync.route_tuner = self._kept_route_tuner  # a later fit keeps the route chosen before
         self.gradient_sync.backward_passes = self._backward_passes
         wrapped = [
             self.gradient_sync.wrap(optimizer, named_parameters_for(optimizer, self.lightning_module, f"opt{index}"))
@@ -395,7 +403,7 @@ class HorovodStrategy(ParallelStrategy):
         own: dict[str, Any] = {}
         if self.daso_sync is not None:
             own["daso_schedule"] = self.daso_sync.schedule.state_dict()
-        tuner = getattr(self.gradient_sync, "route_tuner", None) or self.route_tuner
+        tuner = self.route_tuner
         if tuner is not None and tuner.choice is not None:
             own["route"] = tuner.state_dict()
         if own:
@@ -410,7 +418,7 @@ class HorovodStrategy(ParallelStrategy):
         own = checkpoint.get(CHECKPOINT_KEY, {})
         self._restored_daso_schedule = own.get("daso_schedule")
         if own.get("route") is not None:
-            self.route_tuner = RouteTuner.restored(own["route"])
+            self._kept_route_tuner = RouteTuner.restored(own["route"])
         return checkpoint
 
     @override
@@ -493,8 +501,7 @@ class HorovodStrategy(ParallelStrategy):
             self._finite_check = None
         for optimizer in self.optimizers:
             horovod_adapter.drop_gradient_hooks(optimizer)
-        if isinstance(self.gradient_sync, HierarchicalGradientSync):
-            self.route_tuner = self.gradient_sync.route_tuner or self.route_tuner
+        self._kept_route_tuner = self.route_tuner
         self.gradient_sync = None
         self.daso_sync = None
         super().teardown()
