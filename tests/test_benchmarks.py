@@ -22,16 +22,31 @@ SKIP_EXIT_CODE = 77  # emulated_cluster.py: namespaces cannot be made here
 pytestmark = pytest.mark.multiprocess
 
 
-def run_smoke(script: str, timeout: float) -> subprocess.CompletedProcess[str]:
+def run_benchmark(script: str, *args: str, timeout: float) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONWARNINGS": "ignore"}
     return subprocess.run(
-        [sys.executable, str(BENCHMARKS / script), "--smoke"],
+        [sys.executable, str(BENCHMARKS / script), *args],
         cwd=REPO,
         env=env,
         capture_output=True,
         text=True,
         timeout=timeout,
     )
+
+
+def run_smoke(script: str, timeout: float) -> subprocess.CompletedProcess[str]:
+    return run_benchmark(script, "--smoke", timeout=timeout)
+
+
+def skip_without_namespaces(result: subprocess.CompletedProcess[str]) -> None:
+    """The emulated-cluster scripts exit with SKIP_EXIT_CODE where namespaces cannot be made."""
+    if result.returncode == SKIP_EXIT_CODE:
+        pytest.skip(result.stdout.strip().splitlines()[-1])
+
+
+def assert_no_namespaces_left() -> None:
+    leftovers = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert "-node0" not in leftovers and "-node1" not in leftovers, f"namespaces left behind: {leftovers}"
 
 
 def test_overhead_smoke_prints_positive_rates_and_verdicts() -> None:
@@ -62,13 +77,8 @@ def test_comm_volume_smoke_counts_equal_the_analytic_expectation() -> None:
 
 
 def test_emulated_cluster_smoke_sweeps_both_topologies_and_writes_records(tmp_path: Path) -> None:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONWARNINGS": "ignore"}
-    result = subprocess.run(
-        [sys.executable, str(BENCHMARKS / "emulated_cluster.py"), "--smoke", "--results-dir", str(tmp_path)],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=900,
-    )  # fmt: skip
-    if result.returncode == SKIP_EXIT_CODE:
-        pytest.skip(result.stdout.strip().splitlines()[-1])
+    result = run_benchmark("emulated_cluster.py", "--smoke", "--results-dir", str(tmp_path), timeout=900)
+    skip_without_namespaces(result)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     table = {tuple(line.split()[1:4]): line.split() for line in result.stdout.splitlines() if line.startswith("smoke ")}
     expected = {("2x1", "50", "allreduce/none"), ("2x1", "50", "daso/fp16"), ("2x2", "50", "allreduce/none"),
@@ -90,8 +100,7 @@ def test_emulated_cluster_smoke_sweeps_both_topologies_and_writes_records(tmp_pa
         assert run["phases"].get("sync", run["phases"].get("warmup"))["cross_node_bytes_per_step"] > 0, run
     for name in ("emulated_sweep.txt", "emulated_sweep.csv", "emulated_sweep.png"):
         assert (tmp_path / name).stat().st_size > 0, name
-    leftovers = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-    assert "-node0" not in leftovers and "-node1" not in leftovers, f"namespaces left behind: {leftovers}"
+    assert_no_namespaces_left()
 
 
 def test_transport_smoke_runs_the_packages_and_a_process_set_transport_and_checks_the_sums() -> None:
@@ -106,18 +115,12 @@ def test_transport_smoke_runs_the_packages_and_a_process_set_transport_and_check
 
 
 def test_duplex_times_every_collective_on_two_emulated_nodes() -> None:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONWARNINGS": "ignore"}
-    args = ["--link-mbit", "unshaped", "--mb", "0.2", "--trials", "2", "--no-save"]
-    result = subprocess.run(
-        [sys.executable, str(BENCHMARKS / "duplex.py"), *args], cwd=REPO, env=env, capture_output=True, text=True,
-        timeout=300,
-    )  # fmt: skip
-    if result.returncode == SKIP_EXIT_CODE:
-        pytest.skip(result.stdout.strip().splitlines()[-1])
+    args = ("--link-mbit", "unshaped", "--mb", "0.2", "--trials", "2", "--no-save")
+    result = run_benchmark("duplex.py", *args, timeout=300)
+    skip_without_namespaces(result)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     rows = {line.split()[1]: line.split() for line in result.stdout.splitlines() if line.split()[:1] == ["unshaped"]}
     assert set(rows) == {"flat", "exchange", "relay", "one_way", "two_level"}, result.stdout
     for cells in rows.values():
         assert float(cells[2]) > 0 and float(cells[4]) > 0, cells
-    leftovers = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-    assert "-node0" not in leftovers and "-node1" not in leftovers, f"namespaces left behind: {leftovers}"
+    assert_no_namespaces_left()
