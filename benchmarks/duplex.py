@@ -37,11 +37,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from common import format_table, save_report  # noqa: E402
-from emulated_cluster import parse_link, run_on_cluster  # noqa: E402
+from emulated_cluster import SKIP_EXIT_CODE, parse_link, run_on_cluster  # noqa: E402
 from netns_cluster import ClusterUnavailable, NamespaceCluster, shaping_for  # noqa: E402
 
 OPS = ("flat", "exchange", "relay", "one_way", "two_level")
-SKIP_EXIT_CODE = 77
 
 
 def node_link_bytes(op: str, buffer_bytes: float) -> float:
