@@ -9,6 +9,7 @@ need changes here only.
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable, Iterable
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
@@ -84,6 +85,38 @@ def require_gpu_for_local_rank(local_rank: int, gpus_on_node: int, workers_on_no
             f"local rank {local_rank} has no GPU: this node has {gpus_on_node} GPU(s) "
             f"but horovodrun started {workers_on_node} workers on it"
         )
+
+
+# ---------------------------------------------------------------------------- waiting
+POLL_START_S = 20e-6
+POLL_MAX_S = 1e-3
+"""A waiting worker sleeps between polls, from 20 us doubling up to Horovod's 1 ms cycle."""
+
+
+def wait_for(handle: Any) -> Any:
+    """``hvd.synchronize(handle)`` without keeping a core busy while the collective is in flight.
+
+    Horovod's own wait spins (``WaitAndClear`` loops on ``std::this_thread::yield``), so on a host
+    with more workers than cores the workers that wait take the CPU from those still computing
+    and from Horovod's background threads, and every collective waits for the slowest of them.
+    Polling with short sleeps hands the core back; it adds at most one poll interval.
+    """
+    hvd = horovod_torch()
+    pause = POLL_START_S
+    while not hvd.poll(handle):
+        time.sleep(pause)
+        pause = min(2 * pause, POLL_MAX_S)
+    return hvd.synchronize(handle)
+
+
+def wait_for_pending_allreduces(optimizer: Optimizer) -> None:
+    """Let a DistributedOptimizer's allreduces in flight finish (``wait_for``) before it synchronizes."""
+    hvd = horovod_torch()
+    pause = POLL_START_S
+    handles = [handle for handle, _ in getattr(optimizer, "_handles", {}).values() if handle is not None]
+    while not all(hvd.poll(handle) for handle in handles):
+        time.sleep(pause)
+        pause = min(2 * pause, POLL_MAX_S)
 
 
 # ---------------------------------------------------------------------------- rendezvous server internals

@@ -20,6 +20,7 @@ from hvd_plugins._horovod import horovod_torch
 from hvd_plugins.comm.buckets import flatten, unflatten_into
 from hvd_plugins.comm.counters import CommCounters, Scope
 from hvd_plugins.comm.wire import nbytes
+from hvd_plugins.horovod_adapter import wait_for
 
 
 def _buffer_wire_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -65,9 +66,8 @@ def finish_buffer_average(pending: PendingBufferAverage | None) -> None:
     """Wait for the averages and write them into the buffers, in place (cast back to each buffer's dtype)."""
     if pending is None:
         return
-    hvd = horovod_torch()
     for buffers, handle in pending.parts:
         with pending.counters.waiting() if pending.counters is not None else nullcontext():
-            averaged = hvd.synchronize(handle)
+            averaged = wait_for(handle)
         with torch.no_grad():
             unflatten_into(averaged, buffers)

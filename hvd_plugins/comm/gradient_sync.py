@@ -28,7 +28,7 @@ from hvd_plugins.comm.partners import group_sum
 from hvd_plugins.comm.route_tuning import FLAT, RouteTuner
 from hvd_plugins.comm.topology import NodeGroups
 from hvd_plugins.comm.wire import horovod_op, nbytes
-from hvd_plugins.horovod_adapter import set_backward_passes
+from hvd_plugins.horovod_adapter import set_backward_passes, wait_for_pending_allreduces
 
 if TYPE_CHECKING:
     from hvd_plugins.config import HorovodConfig
@@ -94,6 +94,7 @@ class HorovodOptimizerSync(GradientSync):
 
     def synchronize(self, optimizer: Optimizer) -> None:
         with self.counters.waiting():
+            wait_for_pending_allreduces(optimizer)
             optimizer.synchronize()
 
     def set_backward_passes(self, optimizer: Optimizer, passes: int) -> None:

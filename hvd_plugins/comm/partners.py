@@ -38,6 +38,7 @@ from hvd_plugins._horovod import horovod_torch
 from hvd_plugins.comm.compression import Compressor, NoCompression
 from hvd_plugins.comm.counters import CommCounters, Scope
 from hvd_plugins.comm.wire import nbytes
+from hvd_plugins.horovod_adapter import wait_for
 
 EXCHANGE_MAX_SIZE = 2
 """Groups up to this size sum by exchanging whole tensors (one round, a ring's bytes at size 2)."""
@@ -132,7 +133,7 @@ class PendingAlltoall:
         self.handle = horovod_torch().alltoall_async(wire, splits=group.splits(self.numel), name=name)
 
     def rows(self) -> torch.Tensor:
-        received = horovod_torch().synchronize(self.handle)[0]
+        received = wait_for(self.handle)[0]
         return self.group.rows(self.codec.decompress(received, self.ctx), self.numel)
 
 
@@ -229,7 +230,7 @@ class PendingGroupSum:
     def start_second_round(self) -> None:
         """Wait for the first round and start the second: a relay's way back, or the allgather of this shard."""
         if self._relay_out is not None:
-            received = horovod_torch().synchronize(self._relay_out)[0]
+            received = wait_for(self._relay_out)[0]
             self._relay_out = None
             group = self.group
             if group.rank == group.first_sender:
@@ -248,9 +249,9 @@ class PendingGroupSum:
     def wait(self) -> torch.Tensor:
         self.start_second_round()
         if self._allreduce is not None:
-            return self.codec.decompress(horovod_torch().synchronize(self._allreduce), self.ctx)
+            return self.codec.decompress(wait_for(self._allreduce), self.ctx)
         if self._relay_back is not None:
-            received = horovod_torch().synchronize(self._relay_back)[0]
+            received = wait_for(self._relay_back)[0]
             total = received if self._relay_total is None else self._relay_total
             return accumulating(self.codec.decompress(total, self.ctx))
         if self._exchange is not None:
