@@ -15,7 +15,7 @@ from hvd_plugins.comm.buckets import bucket_tensors, flatten, unflatten_into
 from hvd_plugins.comm.compression import CountingCompressor, FP16Compression, NoCompression, compressor_by_name
 from hvd_plugins.comm.counters import CommCounters, Scope
 from hvd_plugins.comm.parameters import indexed_optimizer_parameters, optimizer_parameters
-from hvd_plugins.comm.partners import PartnerGroup
+from hvd_plugins.comm.partners import PartnerGroup, add_in_order
 from hvd_plugins.comm.route_tuning import FLAT, TWO_LEVEL, RouteTuner
 from hvd_plugins.comm.topology import Topology, build_node_groups
 from hvd_plugins.comm.wire import for_wire, from_wire, nbytes, reduce_op_name, wire_dtype
@@ -100,16 +100,26 @@ def test_cross_node_pairs_relay_and_neighbouring_lanes_start_in_opposite_directi
     assert one_per_node is not None and not one_per_node.relays  # every worker: Horovod's allreduce
 
 
-def test_partner_group_sends_only_to_partners_and_reads_rows_in_group_order() -> None:
-    group = PartnerGroup(ranks=(3, 1), rank=1, world=4)  # group order: rank 3 first
-    assert group.splits(5).tolist() == [0, 5, 0, 5]
-    # alltoall wants pieces in ascending rank: the piece for rank 1 (group index 1) first
-    pieces = [torch.full((2,), 30.0), torch.full((2,), 10.0)]
-    assert group.ascending(pieces).tolist() == [10.0, 10.0, 30.0, 30.0]
-    received = torch.tensor([1.0, 1.0, 3.0, 3.0])  # from rank 1, then rank 3
-    assert group.rows(received, 2).tolist() == [[3.0, 3.0], [1.0, 1.0]]
+def test_partner_group_sends_only_to_partners_and_reads_pieces_in_group_order() -> None:
+    group = PartnerGroup(ranks=(3, 1, 2), rank=1, world=4)  # group order: rank 3, then 1, then 2
+    assert group.others == (2, 3)
+    assert group.splits(5).tolist() == [0, 0, 5, 5]  # nothing to rank 0, outside the group, nor to itself
+    # alltoall wants the other members' pieces in ascending rank: rank 2's (group index 2), then rank 3's
+    pieces = [torch.full((2,), 30.0), torch.full((2,), 10.0), torch.full((2,), 20.0)]
+    assert group.ascending(pieces).tolist() == [20.0, 20.0, 30.0, 30.0]
+    received = torch.tensor([2.0, 2.0, 3.0, 3.0])  # from rank 2, then rank 3
+    own = torch.full((2,), 1.0)
+    assert [piece.tolist() for piece in group.pieces(received, own)] == [[3.0, 3.0], [1.0, 1.0], [2.0, 2.0]]
     with pytest.raises(ValueError, match="rank 0 is not in the partner group"):
         PartnerGroup(ranks=(3, 1), rank=0, world=4)
+
+
+def test_add_in_order_adds_half_types_in_float32() -> None:
+    pieces = [torch.tensor([60000.0], dtype=torch.float16)] * 3  # the float16 sum would overflow
+    total = add_in_order(pieces)
+    assert total.dtype == torch.float32 and total.item() == 180000.0
+    alone = torch.tensor([1.0])
+    assert add_in_order([alone]).item() == 1.0 and add_in_order([alone]) is not alone
 
 
 def test_topology_rejects_unequal_nodes_with_the_sizes() -> None:

@@ -29,7 +29,7 @@ range) than one way at a time (relay 559-603 ms, 509-723 ms); the whole two-leve
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -59,14 +59,10 @@ class PartnerGroup:
     relay_lane: int | None = None
     """Set on pairs that run side by side over the same links (the cross-node pairs, one per local
     rank): such a pair sums by relaying, and the member that sends first alternates with the lane."""
-    _row_order: tuple[int, ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.rank not in self.ranks:
             raise ValueError(f"rank {self.rank} is not in the partner group {self.ranks}")
-        # alltoall delivers what it receives in ascending global rank; this puts it in group order
-        ascending = sorted(self.ranks)
-        object.__setattr__(self, "_row_order", tuple(ascending.index(rank) for rank in self.ranks))
 
     @property
     def size(self) -> int:
@@ -98,20 +94,28 @@ class PartnerGroup:
         assert self.size == 2
         return self.ranks[1 - self.index]
 
+    @property
+    def others(self) -> tuple[int, ...]:
+        """The other members, in ascending rank: the order alltoall sends to and delivers from."""
+        return tuple(rank for rank in sorted(self.ranks) if rank != self.rank)
+
     def splits(self, numel: int) -> torch.Tensor:
-        """alltoall splits sending ``numel`` elements to each member and none elsewhere."""
+        """alltoall splits sending ``numel`` elements to each other member and none elsewhere (not to itself)."""
         splits = [0] * self.world
-        for rank in self.ranks:
+        for rank in self.others:
             splits[rank] = numel
         return torch.tensor(splits, dtype=torch.int32)
 
-    def rows(self, received: torch.Tensor, numel: int) -> torch.Tensor:
-        """What every member sent (``numel`` each), one row per member in group order."""
-        return received.view(self.size, numel)[list(self._row_order)]
+    def pieces(self, received: torch.Tensor, own: torch.Tensor) -> list[torch.Tensor]:
+        """Every member's piece in group order: ``own`` at this worker's place, the others from ``received``."""
+        by_rank = dict(zip(self.others, received.view(len(self.others), own.numel()), strict=True))
+        by_rank[self.rank] = own
+        return [by_rank[rank] for rank in self.ranks]
 
     def ascending(self, per_member: Sequence[torch.Tensor]) -> torch.Tensor:
-        """One send buffer from a piece per member (group order), in the ascending rank order alltoall wants."""
-        return torch.cat([per_member[self.ranks.index(rank)] for rank in sorted(self.ranks)])
+        """One send buffer from a piece per member (group order): the other members' pieces in ascending rank."""
+        pieces = [per_member[self.ranks.index(rank)] for rank in self.others]
+        return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
 
 
 def pad_to_multiple(tensor: torch.Tensor, parts: int) -> torch.Tensor:
@@ -121,20 +125,38 @@ def pad_to_multiple(tensor: torch.Tensor, parts: int) -> torch.Tensor:
 
 
 class PendingAlltoall:
-    """A partner-only alltoall in flight; ``rows()`` waits and returns one decompressed row per member."""
+    """A partner-only alltoall in flight; ``pieces()`` waits and returns every member's piece, decompressed.
+
+    A worker's own piece never travels (copying it to itself through Horovod costs a copy and
+    buffer space); it goes through the same compression locally, so it holds the bits the other
+    members receive.
+    """
 
     def __init__(self, per_member: Sequence[torch.Tensor], group: PartnerGroup, codec: Compressor, name: str) -> None:
+        if group.size < 2:
+            raise ValueError(f"a partner alltoall needs a group of two or more, got {group.ranks}")
         self.group = group
         self.codec = codec
-        self.numel = per_member[0].numel()
-        wire, self.ctx = codec.compress(group.ascending(per_member))
-        self.piece_nbytes = nbytes(wire) // group.size
+        self.own, self.ctx = codec.compress(per_member[group.index])
+        self.piece_nbytes = nbytes(self.own)
         """Bytes of one member's piece on the wire."""
-        self.handle = horovod_torch().alltoall_async(wire, splits=group.splits(self.numel), name=name)
+        wire, _ = codec.compress(group.ascending(per_member))
+        self.handle = horovod_torch().alltoall_async(wire, splits=group.splits(self.own.numel()), name=name)
 
-    def rows(self) -> torch.Tensor:
+    def pieces(self) -> list[torch.Tensor]:
         received = wait_for(self.handle)[0]
-        return self.group.rows(self.codec.decompress(received, self.ctx), self.numel)
+        return [self.codec.decompress(piece, self.ctx) for piece in self.group.pieces(received, self.own)]
+
+
+def add_in_order(pieces: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The sum of ``pieces``, added one after the other in the order given (half types in float32).
+
+    Every member of a group adds the same pieces in the same (group) order, so all hold the same bits.
+    """
+    total = accumulating(pieces[0]) + accumulating(pieces[1]) if len(pieces) > 1 else accumulating(pieces[0]).clone()
+    for piece in pieces[2:]:
+        total += piece
+    return total
 
 
 def start_reduce_scatter(tensor: torch.Tensor, group: PartnerGroup, codec: Compressor, name: str) -> PendingAlltoall:
@@ -147,7 +169,7 @@ def start_reduce_scatter(tensor: torch.Tensor, group: PartnerGroup, codec: Compr
 
 def finish_reduce_scatter(pending: PendingAlltoall) -> torch.Tensor:
     """This worker's shard of the group's sum, added in group order (half types in float32)."""
-    return accumulating(pending.rows()).sum(0)
+    return add_in_order(pending.pieces())
 
 
 def accumulating(values: torch.Tensor) -> torch.Tensor:
@@ -162,7 +184,7 @@ def start_allgather(shard: torch.Tensor, group: PartnerGroup, codec: Compressor,
 
 def finish_allgather(pending: PendingAlltoall) -> torch.Tensor:
     """Every member's shard, back to back in group order."""
-    return pending.rows().reshape(-1)
+    return torch.cat(pending.pieces())
 
 
 def start_one_way(tensor: torch.Tensor, to: int | None, world: int, name: str) -> Any:
@@ -237,12 +259,12 @@ class PendingGroupSum:
                 self._relay_back = start_one_way(self.wire, None, group.world, f"{self.name}.r2")
                 return
             rows = [received, self.wire] if group.index == 1 else [self.wire, received]  # group order
-            total = accumulating(self.codec.decompress(torch.stack(rows), self.ctx)).sum(0)
+            total = add_in_order([self.codec.decompress(row, self.ctx) for row in rows])
             self._relay_total = total.to(self.wire.dtype)  # the wire type, as it travels back
             self._relay_back = start_one_way(self._relay_total, group.first_sender, group.world, f"{self.name}.r2")
         if self._scatter is not None:
-            rows = self.codec.decompress(self._scatter.rows(), self.ctx)
-            shard = accumulating(rows).sum(0).to(self.wire.dtype)  # back to the wire type for the gather
+            pieces = [self.codec.decompress(piece, self.ctx) for piece in self._scatter.pieces()]
+            shard = add_in_order(pieces).to(self.wire.dtype)  # back to the wire type for the gather
             self._scatter = None
             self._gather = start_allgather(shard, self.group, NoCompression(), f"{self.name}.ag")
 
@@ -255,7 +277,7 @@ class PendingGroupSum:
             total = received if self._relay_total is None else self._relay_total
             return accumulating(self.codec.decompress(total, self.ctx))
         if self._exchange is not None:
-            return accumulating(self.codec.decompress(self._exchange.rows(), self.ctx)).sum(0)
+            return add_in_order([self.codec.decompress(piece, self.ctx) for piece in self._exchange.pieces()])
         if self._gather is not None:
             return self.codec.decompress(finish_allgather(self._gather)[: self.tensor.numel()], self.ctx)
         return self.tensor.clone()
