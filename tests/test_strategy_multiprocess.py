@@ -61,6 +61,11 @@ def test_reduce_all_gather_broadcast_barrier(features: dict[int, dict]) -> None:
         assert result["sampler_kwargs"] == {"num_replicas": 2, "rank": rank}
 
 
+def test_float16_allreduce_adds_like_float32_rounded_once(features: dict[int, dict]) -> None:
+    for result in both(features, "float16_sum"):
+        assert result["exact"] == {"1": True, "7": True, "8": True, "9": True, "1003": True, "100001": True}
+
+
 def test_two_workers_on_a_host_share_its_cores_unless_omp_num_threads_says_otherwise(
     features: dict[int, dict],
 ) -> None:

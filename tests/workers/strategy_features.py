@@ -181,6 +181,18 @@ def check_accumulation() -> dict[str, Any]:
     }
 
 
+def check_float16_sum() -> dict[str, Any]:
+    """Horovod's float16 allreduce (Gloo's F16C sum in the wheel ci/install_horovod.sh builds) against
+    float32 addition rounded once: sizes that are and are not multiples of the 8-wide vector loop."""
+    exact = {}
+    for numel in (1, 7, 8, 9, 1003, 100_001):
+        pieces = [torch.randn(numel, generator=torch.Generator().manual_seed(r)).half() for r in range(hvd.size())]
+        got = hvd.allreduce(pieces[hvd.rank()], op=hvd.Sum, name=f"check.fp16.{numel}")
+        expected = (pieces[0].float() + pieces[1].float()).half()
+        exact[numel] = bool(torch.equal(got, expected))
+    return {"exact": exact}
+
+
 def check_clipping() -> dict[str, Any]:
     """Clipping by norm must see the averaged gradient, not each rank's own."""
     world, batch = hvd.size(), 8
@@ -629,6 +641,7 @@ if __name__ == "__main__":
         "accumulation_schedule": check_accumulation_schedule,
         "accumulation_change_mid_epoch": check_accumulation_change_mid_epoch,
         "average_buffers": check_average_buffers,
+        "float16_sum": check_float16_sum,
         "reduce_ops": check_reduce_ops,
         **FAULT_CHECKS,
         # Last, and bounded: if it hangs, the checks above are still reported and only this one fails.
