@@ -102,19 +102,20 @@ def wait_for(handle: Any) -> Any:
     Polling with short sleeps hands the core back; it adds at most one poll interval.
     """
     hvd = horovod_torch()
-    pause = POLL_START_S
-    while not hvd.poll(handle):
-        time.sleep(pause)
-        pause = min(2 * pause, POLL_MAX_S)
+    _sleep_until(lambda: hvd.poll(handle))
     return hvd.synchronize(handle)
 
 
 def wait_for_pending_allreduces(optimizer: Optimizer) -> None:
-    """Let a DistributedOptimizer's allreduces in flight finish (``wait_for``) before it synchronizes."""
+    """Let a DistributedOptimizer's allreduces in flight finish (as ``wait_for`` does) before it synchronizes."""
     hvd = horovod_torch()
-    pause = POLL_START_S
     handles = [handle for handle, _ in getattr(optimizer, "_handles", {}).values() if handle is not None]
-    while not all(hvd.poll(handle) for handle in handles):
+    _sleep_until(lambda: all(hvd.poll(handle) for handle in handles))
+
+
+def _sleep_until(done: Callable[[], bool]) -> None:
+    pause = POLL_START_S
+    while not done():
         time.sleep(pause)
         pause = min(2 * pause, POLL_MAX_S)
 

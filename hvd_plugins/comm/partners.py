@@ -204,7 +204,8 @@ class PendingGroupSum:
     dtype; every member ends with the same bits. A group of every worker uses Horovod's
     allreduce: on a shaped 50 Mbit/s link between 2 nodes x 1 worker, DASO's float16 parameter
     sum as a partner exchange made a step 348 ms against 210 ms as an allreduce, although the
-    bytes are the same (on an unshaped link the exchange was faster: Gloo adds float16 slowly).
+    bytes are the same (on an unshaped link the exchange was faster while Gloo added float16 in
+    software, before the F16C sum of the wheel ci/install_horovod.sh builds).
     ``wait()`` returns the sum, as precise as ``tensor`` or more (half types added by this module
     come back float32). ``relay=False`` makes a relaying pair exchange instead (one round).
     ``progress()`` lets a sum that is not awaited yet start its second round in the background.
