@@ -260,14 +260,18 @@ class PendingGroupSum:
                 self._relay_back = start_one_way(self.wire, None, group.world, f"{self.name}.r2")
                 return
             rows = [received, self.wire] if group.index == 1 else [self.wire, received]  # group order
-            total = add_in_order([self.codec.decompress(row, self.ctx) for row in rows])
+            total = add_in_order(self._decompressed(rows))
             self._relay_total = total.to(self.wire.dtype)  # the wire type, as it travels back
             self._relay_back = start_one_way(self._relay_total, group.first_sender, group.world, f"{self.name}.r2")
         if self._scatter is not None:
-            pieces = [self.codec.decompress(piece, self.ctx) for piece in self._scatter.pieces()]
-            shard = add_in_order(pieces).to(self.wire.dtype)  # back to the wire type for the gather
+            total = add_in_order(self._decompressed(self._scatter.pieces()))
+            shard = total.to(self.wire.dtype)  # back to the wire type for the gather
             self._scatter = None
             self._gather = start_allgather(shard, self.group, NoCompression(), f"{self.name}.ag")
+
+    def _decompressed(self, pieces: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Pieces that travelled in the wire type, back in the type this sum was started with."""
+        return [self.codec.decompress(piece, self.ctx) for piece in pieces]
 
     def wait(self) -> torch.Tensor:
         self.start_second_round()
@@ -278,7 +282,7 @@ class PendingGroupSum:
             total = received if self._relay_total is None else self._relay_total
             return accumulating(self.codec.decompress(total, self.ctx))
         if self._exchange is not None:
-            return add_in_order([self.codec.decompress(piece, self.ctx) for piece in self._exchange.pieces()])
+            return add_in_order(self._decompressed(self._exchange.pieces()))
         if self._gather is not None:
             return self.codec.decompress(finish_allgather(self._gather)[: self.tensor.numel()], self.ctx)
         return self.tensor.clone()
