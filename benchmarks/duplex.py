@@ -9,7 +9,7 @@ slowest rank's time (max over ranks) of one collective, ``--trials`` times after
 - ``exchange``: each cross-node pair (same local rank) exchanges half the buffer both ways at
   once on its one connection, then adds (one round);
 - ``relay``: the same sum relayed, two one-way rounds, neighbouring pairs in opposite directions
-  (``hvd_plugins.comm.partners``);
+  (``hvd_plugins.core.comm.partners``);
 - ``one_way``: only one pair sends, only one way, the whole buffer (the link's own rate);
 - ``two_level``: ``hierarchical_allreduce_`` of the whole buffer (reduce-scatter in the node,
   relay across nodes, allgather in the node).
@@ -54,10 +54,10 @@ def worker(out: Path, numel: int, trials: int) -> None:
     import horovod.torch as hvd
     import torch
 
-    from hvd_plugins.comm.compression import NoCompression
-    from hvd_plugins.comm.hierarchical import hierarchical_allreduce_
-    from hvd_plugins.comm.partners import PendingGroupSum, start_one_way
-    from hvd_plugins.comm.topology import build_node_groups, start_horovod_and_discover
+    from hvd_plugins.core.comm.compression import NoCompression
+    from hvd_plugins.core.comm.hierarchical import hierarchical_allreduce_
+    from hvd_plugins.core.comm.partners import PendingGroupSum, start_one_way
+    from hvd_plugins.core.comm.topology import build_node_groups, start_horovod_and_discover
 
     torch.set_num_threads(1)
     groups = build_node_groups(start_horovod_and_discover(hvd))

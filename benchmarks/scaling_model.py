@@ -12,7 +12,7 @@ bounds it, where ``bytes`` is what crosses the busiest port of that link:
 - ring allreduce of ``n`` bytes over ``p`` workers (Horovod's allreduce over every worker):
   ``2(p-1)`` hops, ``2(p-1)/p x n`` bytes; a ring visits each node once, so a flat ring over ``N``
   nodes x ``L`` workers puts ``2(p-1)/p x n`` (``p = N L``) through each node's link to the others;
-- the package's partner collectives (``hvd_plugins.comm.partners``: alltoalls that send only to
+- the package's partner collectives (``hvd_plugins.core.comm.partners``: alltoalls that send only to
   the partners): a reduce-scatter or allgather is one round of one hop, ``(p-1)/p x n`` bytes; a
   sum over a pair inside a node exchanges the tensors (one round, ``n`` bytes: a ring's), a pair
   across nodes relays them (two one-way rounds, the same bytes); a larger group reduce-scatters

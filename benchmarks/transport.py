@@ -63,7 +63,7 @@ def start(transport: str) -> tuple[Any, dict[str, Any]]:
     """Start Horovod as ``transport`` does; return hvd and ``{"local": set, "cross": set, ...}``."""
     import horovod.torch as hvd
 
-    from hvd_plugins.comm.topology import discover_topology
+    from hvd_plugins.core.comm.topology import discover_topology
 
     begin = time.perf_counter()
     info: dict[str, Any] = {"layout_ok": True}
@@ -111,7 +111,7 @@ def groups_of(topology: Any, sets: dict[tuple[int, ...], Any]) -> dict[str, Any]
 
 def start_with_dynamic_sets(hvd: Any) -> dict[str, Any]:
     """Dynamic mode, the layout gathered, the node and cross-node sets added."""
-    from hvd_plugins.comm.topology import discover_topology
+    from hvd_plugins.core.comm.topology import discover_topology
 
     os.environ["HOROVOD_DYNAMIC_PROCESS_SETS"] = "1"
     hvd.init()
@@ -121,7 +121,7 @@ def start_with_dynamic_sets(hvd: Any) -> dict[str, Any]:
 
 def start_with_static_sets(hvd: Any) -> dict[str, Any]:
     """Plain start, gather the layout, restart with the node and cross-node sets where needed."""
-    from hvd_plugins.comm.topology import discover_topology
+    from hvd_plugins.core.comm.topology import discover_topology
 
     hvd.init()
     topology = discover_topology()
@@ -147,10 +147,10 @@ def set_legs(hvd: Any, groups: dict[str, Any]) -> dict[str, Callable[[Any], Any]
 
 def alltoall_legs(hvd: Any, groups: dict[str, Any]) -> dict[str, Callable[[Any], Any]]:
     """The three legs as the package runs them: global alltoalls that send only to the leg's partners."""
-    from hvd_plugins.comm import partners
-    from hvd_plugins.comm.compression import NoCompression
-    from hvd_plugins.comm.counters import CommCounters, Scope
-    from hvd_plugins.comm.topology import build_node_groups
+    from hvd_plugins.core.comm import partners
+    from hvd_plugins.core.comm.compression import NoCompression
+    from hvd_plugins.core.comm.counters import CommCounters, Scope
+    from hvd_plugins.core.comm.topology import build_node_groups
 
     node_groups = build_node_groups(groups["topology"])
     local, cross, codec = node_groups.local, node_groups.cross, NoCompression()

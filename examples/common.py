@@ -17,8 +17,8 @@ from lightning.pytorch import Callback, Trainer
 from lightning.pytorch.loggers import CSVLogger
 
 from hvd_plugins import DasoConfig, HorovodStrategy
-from hvd_plugins.comm.compression import COMPRESSORS
-from hvd_plugins.config import GRADIENT_OPS, HIERARCHICAL_IMPLS, SYNC_MODES
+from hvd_plugins.core.comm.compression import COMPRESSORS
+from hvd_plugins.core.config import GRADIENT_OPS, HIERARCHICAL_IMPLS, SYNC_MODES
 
 PRECISIONS = ("32-true", "64-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true")
 _DASO_HELP = {
@@ -99,7 +99,7 @@ def add_strategy_flags(parser: argparse.ArgumentParser) -> None:
         if field.type in ("bool", bool):
             daso.add_argument(flag, action="store_true", default=None, help=help_text)
         elif field.name == "downcast":
-            from hvd_plugins.daso.config import DOWNCAST_TYPES
+            from hvd_plugins.core.daso.config import DOWNCAST_TYPES
 
             daso.add_argument(flag, choices=DOWNCAST_TYPES, default=None, help=help_text)
         else:
@@ -144,7 +144,7 @@ def strategy_from_args(args: argparse.Namespace) -> HorovodStrategy:
 
 def monitor_callbacks(args: argparse.Namespace) -> list[Callback]:
     """The callbacks asked for with ``--monitor`` and ``--timeline-steps``, and DASO's schedule log."""
-    from hvd_plugins.callbacks import CommunicationMonitor, DasoScheduleCallback, HorovodTimeline, PeakMemoryMonitor
+    from hvd_plugins.pytorch.callbacks import CommunicationMonitor, DasoScheduleCallback, HorovodTimeline, PeakMemoryMonitor
 
     callbacks: list[Callback] = [DasoScheduleCallback()] if args.sync == "daso" else []
     if args.monitor:

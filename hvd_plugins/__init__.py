@@ -1,26 +1,52 @@
 """Horovod as a first-class way to train with Lightning 2.x.
 
-Importing this package registers the strategy names ``"horovod"``, ``"horovod_fp16"``,
-``"horovod_hierarchical"`` and ``"horovod_daso"`` with Lightning's StrategyRegistry and, inside a
-worker started by horovodrun or mpirun, keeps rank-zero messages and warnings to rank 0 from then on.
+``import hvd_plugins`` registers the strategy names ``"horovod"``, ``"horovod_fp16"``,
+``"horovod_hierarchical"`` and ``"horovod_daso"`` with the Trainer of every Lightning package
+installed: ``lightning`` (``lightning.pytorch``) and ``pytorch_lightning``. Classes for a Trainer
+come from its face: ``hvd_plugins.pytorch`` for ``lightning.pytorch`` (also importable from here),
+``hvd_plugins.pytorch_lightning`` for ``pytorch_lightning``; both are built from one source
+(``hvd_plugins.mirror``). ``hvd_plugins.core`` holds what needs no Lightning.
 """
 
-from lightning.pytorch.strategies import StrategyRegistry
+import logging
+from importlib.util import find_spec
 
-from hvd_plugins.checkpoint_io import AtomicCheckpointIO
-from hvd_plugins.comm.counters import CommCounters
-from hvd_plugins.config import HorovodConfig
-from hvd_plugins.console import follow_launcher_rank
-from hvd_plugins.daso.config import DasoConfig
-from hvd_plugins.environment import HorovodEnvironment
-from hvd_plugins.faults import NonFiniteGradientError
-from hvd_plugins.registry import register_named_strategies
-from hvd_plugins.strategy import HorovodStrategy
+from hvd_plugins import mirror
+from hvd_plugins.core.comm.counters import CommCounters
+from hvd_plugins.core.config import HorovodConfig
+from hvd_plugins.core.daso.config import DasoConfig
+from hvd_plugins.core.faults.finite import NonFiniteGradientError
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
-register_named_strategies(StrategyRegistry)
-follow_launcher_rank()
+
+def _log_to_stderr() -> None:
+    """Library messages (route choices, failure reports) reach stderr unless the application configured logging."""
+    logger = logging.getLogger("hvd_plugins")
+    if logger.handlers or logging.getLogger().hasHandlers():
+        return
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("hvd_plugins: %(message)s"))
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
+
+
+_log_to_stderr()
+mirror.install()
+
+if find_spec("lightning") is not None:
+    from hvd_plugins.pytorch import AtomicCheckpointIO, HorovodEnvironment, HorovodStrategy, HorovodSyncBatchNorm
+
+    if find_spec("pytorch_lightning") is not None:
+        import hvd_plugins.pytorch_lightning  # noqa: F401  (registers the names with pytorch_lightning's Trainer)
+else:
+    from hvd_plugins.pytorch_lightning import (  # type: ignore[no-redef]
+        AtomicCheckpointIO,
+        HorovodEnvironment,
+        HorovodStrategy,
+        HorovodSyncBatchNorm,
+    )
 
 __all__ = [
     "AtomicCheckpointIO",
@@ -29,6 +55,7 @@ __all__ = [
     "HorovodConfig",
     "HorovodEnvironment",
     "HorovodStrategy",
+    "HorovodSyncBatchNorm",
     "NonFiniteGradientError",
     "__version__",
 ]

@@ -12,8 +12,8 @@ from hvd_launch import TWO_NODES, run_job, run_single
 from lightning.pytorch import LightningModule, Trainer
 from torch.utils.data import DataLoader, TensorDataset
 
-from hvd_plugins.callbacks import CommunicationMonitor, EpochTraffic, HorovodTimeline, PeakMemoryMonitor, peak_memory_mb
-from hvd_plugins.callbacks._gather import format_table
+from hvd_plugins.pytorch.callbacks import CommunicationMonitor, EpochTraffic, HorovodTimeline, PeakMemoryMonitor, peak_memory_mb
+from hvd_plugins.pytorch.callbacks._gather import format_table
 
 WORKER = "callbacks_run.py"
 PARAMETERS, PARAMETER_TENSORS = 8 * 4 + 4, 2  # the worker's Linear(8, 4)

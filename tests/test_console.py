@@ -20,8 +20,8 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from torch.utils.data import DataLoader, TensorDataset
 
 from hvd_plugins import console
-from hvd_plugins.callbacks import LineProgressBar
-from hvd_plugins.environment import launcher_rank
+from hvd_plugins.pytorch.callbacks import LineProgressBar
+from hvd_plugins.fabric.plugins.environments.horovod import launcher_rank
 
 
 class _Tiny(LightningModule):

@@ -11,11 +11,11 @@ import math
 import pytest
 import torch
 
-from hvd_plugins.comm.gradient_sync import DasoGradientSync
-from hvd_plugins.config import HorovodConfig
-from hvd_plugins.daso import DasoConfig, DasoSchedule, Phase, StepPlan
-from hvd_plugins.daso.schedule import improves
-from hvd_plugins.daso.sync import optimizer_state_to_average
+from hvd_plugins.core.comm.gradient_sync import DasoGradientSync
+from hvd_plugins.core.config import HorovodConfig
+from hvd_plugins.core.daso import DasoConfig, DasoSchedule, Phase, StepPlan
+from hvd_plugins.core.daso.schedule import improves
+from hvd_plugins.core.daso.sync import optimizer_state_to_average
 
 
 def run_epoch(schedule: DasoSchedule, batches: int) -> list[StepPlan]:

@@ -20,7 +20,7 @@ from hvd_plugins.faults import (
     validate_stall_timeout,
 )
 from hvd_plugins.horovod_adapter import require_gpu_build, require_gpu_for_local_rank
-from hvd_plugins.strategy import HorovodStrategy
+from hvd_plugins.pytorch.strategies.horovod import HorovodStrategy
 
 
 # ---------------------------------------------------------------------------- unit checks

@@ -11,16 +11,16 @@ from lightning.pytorch.strategies import StrategyRegistry
 
 import hvd_plugins
 from hvd_plugins import AtomicCheckpointIO, HorovodStrategy
-from hvd_plugins.comm.buckets import bucket_tensors, flatten, unflatten_into
-from hvd_plugins.comm.compression import CountingCompressor, FP16Compression, NoCompression, compressor_by_name
-from hvd_plugins.comm.counters import CommCounters, Scope
-from hvd_plugins.comm.parameters import indexed_optimizer_parameters, optimizer_parameters
-from hvd_plugins.comm.partners import PartnerGroup, add_in_order
-from hvd_plugins.comm.route_tuning import FLAT, TWO_LEVEL, RouteTuner
-from hvd_plugins.comm.topology import Topology, build_node_groups
-from hvd_plugins.comm.wire import for_wire, from_wire, nbytes, reduce_op_name, wire_dtype
-from hvd_plugins.cpu_threads import choose_cpu_threads
-from hvd_plugins.daso.config import DasoConfig
+from hvd_plugins.core.comm.buckets import bucket_tensors, flatten, unflatten_into
+from hvd_plugins.core.comm.compression import CountingCompressor, FP16Compression, NoCompression, compressor_by_name
+from hvd_plugins.core.comm.counters import CommCounters, Scope
+from hvd_plugins.core.comm.parameters import indexed_optimizer_parameters, optimizer_parameters
+from hvd_plugins.core.comm.partners import PartnerGroup, add_in_order
+from hvd_plugins.core.comm.route_tuning import FLAT, TWO_LEVEL, RouteTuner
+from hvd_plugins.core.comm.topology import Topology, build_node_groups
+from hvd_plugins.core.comm.wire import for_wire, from_wire, nbytes, reduce_op_name, wire_dtype
+from hvd_plugins.core.cpu_threads import choose_cpu_threads
+from hvd_plugins.core.daso.config import DasoConfig
 
 
 def test_fp16_compression_round_trip_halves_bytes() -> None:

@@ -21,8 +21,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import parse_out, write_result  # noqa: E402
 
 from hvd_plugins import HorovodStrategy  # noqa: E402
-from hvd_plugins._horovod import horovod_torch  # noqa: E402
-from hvd_plugins.callbacks import CommunicationMonitor, HorovodTimeline, PeakMemoryMonitor  # noqa: E402
+from hvd_plugins.core.backend.module import horovod_torch  # noqa: E402
+from hvd_plugins.pytorch.callbacks import CommunicationMonitor, HorovodTimeline, PeakMemoryMonitor  # noqa: E402
 
 EPOCHS = 2
 SAMPLES = 64

@@ -19,7 +19,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.utils.data import DataLoader, TensorDataset
 
 from hvd_plugins import HorovodStrategy
-from hvd_plugins._horovod import horovod_torch
+from hvd_plugins.core.backend.module import horovod_torch
 
 OUT, _ = parse_out()
 MARK = "console-check"

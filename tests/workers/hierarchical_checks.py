@@ -19,7 +19,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from hvd_plugins import HorovodStrategy
-from hvd_plugins.comm import (
+from hvd_plugins.core.comm import (
     CommCounters,
     FP16Compression,
     build_node_groups,

@@ -390,7 +390,7 @@ def check_bf16_mixed() -> dict[str, Any]:
 
 def check_sync_batchnorm() -> dict[str, Any]:
     """Synchronized BatchNorm on each rank's half == plain BatchNorm on the whole batch."""
-    from hvd_plugins.sync_batchnorm import HorovodSyncBatchNorm, convert_sync_batchnorm
+    from hvd_plugins.core.sync_batchnorm import HorovodSyncBatchNorm, convert_sync_batchnorm
 
     generator = torch.Generator().manual_seed(7)
     full = torch.randn(16, 4, generator=generator, dtype=torch.float64) * 3 + 1

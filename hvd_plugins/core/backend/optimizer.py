@@ -1,0 +1,57 @@
+"""The private attributes of Horovod's ``DistributedOptimizer`` that training has to touch; nowhere else knows them.
+
+A future Horovod release should need changes here (and in the other ``backend`` modules) only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from torch.optim import Optimizer
+
+
+def set_backward_passes(optimizer: Optimizer, passes: int) -> None:
+    """Change how many backward passes a DistributedOptimizer accumulates before it allreduces.
+
+    Safe between steps only: no allreduce is pending, so the per-parameter countdowns can restart.
+    """
+    if hasattr(optimizer, "backward_passes_per_step"):
+        optimizer.backward_passes_per_step = passes
+        for parameter in optimizer._allreduce_delay:
+            optimizer._allreduce_delay[parameter] = passes
+
+
+def drop_gradient_hooks(optimizer: Optimizer) -> None:
+    """Forget a DistributedOptimizer's gradient hooks, so a later fit in this process starts clean."""
+    getattr(optimizer, "_grad_accs", []).clear()
+
+
+def pin_zero_grad(lightning_optimizers: Iterable[Any]) -> None:
+    """Give each LightningOptimizer a ``zero_grad`` that works as it does under DDP.
+
+    Horovod's own ``zero_grad`` calls ``super(self.__class__, self)``, which recurses forever on a
+    LightningOptimizer (it subclasses the wrapped class), so each gets a function bound to the
+    optimizer it wraps instead.
+    """
+    for lightning_optimizer in lightning_optimizers:
+        lightning_optimizer.zero_grad = _zero_grad_completing_allreduces(lightning_optimizer._optimizer)
+
+
+def _zero_grad_completing_allreduces(optimizer: Optimizer) -> Callable[..., None]:
+    """``zero_grad`` that first completes allreduces a backward started for this optimizer.
+
+    In a GAN step written the DDP way (no ``toggle_optimizer``), the generator's backward also
+    produces discriminator gradients, whose hooks start allreduces; Horovod's ``zero_grad`` then
+    refuses to run. Every rank ran the same backward, so every rank waits for the same
+    allreduces here, and the gradients are then dropped, as DDP drops them.
+    """
+    if not hasattr(optimizer, "_handles"):  # not a DistributedOptimizer (node-aware syncs wrap nothing)
+        return optimizer.zero_grad
+
+    def zero_grad(set_to_none: bool = True) -> None:
+        if optimizer._handles:
+            optimizer.synchronize()
+        super(type(optimizer), optimizer).zero_grad(set_to_none=set_to_none)
+
+    return zero_grad

@@ -1,0 +1,42 @@
+"""Waiting for Horovod collectives without keeping a core busy."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+from torch.optim import Optimizer
+
+from hvd_plugins.core.backend.module import horovod_torch
+
+POLL_START_S = 20e-6
+POLL_MAX_S = 1e-3
+"""A waiting worker sleeps between polls, from 20 us doubling up to Horovod's 1 ms cycle."""
+
+
+def wait_for(handle: Any) -> Any:
+    """``hvd.synchronize(handle)`` without keeping a core busy while the collective is in flight.
+
+    Horovod's own wait spins (``WaitAndClear`` loops on ``std::this_thread::yield``), so on a host
+    with more workers than cores the workers that wait take the CPU from those still computing
+    and from Horovod's background threads, and every collective waits for the slowest of them.
+    Polling with short sleeps hands the core back; it adds at most one poll interval.
+    """
+    hvd = horovod_torch()
+    _sleep_until(lambda: hvd.poll(handle))
+    return hvd.synchronize(handle)
+
+
+def wait_for_pending_allreduces(optimizer: Optimizer) -> None:
+    """Let a DistributedOptimizer's allreduces in flight finish (as ``wait_for`` does) before it synchronizes."""
+    hvd = horovod_torch()
+    handles = [handle for handle, _ in getattr(optimizer, "_handles", {}).values() if handle is not None]
+    _sleep_until(lambda: all(hvd.poll(handle) for handle in handles))
+
+
+def _sleep_until(done: Callable[[], bool]) -> None:
+    pause = POLL_START_S
+    while not done():
+        time.sleep(pause)
+        pause = min(2 * pause, POLL_MAX_S)

@@ -1,0 +1,250 @@
+"""How gradients are averaged before the optimizer steps: the interface every sync mode offers, flat and two-level.
+
+Lightning calls ``optimizer.step(closure)`` and the closure runs backward, so gradients may
+only be averaged after the closure ran. The strategy therefore keeps the optimizer from
+synchronizing on its own (``deferred``) and calls ``synchronize`` right after backward,
+before gradient clipping and the AMP unscale see the gradients.
+
+A sync mode owns its state (the hierarchical route, DASO's schedule) and offers the hooks a
+training loop calls (``setup``, epoch and batch events, ``state_dict``/``load_state_dict``), so a
+strategy wires any mode the same way and never asks which one it has.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import sys
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch.nn import Module
+from torch.optim import Optimizer
+
+from hvd_plugins.core.backend.module import horovod_torch
+from hvd_plugins.core.backend.optimizer import drop_gradient_hooks, set_backward_passes
+from hvd_plugins.core.backend.waits import wait_for_pending_allreduces
+from hvd_plugins.core.comm.buckets import bucket_tensors, flatten, unflatten_into
+from hvd_plugins.core.comm.compression import Compressor, CountingCompressor
+from hvd_plugins.core.comm.counters import CommCounters, Scope
+from hvd_plugins.core.comm.hierarchical import hierarchical_allreduce_
+from hvd_plugins.core.comm.parameters import optimizer_parameters
+from hvd_plugins.core.comm.route_tuning import FLAT, RouteTuner
+from hvd_plugins.core.comm.topology import NodeGroups, Topology
+from hvd_plugins.core.comm.wire import horovod_op, nbytes
+
+log = logging.getLogger(__name__)
+
+
+class TrainingLoopHooks:
+    """What a sync mode may do at the training loop's events; each hook does nothing unless overridden."""
+
+    def setup(self, model: Module, optimizers: Sequence[Optimizer], total_epochs: int | None) -> None:
+        """Once the wrapped optimizers exist and every worker holds the same parameters."""
+
+    def on_train_epoch_start(self) -> None:
+        """At every training epoch's start, after callbacks that (un)freeze parameters."""
+
+    def on_train_batch_start(self) -> None:
+        """Before every training batch."""
+
+    def after_optimizer_step(self, last_batch_of_epoch: bool) -> None:
+        """After every batch that stepped the optimizers."""
+
+    def on_train_epoch_end(self, epoch_loss: Callable[[], float | None]) -> None:
+        """After the epoch's last batch, on every worker; ``epoch_loss()`` is a collective (the all-worker mean)."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint keeps of this sync (empty: nothing)."""
+        return {}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Take back what ``state_dict`` returned; may come before ``setup``."""
+
+    def teardown(self, optimizers: Sequence[Optimizer]) -> None:
+        """After a fit: forget its optimizers, so a later fit in this process starts clean (state is kept)."""
+
+
+class GradientSync(TrainingLoopHooks, ABC):
+    """Averages the gradients of one optimizer's parameters across workers, and follows the training loop.
+
+    The loop hooks do nothing here; a mode that keeps state across steps or epochs overrides them.
+    """
+
+    backward_passes: int = 1  # micro-batches accumulated into one optimizer step
+    topology: Topology | None = None  # the node layout, for the node-aware modes
+
+    def wrap(self, optimizer: Optimizer, named_parameters: list[tuple[str, torch.nn.Parameter]]) -> Optimizer:
+        """Return the optimizer the Trainer should use (possibly a wrapper)."""
+        return optimizer
+
+    @contextlib.contextmanager
+    def deferred(self, optimizer: Optimizer) -> Iterator[None]:
+        """Keep ``optimizer.step`` from synchronizing by itself."""
+        yield
+
+    @abstractmethod
+    def synchronize(self, optimizer: Optimizer) -> None:
+        """Average the gradients now; called once per optimizer step, after backward."""
+
+    def set_backward_passes(self, optimizer: Optimizer, passes: int) -> None:
+        """Tell the sync how many backward passes accumulate into one step."""
+        self.backward_passes = passes
+
+
+class HorovodOptimizerSync(GradientSync):
+    """Horovod's ``DistributedOptimizer``: one allreduce per gradient, started by backward hooks.
+
+    Accumulation uses ``backward_passes_per_step`` so an allreduce runs once per optimizer
+    step, not once per micro-batch.
+    """
+
+    def __init__(
+        self,
+        compressor: Compressor,
+        op: str,
+        counters: CommCounters,
+        scope: Scope,
+        gradient_predivide_factor: float = 1.0,
+    ) -> None:
+        self.compressor = CountingCompressor(compressor, counters, scope)
+        self.op = op
+        self.counters = counters
+        self.gradient_predivide_factor = gradient_predivide_factor
+
+    def wrap(self, optimizer: Optimizer, named_parameters: list[tuple[str, torch.nn.Parameter]]) -> Optimizer:
+        return horovod_torch().DistributedOptimizer(
+            optimizer,
+            named_parameters=named_parameters,
+            compression=self.compressor,
+            backward_passes_per_step=self.backward_passes,
+            op=horovod_op(self.op),
+            gradient_predivide_factor=self.gradient_predivide_factor,
+        )
+
+    @contextlib.contextmanager
+    def deferred(self, optimizer: Optimizer) -> Iterator[None]:
+        with optimizer.skip_synchronize():
+            yield
+
+    def synchronize(self, optimizer: Optimizer) -> None:
+        with self.counters.waiting():
+            wait_for_pending_allreduces(optimizer)
+            optimizer.synchronize()
+
+    def set_backward_passes(self, optimizer: Optimizer, passes: int) -> None:
+        self.backward_passes = passes
+        set_backward_passes(optimizer, passes)
+
+    def teardown(self, optimizers: Sequence[Optimizer]) -> None:
+        for optimizer in optimizers:
+            drop_gradient_hooks(optimizer)
+
+
+class HierarchicalGradientSync(GradientSync):
+    """Two-level allreduce of bucketed gradients after backward (see ``comm.hierarchical``).
+
+    Buckets under ``flat_below_bytes`` take one flat allreduce instead of the three legs. With
+    ``tune_route`` the larger ones try both routes on the first steps and keep the faster
+    (``comm.route_tuning``); the choice is printed once by rank 0 and kept in ``route_tuner``.
+    """
+
+    def __init__(
+        self,
+        groups: NodeGroups,
+        compressor: Compressor,
+        op: str,
+        counters: CommCounters,
+        compress_node_local: bool = False,
+        bucket_bytes: int = 32 * 2**20,
+        flat_below_bytes: int = 0,
+        tune_route: bool = False,
+    ) -> None:
+        if op not in ("average", "sum"):
+            raise ValueError(f"op={op!r} is not supported with sync='hierarchical'; choose 'average' or 'sum'")
+        self.tune_route = tune_route
+        self.route_tuner: RouteTuner | None = None
+        self.groups = groups
+        self.topology = groups.topology
+        self.compressor = compressor
+        self.average = op == "average"
+        self.counters = counters
+        self.compress_node_local = compress_node_local
+        self.bucket_bytes = bucket_bytes
+        self.flat_below_bytes = flat_below_bytes
+        self._names: dict[int, str] = {}  # by optimizer, in wrap order: equal on every rank
+
+    def wrap(self, optimizer: Optimizer, named_parameters: list[tuple[str, torch.nn.Parameter]]) -> Optimizer:
+        self._names[id(optimizer)] = f"grad.opt{len(self._names)}"
+        return optimizer
+
+    def synchronize(self, optimizer: Optimizer) -> None:
+        grads = gradients_of(optimizer)
+        buckets = bucket_tensors(grads, self.bucket_bytes)
+        flats = [flatten(bucket) for bucket in buckets]
+        tuner = self._tuner_for(flats)
+        began = time.perf_counter()
+        hierarchical_allreduce_(
+            flats,
+            self.groups,
+            average=self.average,
+            compression=self.compressor,
+            compress_node_local=self.compress_node_local,
+            counters=self.counters,
+            name=self._names[id(optimizer)],
+            flat_below_bytes=sys.maxsize if tuner is not None and tuner.route == FLAT else self.flat_below_bytes,
+        )
+        if tuner is not None and tuner.choice is None:
+            tuner.record(time.perf_counter() - began)
+            if tuner.choice is not None and self.groups.topology.rank == 0:
+                kept = "the flat allreduce" if tuner.choice == FLAT else "the two-level legs"
+                log.info(
+                    f"sync='hierarchical': gradient sync took {tuner.measured()}; large buckets now "
+                    f"take {kept}. Pass flat_below_mb=<MiB> to fix the route instead."
+                )
+        for flat, bucket in zip(flats, buckets, strict=True):
+            unflatten_into(flat, bucket)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The measured route, once chosen: a resumed run keeps it instead of timing again."""
+        tuner = self.route_tuner
+        return {"route": tuner.state_dict()} if tuner is not None and tuner.choice is not None else {}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        if state.get("route") is not None:
+            self.route_tuner = RouteTuner.restored(state["route"])
+
+    def teardown(self, optimizers: Sequence[Optimizer]) -> None:
+        self._names.clear()
+
+    def _tuner_for(self, flats: Sequence[torch.Tensor]) -> RouteTuner | None:
+        """The tuner when there is a choice to make: two-level legs exist and some bucket would take them.
+
+        Bucket sizes and the layout are equal on every worker, so every worker decides alike.
+        """
+        groups = self.groups
+        if not self.tune_route or groups.local is None or groups.cross is None:
+            return None
+        if not any(nbytes(flat) >= self.flat_below_bytes for flat in flats):
+            return None
+        if self.route_tuner is None:
+            hvd = horovod_torch()
+            self.route_tuner = RouteTuner(lambda t: hvd.allreduce(t, op=hvd.Average, name="hvd_plugins.route"))
+        return self.route_tuner
+
+
+def gradients_of(optimizer: Optimizer) -> Sequence[torch.Tensor]:
+    """Gradients of every trainable parameter, zero-filled where backward produced none.
+
+    Every worker must hand the same tensors to the collective, even when a parameter got no
+    gradient on this worker (e.g. an unused branch).
+    """
+    grads = []
+    for parameter in optimizer_parameters(optimizer, trainable_only=True):
+        if parameter.grad is None:
+            parameter.grad = torch.zeros_like(parameter)
+        grads.append(parameter.grad)
+    return grads

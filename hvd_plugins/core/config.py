@@ -1,0 +1,181 @@
+"""HorovodStrategy's settings as one frozen, validated value.
+
+The strategy keeps its keyword arguments as the public face and builds this config from them,
+so validation, the rules between arguments and what every rank must agree on live in one place.
+Nothing here imports Horovod or Lightning: a bad argument is refused before any process starts
+a collective.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any, Literal, get_args
+
+from hvd_plugins.core.backend.stall import DEFAULT_STALL_TIMEOUT_SECONDS, validate_stall_timeout
+from hvd_plugins.core.comm.compression import compressor_by_name
+from hvd_plugins.core.cpu_threads import validate_cpu_threads
+from hvd_plugins.core.daso.config import DasoConfig
+
+CompressionName = Literal["none", "fp16"]
+"""How gradients travel: ``"none"`` (their own dtype) or ``"fp16"`` (float16 on the wire)."""
+GradientOp = Literal["average", "sum", "adasum"]
+"""How gradients combine across workers (``"adasum"`` needs Horovod's MPI controller)."""
+SyncMode = Literal["allreduce", "hierarchical", "daso"]
+"""``allreduce``: flat; ``hierarchical``: inside the node, then across nodes; ``daso``: see DasoConfig."""
+HierarchicalImpl = Literal["portable", "native"]
+"""``portable``: this package's two-level allreduce, on every build; ``native``: Horovod's (MPI + NCCL)."""
+Megabytes = float | Literal["auto"]
+StallTimeout = float | Literal["auto"] | None
+CpuThreads = int | Literal["auto"] | None
+
+COMPRESSIONS: tuple[str, ...] = get_args(CompressionName)
+GRADIENT_OPS: tuple[str, ...] = get_args(GradientOp)
+SYNC_MODES: tuple[str, ...] = get_args(SyncMode)
+HIERARCHICAL_IMPLS: tuple[str, ...] = get_args(HierarchicalImpl)
+
+FLAT_BELOW_MB = 1.0
+"""Default size (MiB) under which a hierarchical bucket is summed by one flat allreduce.
+
+A two-level allreduce takes three collective rounds where a flat one takes one; below this size
+the rounds, not the bytes, decide. What the two extra rounds buy is cross-node bytes: each worker
+sends a share of a bucket across instead of all of it. Where that pays depends on the link, which
+is why the default, ``flat_below_mb="auto"``, times both routes for the larger buckets
+(``comm.route_tuning``); the measurements behind this size are in the benchmarks documentation.
+"""
+
+
+def _choice(argument: str, value: Any, allowed: tuple[str, ...]) -> str:
+    if value not in allowed:
+        raise ValueError(f"{argument}={value!r} is not supported; choose one of {list(allowed)}")
+    return value
+
+
+@dataclass(frozen=True)
+class HorovodConfig:
+    """What HorovodStrategy was asked to do; see HorovodStrategy for each argument's meaning."""
+
+    compression: CompressionName = "none"
+    """Name of the gradient wire format: ``"none"`` or ``"fp16"``."""
+    op: GradientOp = "average"
+    """How gradients combine across workers: ``"average"``, ``"sum"`` or ``"adasum"``."""
+    gradient_predivide_factor: float = 1.0
+    """Divide gradients by this before the sum and by ``size / factor`` after (average only)."""
+    scale_lr: bool = False
+    """Multiply learning rates by the number of workers (never done silently)."""
+    sync: SyncMode = "allreduce"
+    """One of SYNC_MODES."""
+    hierarchical_impl: HierarchicalImpl = "portable"
+    """``"portable"`` (every build) or ``"native"`` (Horovod's own: MPI controller + NCCL)."""
+    compress_node_local: bool = False
+    """With ``sync="hierarchical"``, compress the node-local legs as well as the cross-node one."""
+    daso: DasoConfig | None = None
+    """DASO settings; set (to defaults when not given) exactly when ``sync="daso"``."""
+    average_buffers: bool = True
+    """Average floating buffers over all workers at the end of every training epoch."""
+    bucket_mb: float = 32.0
+    """Gradient bucket size of the hierarchical allreduce, in MiB."""
+    flat_below_mb: Megabytes = "auto"
+    """With ``sync="hierarchical"``, buckets smaller than this (MiB) take one flat allreduce; see FLAT_BELOW_MB.
+    ``"auto"``: FLAT_BELOW_MB, and larger buckets time both routes on the first steps and keep the faster."""
+    stall_timeout_seconds: int | None = DEFAULT_STALL_TIMEOUT_SECONDS
+    """Longest wait in one collective before the worker ends the job; None waits forever."""
+    check_finite_gradients: bool = False
+    """Stop every rank at the first step whose gradients hold NaN/Inf."""
+    cpu_threads: CpuThreads = "auto"
+    """torch's intra-op threads per worker: ``"auto"`` shares the host's cores among its workers unless
+    ``OMP_NUM_THREADS`` is set, a number sets it, None leaves torch's default (see ``cpu_threads``)."""
+
+    def __post_init__(self) -> None:
+        compressor_by_name(self.compression)  # raises naming the choices
+        _choice("op", self.op, GRADIENT_OPS)
+        _choice("sync", self.sync, SYNC_MODES)
+        _choice("hierarchical_impl", self.hierarchical_impl, HIERARCHICAL_IMPLS)
+        if not self.gradient_predivide_factor > 0:
+            raise ValueError(f"gradient_predivide_factor={self.gradient_predivide_factor!r} must be a positive number")
+        if self.gradient_predivide_factor != 1.0 and self.op != "average":
+            raise ValueError(
+                f"gradient_predivide_factor={self.gradient_predivide_factor!r} works only with op='average', "
+                f"not op={self.op!r}"
+            )
+        if self.gradient_predivide_factor != 1.0 and self.sync != "allreduce":
+            raise ValueError(
+                f"gradient_predivide_factor={self.gradient_predivide_factor!r} works only with sync='allreduce', "
+                f"not sync={self.sync!r}, whose collectives do not pre-divide"
+            )
+        if self.op == "sum" and self.sync == "daso":
+            raise ValueError(
+                "op='sum' does not work with sync='daso': warmup and cooldown sum gradients over all workers but "
+                "cycling only inside the node, so the update's scale would change between phases; use op='average'"
+            )
+        if self.op == "adasum" and self.sync != "allreduce":
+            raise ValueError(f"op='adasum' works only with sync='allreduce', not sync={self.sync!r}")
+        if self.compress_node_local and self.sync != "hierarchical":
+            raise ValueError(f"compress_node_local=True works only with sync='hierarchical', not sync={self.sync!r}")
+        if self.hierarchical_impl != "portable" and self.sync != "hierarchical":
+            raise ValueError(
+                f"hierarchical_impl={self.hierarchical_impl!r} works only with sync='hierarchical', "
+                f"not sync={self.sync!r}"
+            )
+        if self.daso is not None and self.sync != "daso":
+            raise ValueError(f"daso={self.daso!r} was given but sync={self.sync!r}; DASO settings need sync='daso'")
+        if self.sync == "daso" and self.daso is None:
+            object.__setattr__(self, "daso", DasoConfig())
+        if self.flat_below_mb != "auto" and (
+            isinstance(self.flat_below_mb, (str, bool)) or not self.flat_below_mb >= 0
+        ):
+            raise ValueError(f"flat_below_mb={self.flat_below_mb!r} must be 'auto' or a number of megabytes >= 0")
+        if self.flat_below_mb != "auto" and self.sync != "hierarchical":
+            raise ValueError(
+                f"flat_below_mb={self.flat_below_mb!r} works only with sync='hierarchical', not sync={self.sync!r}"
+            )
+        if not self.bucket_mb > 0:
+            raise ValueError(f"bucket_mb={self.bucket_mb!r} must be a positive number of megabytes")
+        if self.stall_timeout_seconds is not None and (
+            isinstance(self.stall_timeout_seconds, bool) or not isinstance(self.stall_timeout_seconds, int)
+        ):
+            raise ValueError(f"stall_timeout_seconds={self.stall_timeout_seconds!r} must be whole seconds or None")
+        validate_cpu_threads(self.cpu_threads)
+
+    @staticmethod
+    def build(
+        daso: DasoConfig | dict[str, Any] | None = None,
+        stall_timeout_seconds: StallTimeout = "auto",
+        **settings: Any,
+    ) -> HorovodConfig:
+        """Build from the strategy's keyword arguments: a dict of DASO fields, seconds as any number or "auto"."""
+        return HorovodConfig(
+            daso=None if daso is None else DasoConfig.from_any(daso),
+            stall_timeout_seconds=validate_stall_timeout(stall_timeout_seconds),
+            **settings,
+        )
+
+    @property
+    def node_aware(self) -> bool:
+        """Whether the sync needs to know which workers share a node (this package's node-aware collectives)."""
+        return self.sync == "daso" or (self.sync == "hierarchical" and self.hierarchical_impl == "portable")
+
+    @property
+    def native_hierarchical(self) -> bool:
+        return self.sync == "hierarchical" and self.hierarchical_impl == "native"
+
+    @property
+    def bucket_bytes(self) -> int:
+        return int(self.bucket_mb * 2**20)
+
+    @property
+    def flat_below_bytes(self) -> int:
+        return int((FLAT_BELOW_MB if self.flat_below_mb == "auto" else float(self.flat_below_mb)) * 2**20)
+
+    @property
+    def tune_hierarchical_route(self) -> bool:
+        """``flat_below_mb="auto"``: buckets of FLAT_BELOW_MB or more try both routes, the faster stays."""
+        return self.flat_below_mb == "auto"
+
+    def fingerprint(self) -> dict[str, Any]:
+        """The settings every rank must share, or the first collective would deadlock.
+
+        ``cpu_threads`` is left out: hosts may differ in cores, and threads never change a collective.
+        """
+        settings = asdict(self)
+        del settings["cpu_threads"]
+        return settings

@@ -1,0 +1,373 @@
+"""HOW DASO syncs across nodes: gradients over all workers, or sharded parameter averaging across nodes.
+
+Warmup and cooldown (synchronous phases): ``DasoGradientSync`` averages every step's gradients
+over ALL workers in one fused round, so every worker applies the same update and parameters
+and optimizer state stay bit-identical; no parameter sync runs. Floating buffers (BatchNorm
+running statistics) follow each worker's batches and are averaged over all workers once, at the
+end of the epoch, as the flat allreduce does.
+
+Cycling: gradients are averaged inside the node only, so the workers of one node hold the same
+parameters and optimizer state while the nodes drift apart. Across nodes, every
+``global_skips`` steps:
+
+1. every local worker ``i`` takes shard ``i`` of the flat trainable parameters (the cross-node
+   message is split across all L local workers, not carried by one of them);
+2. it sends ``shard - reference`` (see below), downcast, in chunks of at most
+   ``sending_chunk_size`` elements, with a non-blocking Sum over its peers on the other nodes
+   (the workers with its local rank);
+3. ``batches_to_wait`` (B >= 1) steps later it receives the sum and merges
+   ``p = (2B * p_local + S) / (2B + N)`` on its shard (S = sum over the N nodes);
+4. the node allgathers the merged shards and the new reference (one round), so every local
+   worker holds the same parameters again.
+
+The epoch's last batch (and whatever ``finish_epoch`` says is still owed) runs a BLOCKING sync:
+parameters, the optimizer state and the floating buffers are averaged over all workers at once,
+packed into one message per wire type (at most two: the parameters' downcast type, and float32
+for state and buffers), all launched before any is awaited. Afterwards parameters, optimizer
+state and buffers are bit-identical on every worker, so every epoch starts from one model.
+
+The reference: what goes on the wire is the difference between the parameters and the last
+cross-node average (``reference``), which every worker holds bit for bit. Sending
+``p - reference`` instead of ``p`` keeps float16 rounding relative to the small drift since the
+last sync, not to the weights themselves: sending weights in float16 every batch would round
+away any update smaller than ~1e-3 of the weight. Mathematically ``S`` is unchanged:
+``sum(p_n) = N * reference + sum(p_n - reference)``.
+
+Wire types: ``fp16`` halves the bytes; ``fp32`` sends full precision; ``bf16`` rounds each value
+to bfloat16 precision (what the reference implementation sends) but carries it as float32,
+because Horovod cannot reduce bfloat16 tensors: bf16 numerics, fp32 bytes. Choose fp16 to save
+bytes. Optimizer state travels in float32 (moments such as ``exp_avg_sq`` underflow in float16);
+only state that lives with its parameter (same shape and device) is averaged, never a step count.
+
+Trainable parameters are collected again at every epoch start (every rank is there together),
+so parameters unfrozen between epochs (Lightning's ``BaseFinetuning``) join the cross-node sync;
+newly trainable ones are averaged over all workers first. ``requires_grad`` must change on every
+rank at the same epoch start.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch.nn import Module
+from torch.optim import Optimizer
+
+from hvd_plugins.core.backend.module import horovod_torch
+from hvd_plugins.core.comm.buckets import flatten, unflatten_into
+from hvd_plugins.core.comm.buffers import PendingBufferAverage, finish_buffer_average, start_buffer_average
+from hvd_plugins.core.comm.compression import NoCompression
+from hvd_plugins.core.comm.counters import CommCounters, Scope
+from hvd_plugins.core.comm.parameters import optimizer_parameters
+from hvd_plugins.core.comm.partners import PendingGroupSum, finish_allgather, group_sum, start_allgather, wait_all
+from hvd_plugins.core.comm.topology import NodeGroups
+from hvd_plugins.core.comm.wire import nbytes
+from hvd_plugins.core.daso.config import DasoConfig
+from hvd_plugins.core.daso.schedule import DasoSchedule, StepPlan
+
+log = logging.getLogger(__name__)
+
+
+def to_wire(values: torch.Tensor, downcast: str) -> torch.Tensor:
+    """What goes on the wire for ``downcast`` ('fp16', 'bf16' emulated in float32, or 'fp32')."""
+    if downcast == "fp16":
+        return values.to(torch.float16)
+    if downcast == "bf16":
+        return values.to(torch.bfloat16).to(torch.float32)
+    return values.to(torch.float32)
+
+
+@dataclass(frozen=True)
+class ShardLayout:
+    """How a flat vector of ``numel`` elements splits into ``parts`` equal shards (last one padded)."""
+
+    numel: int
+    parts: int
+    index: int
+
+    @property
+    def shard_numel(self) -> int:
+        return math.ceil(self.numel / self.parts) if self.numel else 0
+
+    def shard_of(self, flat: torch.Tensor) -> torch.Tensor:
+        """A copy of this worker's shard of ``flat``, zero-padded to ``shard_numel``."""
+        start = self.index * self.shard_numel
+        piece = flat[start : start + self.shard_numel]
+        padding = self.shard_numel - piece.numel()
+        return torch.cat([piece, piece.new_zeros(padding)]) if padding else piece.clone()
+
+
+@dataclass
+class PendingSum:
+    """A cross-node Sum in flight: one pending group sum per chunk."""
+
+    chunks: list[PendingGroupSum]
+    dtype: torch.dtype
+
+
+class CrossNodeSharding:
+    """Sum shards across nodes and reassemble them inside the node; counts every byte.
+
+    Both legs reach the worker's partners through global alltoalls (``comm.partners``); with one
+    worker per node the cross-node sum is Horovod's allreduce.
+    """
+
+    def __init__(self, groups: NodeGroups, counters: CommCounters, chunk_numel: int) -> None:
+        self.groups = groups
+        self.counters = counters
+        self.chunk_numel = chunk_numel
+        self.num_nodes = groups.topology.num_nodes
+
+    def layout(self, numel: int) -> ShardLayout:
+        local = self.groups.local
+        return ShardLayout(numel, local.size, local.index) if local is not None else ShardLayout(numel, 1, 0)
+
+    def start_sum(self, wire: torch.Tensor, name: str) -> PendingSum:
+        """Start a non-blocking Sum of ``wire`` over this worker's cross-node peers, chunk by chunk."""
+        assert self.groups.cross is not None
+        chunks = wire.split(self.chunk_numel) if wire.numel() else ()
+        codec = NoCompression()  # ``wire`` is already in its wire type
+        pending = [PendingGroupSum(chunk, self.groups.cross, codec, f"{name}.{i}") for i, chunk in enumerate(chunks)]
+        self.counters.record(Scope.CROSS_NODE, nbytes(wire), calls=len(pending))
+        return PendingSum(pending, wire.dtype)
+
+    def advance(self, pending: PendingSum) -> None:
+        """Let a Sum in flight start its next round where the last one arrived (no waiting)."""
+        for chunk in pending.chunks:
+            chunk.progress()
+
+    def finish_sum(self, pending: PendingSum, dtype: torch.dtype) -> torch.Tensor:
+        """Wait for a Sum and return it in ``dtype``."""
+        with self.counters.waiting():
+            parts = wait_all(pending.chunks)
+        if not parts:
+            return torch.empty(0, dtype=dtype)
+        return torch.cat(parts).to(dtype)
+
+    def gather_in_node(self, shards: Sequence[torch.Tensor], layouts: Sequence[ShardLayout]) -> list[torch.Tensor]:
+        """Every local worker's shards, reassembled and unpadded: the full flat vectors.
+
+        Several vectors travel in ONE allgather (one latency round): each worker sends its
+        shards back to back, and the result is split column-wise per vector.
+        """
+        local = self.groups.local
+        if local is None:
+            return [shard[: layout.numel] for shard, layout in zip(shards, layouts, strict=True)]
+        mine = torch.cat(list(shards))
+        pending = start_allgather(mine, local, NoCompression(), "daso.gather")
+        self.counters.record(Scope.NODE_LOCAL, pending.piece_nbytes)
+        with self.counters.waiting():
+            rows = finish_allgather(pending).view(local.size, mine.numel())
+        full, offset = [], 0
+        for shard, layout in zip(shards, layouts, strict=True):
+            full.append(rows[:, offset : offset + shard.numel()].reshape(-1)[: layout.numel])
+            offset += shard.numel()
+        return full
+
+
+class DasoSync:
+    """Runs the cross-node half of DASO after each optimizer step, as the schedule says.
+
+    ``DasoGradientSync`` calls :meth:`setup` once the optimizers exist and asks
+    :meth:`gradients_over_all_workers` at every step; from the training loop's hooks it calls
+    :meth:`on_train_epoch_start`, :meth:`after_optimizer_step` after every batch that stepped and
+    :meth:`on_train_epoch_end` with the epoch's loss averaged over all workers.
+    ``schedule`` is public for callbacks (phase, global_skips, batches_to_wait, history).
+    """
+
+    def __init__(self, config: DasoConfig, groups: NodeGroups, counters: CommCounters, total_epochs: int | None):
+        self.config = config
+        self.groups = groups
+        self.counters = counters
+        self.schedule = DasoSchedule(config, total_epochs)
+        self.sharding = CrossNodeSharding(groups, counters, config.sending_chunk_size)
+        self.blocking_syncs = 0
+        self.merges = 0
+        self._model: Module | None = None
+        self._optimizers: list[Optimizer] = []
+        self._parameters: list[torch.nn.Parameter] = []
+        self._work_dtype = torch.float32
+        self._layout = ShardLayout(0, 1, 0)
+        self._reference = torch.empty(0)  # the full flat parameters of the last cross-node average
+        self._in_flight: PendingSum | None = None
+
+    @property
+    def across_nodes(self) -> bool:
+        return self.groups.cross is not None
+
+    @property
+    def parameters(self) -> list[torch.nn.Parameter]:
+        """The trainable parameters the cross-node sync covers this epoch."""
+        return list(self._parameters)
+
+    def gradients_over_all_workers(self) -> bool:
+        """Whether this step's gradients are averaged over all workers (warmup, cooldown) or in the node."""
+        return self.schedule.phase.synchronous
+
+    def setup(self, model: Module, optimizers: Sequence[Optimizer]) -> None:
+        """Remember what to sync; the parameters must already be equal on every worker."""
+        self._model = model
+        self._optimizers = list(optimizers)
+        self._collect_parameters()
+
+    def _collect_parameters(self) -> list[torch.nn.Parameter]:
+        """Re-read the trainable parameters; returns the ones that were not trainable before."""
+        assert self._model is not None
+        known = {id(p) for p in self._parameters}
+        self._parameters = _unique(p for p in self._model.parameters() if p.requires_grad)
+        self._work_dtype = torch.float64 if any(p.dtype == torch.float64 for p in self._parameters) else torch.float32
+        self._layout = self.sharding.layout(sum(p.numel() for p in self._parameters))
+        self._reference = self._flat_parameters()
+        return [p for p in self._parameters if id(p) not in known]
+
+    # ------------------------------------------------------------------ events
+    def on_train_epoch_start(self) -> None:
+        """Follow ``requires_grad`` changes made between epochs; average newly trainable parameters.
+
+        Every epoch starts with all workers holding the same parameters, so the reference is
+        refreshed here too (after a synchronous epoch it was not kept up to date).
+        """
+        if self._model is None:
+            return
+        added = self._collect_parameters()
+        if added and horovod_torch().size() > 1:
+            flat = _flatten_as(added, self._work_dtype)
+            self.counters.record(self._global_scope, nbytes(flat))
+            with self.counters.waiting():
+                averaged = horovod_torch().allreduce(flat, op=horovod_torch().Average, name="daso.unfrozen")
+            with torch.no_grad():
+                unflatten_into(averaged, added)
+            self._reference = self._flat_parameters()
+
+    def on_train_batch_start(self) -> None:
+        """A relayed parameter sum in flight starts its way back now, to travel behind this batch's compute."""
+        if self._in_flight is not None:
+            self.sharding.advance(self._in_flight)
+
+    def after_optimizer_step(self, last_batch_of_epoch: bool) -> None:
+        self._carry_out(self.schedule.on_optimizer_step(last_batch_of_epoch))
+
+    def on_train_epoch_end(self, epoch_loss: float | None) -> None:
+        """Settle what the epoch still owes, then let the schedule pick the next epoch's settings."""
+        if self.schedule.phase.synchronous:
+            finish_buffer_average(self._start_buffer_average())
+        self._carry_out(self.schedule.finish_epoch())
+        before = (self.schedule.phase, *self.schedule.settings)
+        self.schedule.end_epoch(epoch_loss)
+        after = (self.schedule.phase, *self.schedule.settings)
+        if self.config.verbose and after != before and horovod_torch().rank() == 0:
+            log.info(
+                f"DASO epoch {self.schedule.epoch}: phase={after[0].value} global_skips={after[1]} "
+                f"local_skips={after[2]} batches_to_wait={after[3]} (loss {epoch_loss})"
+            )
+
+    def _carry_out(self, plan: StepPlan) -> None:
+        if plan.receive:
+            self._receive(merge=not plan.blocking, batches_to_wait=plan.merge_wait)
+        if plan.blocking:
+            self._blocking_sync()
+        if plan.send:
+            self._send()
+
+    # ------------------------------------------------------------------ parameters
+    @property
+    def _global_scope(self) -> Scope:
+        return Scope.CROSS_NODE if self.groups.topology.num_nodes > 1 else Scope.NODE_LOCAL
+
+    def _flat_parameters(self) -> torch.Tensor:
+        return _flatten_as(self._parameters, self._work_dtype)
+
+    def _send(self) -> None:
+        if not self.across_nodes:
+            return
+        drift = self._layout.shard_of(self._flat_parameters() - self._reference)
+        self._in_flight = self.sharding.start_sum(to_wire(drift, self.config.downcast), "daso.params")
+
+    def _receive(self, merge: bool, batches_to_wait: int) -> None:
+        """Wait for the message in flight; merge it unless a blocking sync supersedes it."""
+        if self._in_flight is None:
+            return
+        pending, self._in_flight = self._in_flight, None
+        drift_sum = self.sharding.finish_sum(pending, self._work_dtype)
+        if not merge:
+            return  # the blocking sync that follows averages the current parameters instead
+        average = self._layout.shard_of(self._reference) + drift_sum / self.sharding.num_nodes
+        local = self._layout.shard_of(self._flat_parameters())
+        weight, nodes = 2 * batches_to_wait, self.sharding.num_nodes
+        merged = (weight * local + nodes * average) / (weight + nodes)
+        full_merged, self._reference = self.sharding.gather_in_node([merged, average], [self._layout, self._layout])
+        with torch.no_grad():
+            unflatten_into(full_merged, self._parameters)
+        self.merges += 1
+
+    def _start_buffer_average(self) -> PendingBufferAverage | None:
+        if self._model is None:
+            return None
+        return start_buffer_average(self._model, "daso.buffers", self.counters, self._global_scope)
+
+    def _blocking_sync(self) -> None:
+        """Average parameters, optimizer state and buffers over all workers: one message per wire type."""
+        self.blocking_syncs += 1
+        hvd = horovod_torch()
+        if hvd.size() == 1:
+            return
+        state_tensors = optimizer_state_to_average(self._optimizers)
+        buffers = [] if self._model is None else [b for b in self._model.buffers() if b.is_floating_point()]
+        drift = to_wire(self._flat_parameters() - self._reference, self.config.downcast)
+        exact = _flatten_as([*state_tensors, *buffers], self._work_dtype)
+        messages = [drift] if exact.dtype != drift.dtype else [torch.cat([drift, exact])]
+        if exact.dtype != drift.dtype and exact.numel():
+            messages.append(exact)
+        messages = [m for m in messages if m.numel()]
+        sums = group_sum(messages, self.groups.world, NoCompression(), "daso.blocking", self.counters,
+                         self._global_scope)  # fmt: skip
+        results = [total.to(self._work_dtype) / hvd.size() for total in sums]
+        averaged = torch.cat(results) if results else torch.empty(0, dtype=self._work_dtype)
+        self._reference = self._reference + averaged[: drift.numel()]
+        with torch.no_grad():
+            unflatten_into(self._reference, self._parameters)
+            unflatten_into(averaged[drift.numel() :], [*state_tensors, *buffers])
+
+
+def _flatten_as(tensors: Sequence[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    if not tensors:
+        return torch.empty(0, dtype=dtype)
+    return flatten([t.detach().to(dtype) for t in tensors])
+
+
+def _unique(parameters: Iterable[torch.nn.Parameter]) -> list[torch.nn.Parameter]:
+    seen: set[int] = set()
+    unique = []
+    for parameter in parameters:
+        if id(parameter) not in seen:
+            seen.add(id(parameter))
+            unique.append(parameter)
+    return unique
+
+
+def optimizer_state_to_average(optimizers: Sequence[Optimizer]) -> list[torch.Tensor]:
+    """The optimizer state that lives with its parameter, in the same order on every worker.
+
+    Only floating tensors with the parameter's shape and device (Adam's moments, SGD's momentum):
+    a step count (Adam keeps ``step`` as a CPU scalar even for GPU parameters) or any other
+    bookkeeping is never averaged, and cannot break the flattening by living on another device.
+    """
+    tensors = []
+    for optimizer in optimizers:
+        for parameter in optimizer_parameters(optimizer):
+            state = optimizer.state.get(parameter, {})
+            for key in sorted(state, key=str):
+                value = state[key]
+                if (
+                    key != "step"
+                    and isinstance(value, torch.Tensor)
+                    and value.is_floating_point()
+                    and value.shape == parameter.shape
+                    and value.device == parameter.device
+                    and value.numel()
+                ):
+                    tensors.append(value)
+    return tensors

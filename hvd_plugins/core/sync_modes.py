@@ -1,0 +1,34 @@
+"""The gradient sync each ``sync`` setting stands for, built from a ``HorovodConfig``."""
+
+from __future__ import annotations
+
+from hvd_plugins.core.backend.module import horovod_torch
+from hvd_plugins.core.comm.compression import compressor_by_name
+from hvd_plugins.core.comm.counters import CommCounters, Scope
+from hvd_plugins.core.comm.gradient_sync import GradientSync, HierarchicalGradientSync, HorovodOptimizerSync
+from hvd_plugins.core.comm.topology import build_node_groups, discover_topology
+from hvd_plugins.core.config import HorovodConfig
+from hvd_plugins.core.daso.gradient_sync import DasoGradientSync
+
+
+def make_gradient_sync(config: HorovodConfig, counters: CommCounters) -> GradientSync:
+    """The gradient sync ``config`` asks for. Node-aware modes learn the layout here: a collective."""
+    compressor = compressor_by_name(config.compression)
+    if config.node_aware:
+        groups = build_node_groups(discover_topology())
+        if config.daso is not None:
+            return DasoGradientSync(config.daso, groups, compressor, config.op, counters, config.bucket_bytes)
+        return HierarchicalGradientSync(
+            groups,
+            compressor,
+            config.op,
+            counters,
+            compress_node_local=config.compress_node_local,
+            bucket_bytes=config.bucket_bytes,
+            flat_below_bytes=config.flat_below_bytes,
+            tune_route=config.tune_hierarchical_route,
+        )
+    scope = Scope.CROSS_NODE if horovod_torch().cross_size() > 1 else Scope.NODE_LOCAL
+    return HorovodOptimizerSync(
+        compressor, config.op, counters, scope, gradient_predivide_factor=config.gradient_predivide_factor
+    )

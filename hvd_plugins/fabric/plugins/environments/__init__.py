@@ -1,0 +1,5 @@
+"""Where ranks and sizes come from: Horovod."""
+
+from hvd_plugins.fabric.plugins.environments.horovod import HorovodEnvironment
+
+__all__ = ["HorovodEnvironment"]

@@ -1,0 +1,36 @@
+"""HorovodStrategy, its plugins and callbacks for the Trainer of ``lightning.pytorch``.
+
+Importing this face registers the strategy names (``"horovod"``, ``"horovod_fp16"``,
+``"horovod_hierarchical"``, ``"horovod_daso"``) with its Trainer's StrategyRegistry and, inside a
+worker started by horovodrun, mpirun or srun, keeps rank-zero messages and warnings to rank 0.
+The same source serves both Lightning packages (``hvd_plugins.mirror``).
+"""
+
+from lightning.pytorch.strategies import StrategyRegistry
+
+from hvd_plugins.fabric.plugins import AtomicCheckpointIO, HorovodEnvironment
+from hvd_plugins.pytorch.callbacks import (
+    CommunicationMonitor,
+    DasoScheduleCallback,
+    HorovodTimeline,
+    LineProgressBar,
+    PeakMemoryMonitor,
+)
+from hvd_plugins.pytorch.plugins.layer_sync import HorovodSyncBatchNorm
+from hvd_plugins.pytorch.strategies import HorovodStrategy, register_named_strategies
+from hvd_plugins.pytorch.utilities.rank_zero import follow_launcher_rank
+
+register_named_strategies(StrategyRegistry)
+follow_launcher_rank()
+
+__all__ = [
+    "AtomicCheckpointIO",
+    "CommunicationMonitor",
+    "DasoScheduleCallback",
+    "HorovodEnvironment",
+    "HorovodStrategy",
+    "HorovodSyncBatchNorm",
+    "HorovodTimeline",
+    "LineProgressBar",
+    "PeakMemoryMonitor",
+]

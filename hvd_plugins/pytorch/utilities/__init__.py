@@ -1,0 +1,1 @@
+"""Rank-zero output and the checks between the two Lightning packages."""
