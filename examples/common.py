@@ -6,33 +6,26 @@ Kept apart so each example script reads top to bottom as data, model, Trainer, r
 from __future__ import annotations
 
 import argparse
+import ast
 import csv
 import dataclasses
+import inspect
+import re
+import textwrap
+import types
+import typing
 import warnings
 from collections import defaultdict
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from lightning.pytorch import Callback, Trainer
 from lightning.pytorch.loggers import CSVLogger
 
-from hvd_plugins import DasoConfig, HorovodStrategy
-from hvd_plugins.core.comm.compression import COMPRESSORS
-from hvd_plugins.core.config import GRADIENT_OPS, HIERARCHICAL_IMPLS, SYNC_MODES
+from hvd_plugins import DasoConfig
+from hvd_plugins.pytorch import HorovodStrategy
 
 PRECISIONS = ("32-true", "64-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true")
-_DASO_HELP = {
-    "warmup_epochs": "epochs at the start with gradients averaged over all workers every step",
-    "cooldown_epochs": "epochs at the end with gradients averaged over all workers every step",
-    "stability_level": "relative loss improvement below which an epoch counts as not improving",
-    "max_global_skips": "most batches between two cross-node syncs",
-    "skip_reduction_factor": "divisor applied to the skips when the loss has stabilised",
-    "local_skip_factor": "batches_to_wait on a reset is max_global_skips // this",
-    "stable_epochs": "plateau patience: the skips shrink on the (N+1)-th epoch in a row without improvement",
-    "sending_chunk_size": "largest number of elements in one cross-node message",
-    "downcast": "wire type of the cross-node parameters",
-    "verbose": "print schedule changes on rank 0",
-}
 
 # Examples run on tiny data sets with few workers; Lightning's advice about loader workers is noise here.
 warnings.filterwarnings("ignore", ".*does not have many workers.*")
@@ -57,6 +50,9 @@ def add_training_flags(parser: argparse.ArgumentParser, epochs: int, batch_size:
     )
     group.add_argument("--no-progress-bar", action="store_true", help="hide the progress bar (logs stay)")
     group.add_argument(
+        "--sync-batchnorm", action="store_true", help="BatchNorm statistics over all workers (HorovodSyncBatchNorm)"
+    )
+    group.add_argument(
         "--monitor",
         action="store_true",
         help="add PeakMemoryMonitor and CommunicationMonitor (tables on rank 0, values in the CSV log)",
@@ -70,44 +66,79 @@ def add_training_flags(parser: argparse.ArgumentParser, epochs: int, batch_size:
     )
 
 
+STRATEGY_FLAGS_SKIPPED = frozenset({"daso", "accelerator", "parallel_devices", "checkpoint_io", "precision_plugin"})
+"""HorovodStrategy arguments that get no flag: DASO's come one per field, the rest is the Trainer's business."""
+
+
 def add_strategy_flags(parser: argparse.ArgumentParser) -> None:
-    """One flag per HorovodStrategy argument, and one per DASO knob (``--daso-<field>``)."""
+    """One flag per HorovodStrategy argument and per DasoConfig field (``--daso-<field>``), read from their code.
+
+    Names, choices, defaults and help come from the signature, its ``Literal`` types and the docstrings,
+    so the flags cannot drift from the strategy: ``--compression fp16``, ``--sync daso``, ``--no-average-buffers``.
+    """
     group = parser.add_argument_group("HorovodStrategy")
-    group.add_argument("--compression", choices=sorted(COMPRESSORS), default="none", help="gradients on the wire")
-    group.add_argument("--sync", choices=SYNC_MODES, default="allreduce", help="how gradients/parameters are synced")
-    group.add_argument("--op", choices=GRADIENT_OPS, default="average", help="reduction of the gradients")
-    group.add_argument("--scale-lr", action="store_true", help="multiply the learning rate by the number of workers")
-    group.add_argument("--gradient-predivide-factor", type=float, default=1.0, help="split the averaging (op=average)")
-    group.add_argument("--hierarchical-impl", choices=HIERARCHICAL_IMPLS, default="portable")
-    group.add_argument("--compress-node-local", action="store_true", help="sync=hierarchical: compress local legs too")
-    group.add_argument("--sync-batchnorm", action="store_true", help="BatchNorm statistics over all workers")
-    group.add_argument("--no-average-buffers", action="store_true", help="keep each worker's BatchNorm running stats")
-    group.add_argument("--bucket-mb", type=float, default=32.0, help="gradient bucket size of sync=hierarchical")
-    group.add_argument(
-        "--stall-timeout",
-        type=_seconds_or_auto,
-        default="auto",
-        help="end the job when a rank is missing this many seconds (auto: horovodrun's setting, else 1800)",
-    )
-    group.add_argument(
-        "--check-finite-gradients", action="store_true", help="stop on every rank when a gradient is NaN/Inf"
-    )
+    helps = _docstring_args(HorovodStrategy.__doc__ or "")
+    hints = typing.get_type_hints(HorovodStrategy.__init__)
+    for name, parameter in inspect.signature(HorovodStrategy.__init__).parameters.items():
+        if name == "self" or name in STRATEGY_FLAGS_SKIPPED:
+            continue
+        _add_flag(group, name, hints[name], parameter.default, helps.get(name, ""), dest=name)
     daso = parser.add_argument_group("DASO (only with --sync daso; defaults from DasoConfig)")
+    daso_helps = _attribute_docstrings(DasoConfig)
+    daso_hints = typing.get_type_hints(DasoConfig)
     for field in dataclasses.fields(DasoConfig):
-        flag = "--daso-" + field.name.replace("_", "-")
-        help_text = f"{_DASO_HELP.get(field.name, field.name)} (default {field.default})"
-        if field.type in ("bool", bool):
-            daso.add_argument(flag, action="store_true", default=None, help=help_text)
-        elif field.name == "downcast":
-            from hvd_plugins.core.daso.config import DOWNCAST_TYPES
+        _add_flag(daso, f"daso_{field.name}", daso_hints[field.name], None, daso_helps.get(field.name, ""))
 
-            daso.add_argument(flag, choices=DOWNCAST_TYPES, default=None, help=help_text)
+
+def _add_flag(group: Any, name: str, hint: Any, default: Any, help_text: str, dest: str | None = None) -> None:
+    """``--name``: a switch for booleans (``--no-name`` when on by default), else a typed value."""
+    flag = "--" + name.replace("_", "-")
+    help_text = f"{help_text} (default {default})" if default is not None else help_text
+    if hint is bool:
+        if default is True:
+            group.add_argument("--no-" + flag[2:], dest=dest or name, action="store_false", help=help_text)
         else:
-            daso.add_argument(flag, type=type(field.default), default=None, help=help_text)
+            group.add_argument(flag, dest=dest or name, action="store_true", default=default, help=help_text)
+        return
+    choices = [value for option in _options(hint) if typing.get_origin(option) is Literal for value in option.__args__]
+    numbers = [option for option in _options(hint) if option in (int, float)]
+    if choices and not numbers:
+        group.add_argument(flag, dest=dest or name, choices=choices, default=default, help=help_text)
+    else:
+        group.add_argument(flag, dest=dest or name, type=_parse_as(numbers, choices), default=default, help=help_text)
 
 
-def _seconds_or_auto(text: str) -> float | str:
-    return text if text == "auto" else float(text)
+def _options(hint: Any) -> tuple[Any, ...]:
+    return typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
+
+
+def _parse_as(numbers: list[type], words: list[str]) -> Any:
+    def parse(text: str) -> Any:
+        if text in words:
+            return text
+        return numbers[0](text) if numbers else text
+
+    parse.__name__ = "/".join([*words, *(n.__name__ for n in numbers)]) or "value"
+    return parse
+
+
+def _docstring_args(doc: str) -> dict[str, str]:
+    """``name: help`` of a Google-style ``Args:`` section (first sentence)."""
+    section = doc.split("Args:", 1)[1] if "Args:" in doc else ""
+    entries = re.findall(r"^\s{8}(\w+): (.+?)(?=^\s{8}\w+: |\n\s*\n|\Z)", section, flags=re.M | re.S)
+    return {name: " ".join(text.split()).split(". ")[0] for name, text in entries}
+
+
+def _attribute_docstrings(cls: type) -> dict[str, str]:
+    """The docstring under each annotated attribute of a dataclass (first sentence)."""
+    body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0]
+    found: dict[str, str] = {}
+    statements = getattr(body, "body", [])
+    for assignment, following in zip(statements, statements[1:], strict=False):
+        if isinstance(assignment, ast.AnnAssign) and isinstance(following, ast.Expr):
+            text = following.value.value if isinstance(following.value, ast.Constant) else ""
+            found[ast.unparse(assignment.target)] = " ".join(str(text).split()).split(". ")[0]
+    return found
 
 
 def daso_settings(args: argparse.Namespace) -> dict[str, Any]:
@@ -125,26 +156,19 @@ def strategy_from_args(args: argparse.Namespace) -> HorovodStrategy:
     if daso and args.sync != "daso":
         flags = ", ".join("--daso-" + name.replace("_", "-") for name in daso)
         raise ValueError(f"{flags} given with --sync {args.sync}; DASO settings need --sync daso")
-    return HorovodStrategy(
-        compression=args.compression,
-        op=args.op,
-        gradient_predivide_factor=args.gradient_predivide_factor,
-        scale_lr=args.scale_lr,
-        sync=args.sync,
-        hierarchical_impl=args.hierarchical_impl,
-        compress_node_local=args.compress_node_local,
-        daso=daso if args.sync == "daso" else None,
-        sync_batchnorm=args.sync_batchnorm,
-        average_buffers=not args.no_average_buffers,
-        bucket_mb=args.bucket_mb,
-        stall_timeout_seconds=args.stall_timeout,
-        check_finite_gradients=args.check_finite_gradients,
-    )
+    names = [n for n in inspect.signature(HorovodStrategy.__init__).parameters if n not in STRATEGY_FLAGS_SKIPPED]
+    settings = {name: getattr(args, name) for name in names if name != "self"}
+    return HorovodStrategy(**settings, daso=daso if args.sync == "daso" else None)
 
 
 def monitor_callbacks(args: argparse.Namespace) -> list[Callback]:
     """The callbacks asked for with ``--monitor`` and ``--timeline-steps``, and DASO's schedule log."""
-    from hvd_plugins.pytorch.callbacks import CommunicationMonitor, DasoScheduleCallback, HorovodTimeline, PeakMemoryMonitor
+    from hvd_plugins.pytorch.callbacks import (
+        CommunicationMonitor,
+        DasoScheduleCallback,
+        HorovodTimeline,
+        PeakMemoryMonitor,
+    )
 
     callbacks: list[Callback] = [DasoScheduleCallback()] if args.sync == "daso" else []
     if args.monitor:
@@ -171,6 +195,7 @@ def build_trainer(args: argparse.Namespace, callbacks: list[Callback] | None = N
         logger=CSVLogger(args.out_dir, name="", version="logs"),
         callbacks=[*(callbacks or []), *monitor_callbacks(args)],
         enable_progress_bar=not args.no_progress_bar,
+        sync_batchnorm=args.sync_batchnorm,
         enable_checkpointing=False,
         enable_model_summary=False,
         log_every_n_steps=1,

@@ -12,7 +12,13 @@ from hvd_launch import TWO_NODES, run_job, run_single
 from lightning.pytorch import LightningModule, Trainer
 from torch.utils.data import DataLoader, TensorDataset
 
-from hvd_plugins.pytorch.callbacks import CommunicationMonitor, EpochTraffic, HorovodTimeline, PeakMemoryMonitor, peak_memory_mb
+from hvd_plugins.pytorch.callbacks import (
+    CommunicationMonitor,
+    EpochTraffic,
+    HorovodTimeline,
+    PeakMemoryMonitor,
+    peak_memory_mb,
+)
 from hvd_plugins.pytorch.callbacks._gather import format_table
 
 WORKER = "callbacks_run.py"

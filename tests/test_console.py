@@ -19,9 +19,10 @@ from lightning.pytorch.strategies import SingleDeviceStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from torch.utils.data import DataLoader, TensorDataset
 
-from hvd_plugins import console
+from hvd_plugins.core.backend.launch_env import launcher_rank
 from hvd_plugins.pytorch.callbacks import LineProgressBar
-from hvd_plugins.fabric.plugins.environments.horovod import launcher_rank
+from hvd_plugins.pytorch.callbacks import progress as console_bar
+from hvd_plugins.pytorch.utilities import rank_zero
 
 
 class _Tiny(LightningModule):
@@ -109,7 +110,7 @@ class _RecordingStrategy(SingleDeviceStrategy):
         self.bar_given: bool | None = None
 
     def set_world_ranks(self) -> None:
-        self.bar_given = console.progress_bar_given_to_trainer()
+        self.bar_given = console_bar.progress_bar_given_to_trainer()
 
 
 class _MyTQDM(TQDMProgressBar):
@@ -127,20 +128,20 @@ def test_a_progress_bar_given_to_the_trainer_is_recognised(callbacks: Any, given
 
 
 def test_outside_a_trainer_nobody_knows_whether_a_bar_was_given() -> None:
-    assert console.progress_bar_given_to_trainer() is None
+    assert console_bar.progress_bar_given_to_trainer() is None
 
 
 def test_only_lightnings_default_bar_is_replaced() -> None:
     trainer = _trainer()
     assert type(trainer.progress_bar_callback) is TQDMProgressBar  # Lightning's default (rich is not installed)
-    assert not console.use_line_progress_bar(trainer, bar_given=None, world_size=2)  # unknown: left alone
-    assert not console.use_line_progress_bar(trainer, bar_given=True, world_size=2)
-    assert console.use_line_progress_bar(trainer, bar_given=False, world_size=2)
+    assert not console_bar.use_line_progress_bar(trainer, bar_given=None, world_size=2)  # unknown: left alone
+    assert not console_bar.use_line_progress_bar(trainer, bar_given=True, world_size=2)
+    assert console_bar.use_line_progress_bar(trainer, bar_given=False, world_size=2)
     assert isinstance(trainer.progress_bar_callback, LineProgressBar)
     assert sum(isinstance(c, (TQDMProgressBar, LineProgressBar)) for c in trainer.callbacks) == 1
     custom = _trainer(callbacks=[_MyTQDM()])
-    assert not console.use_line_progress_bar(custom, bar_given=False, world_size=2)
-    assert not console.use_line_progress_bar(_trainer(enable_progress_bar=False), bar_given=False, world_size=2)
+    assert not console_bar.use_line_progress_bar(custom, bar_given=False, world_size=2)
+    assert not console_bar.use_line_progress_bar(_trainer(enable_progress_bar=False), bar_given=False, world_size=2)
 
 
 class _Terminal(io.StringIO):
@@ -152,13 +153,13 @@ def test_tqdm_stays_in_a_terminal_without_a_launcher(monkeypatch: pytest.MonkeyP
     for name in ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setattr(sys, "stdout", _Terminal())
-    assert not console.tqdm_reads_badly(world_size=1)
-    assert console.tqdm_reads_badly(world_size=2)
+    assert not console_bar.tqdm_reads_badly(world_size=1)
+    assert console_bar.tqdm_reads_badly(world_size=2)
     monkeypatch.setenv("HOROVOD_RANK", "0")
-    assert console.tqdm_reads_badly(world_size=1)
+    assert console_bar.tqdm_reads_badly(world_size=1)
     monkeypatch.setattr(sys, "stdout", io.StringIO())
     monkeypatch.delenv("HOROVOD_RANK")
-    assert console.tqdm_reads_badly(world_size=1)  # piped to a file
+    assert console_bar.tqdm_reads_badly(world_size=1)  # piped to a file
 
 
 # ---------------------------------------------------------------------- warnings on ranks > 0
@@ -166,7 +167,7 @@ def test_tqdm_stays_in_a_terminal_without_a_launcher(monkeypatch: pytest.MonkeyP
 def rank_restored() -> Iterator[None]:
     rank = rank_zero_only.rank
     yield
-    console.follow_rank(rank)
+    rank_zero.follow_rank(rank)
 
 
 def _shown(message: str) -> str:
@@ -174,7 +175,7 @@ def _shown(message: str) -> str:
     with warnings.catch_warnings():
         warnings.simplefilter("always")
         shown_by = warnings.showwarning
-        if shown_by is not console._drop_warning:  # write where the test can read it
+        if shown_by is not rank_zero._drop_warning:  # write where the test can read it
             warnings.showwarning = lambda *args: stream.write(warnings.formatwarning(*args[:4]))
         warnings.warn(message, UserWarning, stacklevel=1)
     return stream.getvalue()
@@ -182,21 +183,21 @@ def _shown(message: str) -> str:
 
 @pytest.mark.usefixtures("rank_restored")
 def test_ranks_above_zero_display_no_warnings_but_still_raise_them(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv(console.ALL_RANK_WARNINGS_ENV, raising=False)
-    console.follow_rank(1)
+    monkeypatch.delenv(rank_zero.ALL_RANK_WARNINGS_ENV, raising=False)
+    rank_zero.follow_rank(1)
     assert rank_zero_only.rank == 1
     assert _shown("from rank 1") == ""
     with warnings.catch_warnings(), pytest.raises(UserWarning, match="escalated"):
         warnings.simplefilter("error")
         warnings.warn("escalated", UserWarning, stacklevel=1)
-    console.follow_rank(0)
+    rank_zero.follow_rank(0)
     assert "from rank 0" in _shown("from rank 0")
 
 
 @pytest.mark.usefixtures("rank_restored")
 def test_all_rank_warnings_on_request(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(console.ALL_RANK_WARNINGS_ENV, "1")
-    console.follow_rank(1)
+    monkeypatch.setenv(rank_zero.ALL_RANK_WARNINGS_ENV, "1")
+    rank_zero.follow_rank(1)
     assert "from rank 1" in _shown("from rank 1")
 
 

@@ -11,9 +11,9 @@ import math
 import pytest
 import torch
 
-from hvd_plugins.core.comm.gradient_sync import DasoGradientSync
 from hvd_plugins.core.config import HorovodConfig
 from hvd_plugins.core.daso import DasoConfig, DasoSchedule, Phase, StepPlan
+from hvd_plugins.core.daso.gradient_sync import DasoGradientSync
 from hvd_plugins.core.daso.schedule import improves
 from hvd_plugins.core.daso.sync import optimizer_state_to_average
 
@@ -277,4 +277,4 @@ def test_gradient_predivide_factor_and_adasum_are_refused_with_daso() -> None:
 
 def test_daso_gradient_sync_refuses_ops_it_cannot_average() -> None:
     with pytest.raises(ValueError, match="op='min' is not supported with sync='daso'"):
-        DasoGradientSync(None, None, "fp16", "min", None)  # type: ignore[arg-type]
+        DasoGradientSync(DasoConfig(), None, None, "min", None)  # type: ignore[arg-type]

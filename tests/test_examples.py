@@ -58,12 +58,21 @@ def test_every_daso_setting_has_a_flag_and_reaches_the_strategy() -> None:
 
 def test_strategy_flags_reach_the_strategy() -> None:
     args = _parser().parse_args(
-        ["--compression", "fp16", "--sync", "hierarchical", "--op", "sum", "--scale-lr", "--sync-batchnorm"]
+        ["--compression", "fp16", "--sync", "hierarchical", "--op", "sum", "--scale-lr", "--flat-below-mb", "2"]
     )
     strategy = common.strategy_from_args(args)
     config = strategy.config
-    assert (config.compression, config.sync, config.op) == ("fp16", "hierarchical", "sum")
-    assert config.scale_lr and config.sync_batchnorm and config.daso is None
+    assert (config.compression, config.sync, config.op, config.flat_below_mb) == ("fp16", "hierarchical", "sum", 2.0)
+    assert config.scale_lr and config.daso is None
+
+
+def test_every_strategy_argument_has_a_flag() -> None:
+    """The flags are read from HorovodStrategy's signature, so none can be missing or drift."""
+    import inspect
+
+    flags = {action.dest for action in _parser()._actions}
+    arguments = set(inspect.signature(common.HorovodStrategy.__init__).parameters) - {"self"}
+    assert arguments - common.STRATEGY_FLAGS_SKIPPED <= flags
 
 
 def test_daso_flags_without_sync_daso_are_refused() -> None:

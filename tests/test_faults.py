@@ -11,15 +11,15 @@ import pytest
 import torch
 from hvd_launch import TWO_NODES, JobResult, run_job
 
-from hvd_plugins.faults import (
+from hvd_plugins.core.backend.capabilities import require_gpu_build, require_gpu_for_local_rank
+from hvd_plugins.core.backend.stall import (
     DEFAULT_STALL_TIMEOUT_SECONDS,
     STALL_CHECK_ENV,
     STALL_SHUTDOWN_ENV,
-    optimizer_fingerprint,
     stall_environment,
     validate_stall_timeout,
 )
-from hvd_plugins.horovod_adapter import require_gpu_build, require_gpu_for_local_rank
+from hvd_plugins.core.faults.fingerprints import optimizer_fingerprint
 from hvd_plugins.pytorch.strategies.horovod import HorovodStrategy
 
 

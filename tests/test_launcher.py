@@ -14,7 +14,8 @@ from lightning.pytorch import Trainer
 from test_readme import SNIPPETS
 
 from hvd_plugins import HorovodEnvironment, HorovodStrategy
-from hvd_plugins.pytorch.strategies.launchers.horovod import HorovodScriptLauncher, local_launch_size
+from hvd_plugins.core.backend.runner import local_launch_size
+from hvd_plugins.pytorch.strategies.launchers.horovod import HorovodScriptLauncher
 from hvd_plugins.testing.launch import run_bounded
 
 

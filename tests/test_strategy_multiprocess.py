@@ -113,11 +113,12 @@ def test_bf16_mixed_precision_trains_identically_on_all_ranks(features: dict[int
 
 def test_sync_batchnorm_equals_batchnorm_on_the_global_batch(features: dict[int, dict]) -> None:
     for result in both(features, "sync_batchnorm"):
-        assert result["type"] == "HorovodSyncBatchNorm"
+        assert result["type"] == "SyncBatchNorm"
         assert result["output_diff"] < 1e-10
         assert result["input_grad_diff"] < 1e-10
         assert result["running_mean_diff"] < 1e-6
         assert result["trainer_converted"] and result["ranks_identical"]
+        assert result["reverted_after_fit"]  # as Lightning's DDP reverts its SyncBatchNorm after fitting
 
 
 def test_sync_batchnorm_layers_keep_the_precision_dtype(features: dict[int, dict]) -> None:
@@ -175,7 +176,7 @@ def test_uneven_batches_with_sync_batchnorm_do_not_hang(features: dict[int, dict
     # The worker gives up on this check after 120 s and reports a hang instead of blocking the job.
     rank0, rank1 = both(features, "uneven_sync_batchnorm")
     assert (rank0["batches"], rank1["batches"]) == (10, 6)
-    assert rank0["norm_type"] == rank1["norm_type"] == "HorovodSyncBatchNorm"
+    assert rank0["norm_type"] == rank1["norm_type"] == "SyncBatchNorm"
     assert rank0["steps"] == 20 and rank1["steps"] == 12
     assert rank0["ranks_identical"] and rank1["ranks_identical"]
 

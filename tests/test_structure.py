@@ -1,11 +1,25 @@
-"""The package's dependencies point one way: no import circles, and comm/ and daso/ stay free of Lightning."""
+"""The package's layers, enforced: core < faces < monitoring callbacks, and one source for both Lightning packages.
+
+- ``hvd_plugins.core`` imports no Lightning and no face; inside it ``backend`` (the only code that knows
+  Horovod) imports nothing else of the core, ``comm`` only the backend, ``daso`` only those two.
+- ``hvd_plugins.fabric`` (Fabric-level plugins) imports no Trainer code; ``hvd_plugins.pytorch`` may
+  import it, and of its callbacks only the progress bar it installs by default.
+- Faces name Lightning only as ``lightning.pytorch...``/``lightning.fabric...``, which the mirror rewrites.
+"""
 
 from __future__ import annotations
 
 import ast
+import importlib
+import inspect
+import pkgutil
 from pathlib import Path
 
+import pytest
+
 PACKAGE = Path(__file__).resolve().parents[1] / "hvd_plugins"
+LIGHTNING_ROOTS = {"lightning", "pytorch_lightning", "lightning_fabric"}
+FACES = ("hvd_plugins.pytorch", "hvd_plugins.fabric", "hvd_plugins.pytorch_lightning", "hvd_plugins.lightning_fabric")
 
 
 def _module_name(path: Path) -> str:
@@ -34,19 +48,40 @@ def _runtime_imports(path: Path) -> set[str]:
     return imported
 
 
+MODULES = {_module_name(path): path for path in PACKAGE.rglob("*.py")}
+IMPORTS = {name: _runtime_imports(path) for name, path in MODULES.items()}
+
+
+def _within(name: str, *prefixes: str) -> bool:
+    return any(name == prefix or name.startswith(prefix + ".") for prefix in prefixes)
+
+
+def _package_imports(name: str) -> set[str]:
+    return {target for target in IMPORTS[name] if target.startswith("hvd_plugins")}
+
+
+def _offenders(modules: str, forbidden: tuple[str, ...], allowed: tuple[str, ...] = ()) -> dict[str, list[str]]:
+    """Modules under ``modules`` importing something under ``forbidden`` (unless it is under ``allowed``)."""
+    found = {
+        name: sorted(t for t in IMPORTS[name] if _within(t, *forbidden) and not _within(t, *allowed))
+        for name in MODULES
+        if _within(name, modules)
+    }
+    return {name: targets for name, targets in found.items() if targets}
+
+
 def _graph() -> dict[str, set[str]]:
     """Module -> package modules it imports; a package exposing its own submodules is not an edge."""
-    modules = {_module_name(path): path for path in PACKAGE.rglob("*.py")}
     return {
         name: {
             target
-            for target in _runtime_imports(path)
-            if target in modules
+            for target in IMPORTS[name]
+            if target in MODULES
             and target != name
             and not target.startswith(name + ".")
             and not name.startswith(target + ".")
         }
-        for name, path in modules.items()
+        for name in MODULES
     }
 
 
@@ -70,19 +105,72 @@ def test_the_package_has_no_import_circle() -> None:
     assert not cycles, f"import circles: {cycles}"
 
 
-def test_comm_and_daso_import_no_lightning() -> None:
-    offenders = {
-        _module_name(path): sorted(i for i in _runtime_imports(path) if i.split(".")[0] == "lightning")
-        for folder in ("comm", "daso")
-        for path in (PACKAGE / folder).rglob("*.py")
+def test_the_core_imports_no_lightning_and_no_face() -> None:
+    assert not _offenders("hvd_plugins.core", (*LIGHTNING_ROOTS, *FACES, "hvd_plugins.callbacks", "hvd_plugins.mirror"))
+
+
+def test_the_core_is_layered_backend_then_comm_then_daso() -> None:
+    core = "hvd_plugins.core"
+    assert not _offenders(f"{core}.backend", (core,), allowed=(f"{core}.backend",))
+    assert not _offenders(f"{core}.comm", (core,), allowed=(f"{core}.backend", f"{core}.comm"))
+    assert not _offenders(f"{core}.daso", (core,), allowed=(f"{core}.backend", f"{core}.comm", f"{core}.daso"))
+
+
+def test_the_fabric_face_knows_no_trainer() -> None:
+    assert not _offenders("hvd_plugins.fabric", ("lightning.pytorch", "hvd_plugins.pytorch"))
+
+
+def test_the_trainer_face_installs_only_the_progress_bar_of_its_callbacks() -> None:
+    callbacks = "hvd_plugins.pytorch.callbacks"
+    bar = f"{callbacks}.progress"
+    outside = {
+        name: sorted(t for t in _package_imports(name) if _within(t, callbacks) and not _within(t, bar))
+        for name in MODULES
+        if _within(name, "hvd_plugins.pytorch") and not _within(name, callbacks) and name != "hvd_plugins.pytorch"
     }
-    assert not {name: found for name, found in offenders.items() if found}
+    assert not {name: found for name, found in outside.items() if found}
+
+
+def test_faces_name_lightning_only_in_forms_the_mirror_rewrites() -> None:
+    """``import lightning`` or ``from lightning import pytorch`` would bind the mirror's twin to the wrong package."""
+    for name in MODULES:
+        if not _within(name, "hvd_plugins.pytorch", "hvd_plugins.fabric"):
+            continue
+        roots = {target for target in IMPORTS[name] if target.split(".")[0] in LIGHTNING_ROOTS}
+        bad = {
+            t
+            for t in roots
+            if t.split(".")[0] != "lightning" or not _within(t, "lightning.pytorch", "lightning.fabric")
+        }
+        assert not bad, f"{name} imports {sorted(bad)}"
+
+
+def test_only_the_backend_imports_horovod() -> None:
+    users = _offenders("hvd_plugins", ("horovod",))
+    assert users and all(_within(name, "hvd_plugins.core.backend", "hvd_plugins.testing") for name in users), users
 
 
 def test_one_module_touches_horovod_internals() -> None:
     users = sorted(
-        _module_name(path)
-        for path in PACKAGE.rglob("*.py")
-        if any(name in path.read_text() for name in ("_allreduce_delay", "_grad_accs", "._optimizer.zero_grad"))
+        name
+        for name, path in MODULES.items()
+        if any(marker in path.read_text() for marker in ("_allreduce_delay", "_grad_accs", "._optimizer.zero_grad"))
     )
-    assert users == ["hvd_plugins.horovod_adapter"]
+    assert users == ["hvd_plugins.core.backend.optimizer"]
+
+
+@pytest.mark.parametrize(("face", "twin", "lightning"), [("pytorch", "pytorch_lightning", "pytorch_lightning")])
+def test_every_module_of_a_face_has_a_twin_bound_to_the_other_package(face: str, twin: str, lightning: str) -> None:
+    """The mirror serves each module of ``hvd_plugins.<face>`` as ``hvd_plugins.<twin>``, on the other classes."""
+    import hvd_plugins  # noqa: F401  (installs the mirror)
+
+    pl = importlib.import_module(lightning)
+    source = importlib.import_module(f"hvd_plugins.{face}")
+    names = [info.name for info in pkgutil.walk_packages(source.__path__, prefix=f"hvd_plugins.{face}.")]
+    assert names
+    for name in names:
+        mirrored = importlib.import_module(name.replace(f"hvd_plugins.{face}", f"hvd_plugins.{twin}", 1))
+        assert Path(inspect.getfile(mirrored)) == Path(inspect.getfile(importlib.import_module(name)))
+    strategy = importlib.import_module(f"hvd_plugins.{twin}").HorovodStrategy
+    assert issubclass(strategy, pl.strategies.ParallelStrategy)
+    assert strategy is not source.HorovodStrategy

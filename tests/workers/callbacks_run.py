@@ -20,8 +20,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import parse_out, write_result  # noqa: E402
 
-from hvd_plugins import HorovodStrategy  # noqa: E402
 from hvd_plugins.core.backend.module import horovod_torch  # noqa: E402
+from hvd_plugins.pytorch import HorovodStrategy  # noqa: E402
 from hvd_plugins.pytorch.callbacks import CommunicationMonitor, HorovodTimeline, PeakMemoryMonitor  # noqa: E402
 
 EPOCHS = 2

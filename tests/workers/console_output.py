@@ -18,8 +18,8 @@ from lightning.pytorch.callbacks import TQDMProgressBar
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.utils.data import DataLoader, TensorDataset
 
-from hvd_plugins import HorovodStrategy
 from hvd_plugins.core.backend.module import horovod_torch
+from hvd_plugins.pytorch import HorovodStrategy
 
 OUT, _ = parse_out()
 MARK = "console-check"

@@ -20,7 +20,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer, seed_everythin
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader
 
-from hvd_plugins import HorovodStrategy
+from hvd_plugins.pytorch import HorovodStrategy
 
 EPOCHS = 7
 STOP_AFTER_EPOCH = 3  # 0-based: epochs 1-5 cycle, so the interrupted run stops in the middle of cycling

@@ -16,12 +16,12 @@ from sklearn.datasets import make_classification
 from torch import nn
 from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 
-from hvd_plugins import HorovodStrategy
-from hvd_plugins.pytorch.callbacks import DasoScheduleCallback
 from hvd_plugins.core.comm.counters import CommCounters
 from hvd_plugins.core.comm.topology import build_node_groups, start_horovod_and_discover
 from hvd_plugins.core.daso.config import DasoConfig
 from hvd_plugins.core.daso.sync import DasoSync
+from hvd_plugins.pytorch import HorovodStrategy
+from hvd_plugins.pytorch.callbacks import DasoScheduleCallback
 
 BATCH_SIZE = 16
 FEATURES, CLASSES = 20, 4

@@ -20,7 +20,7 @@ from _common import parse_out, write_result
 from faults_common import Net, digest, loader, record_pid, trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from hvd_plugins import HorovodStrategy
+from hvd_plugins.pytorch import HorovodStrategy
 
 OUT, _ = parse_out()
 parser = argparse.ArgumentParser()

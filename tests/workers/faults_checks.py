@@ -17,7 +17,8 @@ from _common import parse_out, run_checks, write_result
 from faults_common import Net, digest, loader, trainer
 from lightning.pytorch.plugins.precision import MixedPrecision
 
-from hvd_plugins import DasoConfig, HorovodStrategy
+from hvd_plugins import DasoConfig
+from hvd_plugins.pytorch import HorovodStrategy
 
 BAD_BATCH = 3
 

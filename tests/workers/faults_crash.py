@@ -17,7 +17,7 @@ import horovod.torch as hvd
 from _common import parse_out
 from faults_common import Net, loader, record_pid, trainer
 
-from hvd_plugins import HorovodStrategy
+from hvd_plugins.pytorch import HorovodStrategy
 
 OUT, _ = parse_out()
 parser = argparse.ArgumentParser()

@@ -13,7 +13,7 @@ import horovod.torch as hvd
 from _common import parse_out, write_result
 from faults_common import Net, loader, trainer
 
-from hvd_plugins import HorovodStrategy
+from hvd_plugins.pytorch import HorovodStrategy
 
 OUT, _ = parse_out()
 parser = argparse.ArgumentParser()

@@ -12,7 +12,7 @@ from _common import parse_out, run_checks, write_result
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from hvd_plugins import HorovodStrategy
+from hvd_plugins.pytorch import HorovodStrategy
 
 OUT, _ = parse_out()
 
@@ -38,7 +38,8 @@ def fit(precision: str, compression: str) -> dict[str, Any]:
     y = (x[:, :4].argmax(dim=1)).long()
     model = Net()
     trainer = pl.Trainer(
-        strategy=HorovodStrategy(compression=compression, sync_batchnorm=True),
+        strategy=HorovodStrategy(compression=compression),
+        sync_batchnorm=True,
         accelerator="gpu",
         devices=1,
         precision=precision,

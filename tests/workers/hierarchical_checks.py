@@ -18,7 +18,6 @@ from horovod.torch.mpi_ops import _basics
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from hvd_plugins import HorovodStrategy
 from hvd_plugins.core.comm import (
     CommCounters,
     FP16Compression,
@@ -28,6 +27,7 @@ from hvd_plugins.core.comm import (
     partners,
     start_horovod_and_discover,
 )
+from hvd_plugins.pytorch import HorovodStrategy
 
 OUT, _ = parse_out()
 

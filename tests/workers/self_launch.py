@@ -60,9 +60,10 @@ class Net(pl.LightningModule):
 if __name__ == "__main__":
     import horovod.torch as hvd
 
-    from hvd_plugins import HorovodStrategy, launcher
+    from hvd_plugins.core.backend import runner
+    from hvd_plugins.pytorch import HorovodStrategy
 
-    launcher.EXIT_GRACE_SECONDS = 2.0  # what is tested is that rank 0 is ended, not the 15 s wait
+    runner.EXIT_GRACE_SECONDS = 2.0  # what is tested is that rank 0 is ended, not the 15 s wait
 
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(64, 3, generator=generator)

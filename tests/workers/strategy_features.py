@@ -23,7 +23,7 @@ from lightning.pytorch.callbacks import Callback, GradientAccumulationScheduler,
 from torch import nn
 from torch.utils.data import DataLoader, Subset, TensorDataset
 
-from hvd_plugins import AtomicCheckpointIO, HorovodStrategy
+from hvd_plugins.pytorch import AtomicCheckpointIO, HorovodStrategy, HorovodSyncBatchNorm
 
 OUT, ARGS = parse_out()
 N_FEATURES = 5
@@ -390,7 +390,7 @@ def check_bf16_mixed() -> dict[str, Any]:
 
 def check_sync_batchnorm() -> dict[str, Any]:
     """Synchronized BatchNorm on each rank's half == plain BatchNorm on the whole batch."""
-    from hvd_plugins.core.sync_batchnorm import HorovodSyncBatchNorm, convert_sync_batchnorm
+    from hvd_plugins.core.sync_batchnorm import convert_sync_batchnorm
 
     generator = torch.Generator().manual_seed(7)
     full = torch.randn(16, 4, generator=generator, dtype=torch.float64) * 3 + 1
@@ -407,7 +407,13 @@ def check_sync_batchnorm() -> dict[str, Any]:
     (out * upstream[mine]).sum().backward()
     # the loss is summed over ranks by data parallelism; the input gradient already includes
     # the other rank's terms through the synchronized statistics.
-    t = trainer(max_epochs=1, sync_batchnorm=True)
+    norm_types: list[str] = []
+
+    class NormTypeProbe(Callback):
+        def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+            norm_types.append(type(pl_module.norm).__name__)
+
+    t = trainer(max_epochs=1, sync_batchnorm=True, callbacks=[NormTypeProbe()])
 
     class WithBatchNorm(Regression):
         def __init__(self) -> None:
@@ -425,7 +431,8 @@ def check_sync_batchnorm() -> dict[str, Any]:
         "output_diff": float((out - expected[mine]).abs().max()),
         "input_grad_diff": float((x_mine.grad - x_full.grad[mine]).abs().max()),
         "running_mean_diff": float((synced.running_mean - plain.running_mean).abs().max()),
-        "trainer_converted": isinstance(model.norm, HorovodSyncBatchNorm),
+        "trainer_converted": norm_types == ["SyncBatchNorm"],
+        "reverted_after_fit": type(model.norm) is nn.BatchNorm1d,
         "trainer_norm_dtypes": sorted(
             {str(t.dtype) for t in model.norm.state_dict().values() if t.is_floating_point()}
         ),
@@ -607,9 +614,16 @@ def check_uneven_sync_batchnorm() -> dict[str, Any]:
     x, y = make_data(n, seed=30 + hvd.rank())
     model = HiddenBatchNorm()
     loader = DataLoader(TensorDataset(x.float(), y.float()), batch_size=4)
+    norm_types: list[str] = []
+
+    class NormTypeProbe(Callback):
+        def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+            norm_types.append(type(pl_module.norm).__name__)
+
     t = trainer(
         max_epochs=2,
-        strategy=HorovodStrategy(sync_batchnorm=True),
+        plugins=[HorovodSyncBatchNorm()],
+        callbacks=[NormTypeProbe()],
         use_distributed_sampler=False,
         limit_val_batches=2,
         precision="32-true",  # float32: the float64 dtype of converted layers is checked in "sync_batchnorm"
@@ -618,7 +632,7 @@ def check_uneven_sync_batchnorm() -> dict[str, Any]:
     return {
         "batches": t.num_training_batches,
         "steps": t.global_step,
-        "norm_type": type(model.norm).__name__,
+        "norm_type": norm_types[-1] if norm_types else None,
         "ranks_identical": all_equal(digest(model)),
     }
 

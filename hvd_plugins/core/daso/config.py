@@ -9,9 +9,10 @@ since the last sync rather than the weights, fp16's rounding stays small.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields
-from typing import Any
+from typing import Any, Literal, get_args
 
-DOWNCAST_TYPES = ("fp16", "bf16", "fp32")
+Downcast = Literal["fp16", "bf16", "fp32"]
+DOWNCAST_TYPES: tuple[str, ...] = get_args(Downcast)
 
 
 @dataclass(frozen=True)
@@ -35,7 +36,7 @@ class DasoConfig:
     consecutive cycling epoch without improvement; 0 shrinks on every non-improving epoch."""
     sending_chunk_size: int = 10_000_000
     """Largest number of elements in one cross-node message."""
-    downcast: str = "fp16"
+    downcast: Downcast = "fp16"
     """Wire type of the cross-node parameters: 'fp16' (our default, see the module docstring), 'bf16'
     (emulated in float32: bf16 rounding, fp32 bytes) or 'fp32'. The gradients of warmup and cooldown
     travel as fp16 with 'fp16' and as exact fp32 otherwise."""

@@ -18,6 +18,7 @@ from lightning.fabric.plugins import CheckpointIO
 from lightning.fabric.utilities.distributed import ReduceOp
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.types import _PATH
+from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.layer_sync import TorchSyncBatchNorm
 from lightning.pytorch.plugins.precision import Precision
@@ -131,7 +132,7 @@ class HorovodStrategy(ParallelStrategy):
         stall_timeout_seconds: StallTimeout = "auto",
         check_finite_gradients: bool = False,
         cpu_threads: CpuThreads = "auto",
-        accelerator: pl.accelerators.Accelerator | None = None,
+        accelerator: Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         checkpoint_io: CheckpointIO | None = None,
         precision_plugin: Precision | None = None,
@@ -281,7 +282,7 @@ class HorovodStrategy(ParallelStrategy):
         self.model = self.precision_plugin.convert_module(self.model)
         if isinstance(self._layer_sync, TorchSyncBatchNorm):  # Trainer(sync_batchnorm=True): torch's needs DDP
             self._layer_sync = HorovodSyncBatchNorm()
-        if self._layer_sync is not None:
+        if fitting and self._layer_sync is not None:  # as DDP: while fitting, reverted at teardown
             self.model = self._layer_sync.apply(self.model)
         self.model_to_device()
         attach_horovod_metric_sync(self.model)
@@ -461,4 +462,7 @@ class HorovodStrategy(ParallelStrategy):
             self._finite_check = None
         if self.gradient_sync is not None:
             self.gradient_sync.teardown(self.optimizers)  # its state (the measured route) stays for a later fit
+        trainer = self.lightning_module._trainer if self.lightning_module is not None else None
+        if trainer is not None and trainer.state.fn == TrainerFn.FITTING and self._layer_sync is not None:
+            self.model = self._layer_sync.revert(self.model)
         super().teardown()
