@@ -1,26 +1,63 @@
 """Launch real Horovod jobs from pytest and collect what each rank reported.
 
 Thin test-side names over ``hvd_plugins.testing.launch``: worker scripts are looked up in
-``tests/workers`` and a job that outlives its timeout fails the test.
+``tests/workers`` and a job that outlives its timeout fails the test. ``lightning="pytorch_lightning"``
+runs the same worker written for ``pytorch_lightning``: a copy of ``tests/workers`` whose imports
+say ``import pytorch_lightning as pl`` and ``from hvd_plugins.pytorch_lightning import ...``, made
+with the rewrite that builds the package's own ``pytorch_lightning`` face.
 """
 
 from __future__ import annotations
 
+import functools
 import sys
+import tempfile
 from pathlib import Path
 
+from hvd_plugins.mirror import rewrite
 from hvd_plugins.testing.launch import JobResult, horovodrun, horovodrun_path, run_bounded
 
-__all__ = ["REPO", "TWO_NODES", "WORKERS", "JobResult", "horovodrun_path", "run_job", "run_single"]
+__all__ = [
+    "LIGHTNING_PACKAGES",
+    "REPO",
+    "TWO_NODES",
+    "WORKERS",
+    "JobResult",
+    "horovodrun_path",
+    "run_job",
+    "run_single",
+    "scripts_for",
+    "workers_for",
+]
 
 REPO = Path(__file__).resolve().parents[1]
 WORKERS = Path(__file__).resolve().parent / "workers"
 TWO_NODES = "localhost:2,127.0.0.1:2"  # one machine, two emulated nodes of two workers
+LIGHTNING_PACKAGES = ("lightning.pytorch", "pytorch_lightning")
 
 
-def _worker_path(script: str | Path) -> Path:
+@functools.cache
+def scripts_for(folder: Path, lightning: str) -> Path:
+    """The scripts (and YAML configs) of ``folder`` as written for ``lightning``; ``folder`` itself for
+    ``lightning.pytorch``, a rewritten copy for ``pytorch_lightning``."""
+    if lightning == "lightning.pytorch":
+        return folder
+    if lightning != "pytorch_lightning":
+        raise ValueError(f"lightning={lightning!r}; choose one of {LIGHTNING_PACKAGES}")
+    copy = Path(tempfile.mkdtemp(prefix=f"{folder.name}_pytorch_lightning_"))
+    for source in [*folder.glob("*.py"), *folder.glob("*.yaml")]:
+        (copy / source.name).write_text(rewrite(source.read_text()))
+    return copy
+
+
+def workers_for(lightning: str) -> Path:
+    """The worker scripts as written for ``lightning``."""
+    return scripts_for(WORKERS, lightning)
+
+
+def _worker_path(script: str | Path, lightning: str = "lightning.pytorch") -> Path:
     script = Path(script)
-    return script if script.is_absolute() else WORKERS / script
+    return script if script.is_absolute() else workers_for(lightning) / script
 
 
 def _fail_on_timeout(job: JobResult, what: str, timeout: float) -> JobResult:
@@ -39,6 +76,7 @@ def run_job(
     env: dict[str, str] | None = None,
     python: bool = True,
     console_script: bool = False,
+    lightning: str = "lightning.pytorch",
 ) -> JobResult:
     """Run ``horovodrun -np N -H hosts --gloo python script args`` and gather ``rank*.json``.
 
@@ -47,7 +85,7 @@ def run_job(
     probe, which costs seconds per launch, is skipped unless ``console_script`` asks for the
     ``horovodrun`` command itself.
     """
-    script = _worker_path(script)
+    script = _worker_path(script, lightning)
     worker = ([sys.executable, str(script)] if python else [str(script)]) + list(args)
     job = horovodrun(
         worker, np=np, hosts=hosts, out_dir=out_dir, timeout=timeout, env=env, cwd=REPO, probe_build=console_script
@@ -55,9 +93,15 @@ def run_job(
     return _fail_on_timeout(job, "horovodrun", timeout)
 
 
-def run_single(script: str | Path, *args: str, out_dir: Path | None = None, timeout: float = 300) -> JobResult:
+def run_single(
+    script: str | Path,
+    *args: str,
+    out_dir: Path | None = None,
+    timeout: float = 300,
+    lightning: str = "lightning.pytorch",
+) -> JobResult:
     """Run a worker script as one plain python process (no launcher, no Horovod variables)."""
-    command = [sys.executable, str(_worker_path(script)), *args]
+    command = [sys.executable, str(_worker_path(script, lightning)), *args]
     command += ["--out", str(out_dir)] if out_dir is not None else []
     job = run_bounded(command, timeout, cwd=REPO, out_dir=out_dir, drop_launcher_env=True)
     return _fail_on_timeout(job, "the single process", timeout)

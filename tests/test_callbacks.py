@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from hvd_launch import TWO_NODES, run_job, run_single
+from hvd_launch import LIGHTNING_PACKAGES, TWO_NODES, run_job, run_single
 from lightning.pytorch import LightningModule, Trainer
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -133,8 +133,10 @@ def _check_timeline_only_on_rank_zero(out: Path, size: int, collective: str = "A
 
 
 @pytest.mark.multiprocess
-def test_callbacks_two_workers_fp16_with_accumulation(tmp_path: Path) -> None:
-    job = run_job(WORKER, "--compression", "fp16", "--accumulate", "2", np=2, out_dir=tmp_path, timeout=420).check()
+@pytest.mark.parametrize("lightning", LIGHTNING_PACKAGES)
+def test_callbacks_two_workers_fp16_with_accumulation(tmp_path: Path, lightning: str) -> None:
+    args = ("--compression", "fp16", "--accumulate", "2")
+    job = run_job(WORKER, *args, np=2, out_dir=tmp_path, timeout=420, lightning=lightning).check()
     assert sorted(job.results) == [0, 1]
     for result in job.results.values():
         assert result["parameters"] == PARAMETERS

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from hvd_launch import TWO_NODES, JobResult, run_job
+from hvd_launch import LIGHTNING_PACKAGES, TWO_NODES, JobResult, run_job
 
 pytestmark = pytest.mark.multiprocess
 
@@ -29,10 +29,20 @@ def two_by_two(tmp_path_factory: pytest.TempPathFactory) -> JobResult:
     return job
 
 
-@pytest.fixture(scope="module")
-def two_by_one(tmp_path_factory: pytest.TempPathFactory) -> JobResult:
+@pytest.fixture(scope="module", params=LIGHTNING_PACKAGES)
+def two_by_one(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> JobResult:
+    """DASO's checks on two nodes of one worker (resume included), with each Lightning package."""
     out: Path = tmp_path_factory.mktemp("daso_two_by_one")
-    job = run_job("daso_checks.py", "--case", "two_by_one", np=2, hosts=TWO_BY_ONE, out_dir=out, timeout=900).check()
+    job = run_job(
+        "daso_checks.py",
+        "--case",
+        "two_by_one",
+        np=2,
+        hosts=TWO_BY_ONE,
+        out_dir=out,
+        timeout=900,
+        lightning=request.param,
+    ).check()
     assert sorted(job.results) == [0, 1]
     return job
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import horovod.torch as hvd
 import pytest
 import torch
-from hvd_launch import run_job, run_single
+from hvd_launch import LIGHTNING_PACKAGES, run_job, run_single
 from lightning.pytorch import Trainer
 from test_readme import SNIPPETS
 
@@ -72,8 +72,9 @@ def test_what_a_plain_process_launches() -> None:
 
 # ---------------------------------------------------------------------- real jobs
 @pytest.mark.multiprocess
-def test_plain_python_with_two_devices_runs_two_workers_that_match_horovodrun(tmp_path: Path) -> None:
-    plain = run_single("self_launch.py", out_dir=tmp_path / "plain", timeout=300)
+@pytest.mark.parametrize("lightning", LIGHTNING_PACKAGES)
+def test_plain_python_with_two_devices_runs_two_workers_that_match_horovodrun(tmp_path: Path, lightning: str) -> None:
+    plain = run_single("self_launch.py", out_dir=tmp_path / "plain", timeout=300, lightning=lightning)
     assert plain.returncode == 0, plain.output[-6000:]
     assert sorted(plain.results) == [0, 1], plain.output[-6000:]
     rank0, rank1 = plain.results[0], plain.results[1]
@@ -85,7 +86,9 @@ def test_plain_python_with_two_devices_runs_two_workers_that_match_horovodrun(tm
     assert rank0["parameters"] == rank1["parameters"]
     assert rank0["parameters"] != rank0["initial"]  # it trained
 
-    launched = run_job("self_launch.py", np=2, out_dir=tmp_path / "horovodrun", timeout=300).check()
+    launched = run_job(
+        "self_launch.py", np=2, out_dir=tmp_path / "horovodrun", timeout=300, lightning=lightning
+    ).check()
     assert sorted(launched.results) == [0, 1]
     for rank in (0, 1):
         assert launched.results[rank]["world_size"] == 2

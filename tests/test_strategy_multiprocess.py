@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from hvd_launch import TWO_NODES, run_job, run_single
+from hvd_launch import LIGHTNING_PACKAGES, TWO_NODES, run_job, run_single
 
 pytestmark = pytest.mark.multiprocess
 
@@ -194,10 +194,13 @@ def test_accumulation_change_inside_an_epoch_is_refused_clearly(features: dict[i
         assert "accumulate_grad_batches changed to 3 in the middle of epoch 0 (was 1)" in result["error"]
 
 
-@pytest.fixture(scope="module")
-def two_nodes(tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict]:
+@pytest.fixture(scope="module", params=LIGHTNING_PACKAGES)
+def two_nodes(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict]:
+    """The hierarchical checks on two emulated nodes of two workers, with each Lightning package."""
     out = tmp_path_factory.mktemp("two_nodes")
-    job = run_job("hierarchical_checks.py", np=4, hosts=TWO_NODES, out_dir=out, timeout=900).check()
+    job = run_job(
+        "hierarchical_checks.py", np=4, hosts=TWO_NODES, out_dir=out, timeout=900, lightning=request.param
+    ).check()
     assert sorted(job.results) == [0, 1, 2, 3], job.output[-3000:]
     job.results[0]["route_lines"] = [line for line in job.output.splitlines() if "gradient sync took" in line]
     return job.results

@@ -2,9 +2,7 @@
 
 Every torch process starts with one intra-op thread per core. With several workers on one host,
 each of them does, so N workers run N times as many compute threads as there are cores; OpenMP
-threads that wait spin, and they preempt each other. Measured on a 2-core machine: the two-node
-DASO digits example (4 workers) took 34 s wall (40 s user, 16 s system CPU, 2.5 M involuntary
-context switches) with torch's default threads and 18.7 s with one thread per worker.
+threads that wait spin, and they preempt each other (docs/measurements.rst, "Threads per worker").
 ``OMP_NUM_THREADS`` in the environment always wins: it is what the user (or a launcher) chose.
 """
 

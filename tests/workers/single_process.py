@@ -42,6 +42,8 @@ if __name__ == "__main__":
         OUT,
         0,
         {
+            "lightning": pl.__name__,
+            "strategy_module": type(trainer.strategy).__module__,
             "world_size": trainer.world_size,
             "is_distributed": trainer.strategy.is_distributed,
             "first_loss": first,

@@ -2,14 +2,9 @@
 
 Every collective here is a GLOBAL ``hvd.alltoall`` whose splits send data only to the worker's
 partners (zero elements to everyone else), so Horovod runs one process set, the global one, and
-needs no restart to learn about groups. Why, measured on this project's 2-core machine (two
-emulated nodes of two workers, medians of 5 jobs, ``benchmarks/transport.py``): once Horovod
-runs process sets every collective negotiates per set each 1 ms cycle, so a flat allreduce of
-1k float32 cost 15-21 ms with static sets against 8-12 ms without; a two-level allreduce built
-from partner-only alltoalls took 105 ms (1k) / 210 ms (1M float32) against 117-123 / 213-265 ms
-on static sets; and starting Horovod again with static sets (the only way to get them without
-dynamic mode, which made every collective slower still) was a second rendezvous that could hang
-when a rank published its new address before the slowest rank had left the first one.
+needs no restart to learn about groups: with process sets every collective negotiates per set on
+every Horovod cycle, and static sets need a second rendezvous (docs/measurements.rst, "Partners
+without process sets").
 
 A group of two exchanges whole tensors in one round (each member sends its tensor to the other
 and both add the two in the group's order, so both hold the same bits; the bytes equal a ring's).
@@ -19,11 +14,8 @@ every worker uses Horovod's allreduce.
 A pair that crosses nodes side by side with other pairs (``PartnerGroup.relay_lane``) relays
 instead: one member sends, the other adds and sends the sum back, two one-way rounds with the
 same bytes, half the pairs starting in each direction so both directions of the link stay busy.
-Why, measured with ``benchmarks/duplex.py`` (two emulated nodes of two workers, 50 Mbit/s
-``tc tbf``, 3.2 MB per worker, slowest rank, medians of two runs of 10 trials): a Gloo connection
-carrying data both ways at once was slower and less steady (exchange 588-663 ms, 515-829 ms
-range) than one way at a time (relay 559-603 ms, 509-723 ms); the whole two-level sum took
-603-611 ms relayed, against 737-1010 ms exchanged and 843-913 ms for Horovod's ring allreduce.
+A Gloo connection carrying data both ways at once moved it slower and less steadily than one way
+at a time (docs/measurements.rst, "Relay or exchange").
 """
 
 from __future__ import annotations
@@ -202,10 +194,8 @@ class PendingGroupSum:
 
     Every member must start the same sums in the same order with tensors of equal size and
     dtype; every member ends with the same bits. A group of every worker uses Horovod's
-    allreduce: on a shaped 50 Mbit/s link between 2 nodes x 1 worker, DASO's float16 parameter
-    sum as a partner exchange made a step 348 ms against 210 ms as an allreduce, although the
-    bytes are the same (on an unshaped link the exchange was faster while Gloo added float16 in
-    software, before the F16C sum of the wheel ci/install_horovod.sh builds).
+    allreduce, which was faster than a partner exchange of the same bytes on a shaped link
+    (docs/measurements.rst, "Sums over every worker").
     ``wait()`` returns the sum, as precise as ``tensor`` or more (half types added by this module
     come back float32). ``relay=False`` makes a relaying pair exchange instead (one round).
     ``progress()`` lets a sum that is not awaited yet start its second round in the background.

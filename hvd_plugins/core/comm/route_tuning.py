@@ -2,8 +2,8 @@
 
 Which route is faster depends on the link between nodes, not on the model: on a slow link the
 two-level allreduce sends half the cross-node bytes of a flat one (2 workers per node) and wins;
-on a fast link its three collective rounds lose to flat's one (on 2 nodes x 2 workers over
-loopback: 169 ms a step against 68 ms). Nobody should have to know which case they are in, so
+on a fast link its three collective rounds lose to flat's one (docs/measurements.rst). Nobody
+should have to know which case they are in, so
 ``sync="hierarchical"`` times both and keeps the faster. Both routes produce the same sums (up to
 float rounding), so the trial steps train as usual.
 """

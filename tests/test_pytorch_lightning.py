@@ -1,0 +1,150 @@
+"""Both Lightning packages: names registered in each Trainer, classes of each namespace, clear errors when mixed.
+
+The multi-process jobs of the other test files run under both packages (their ``lightning``
+parameter); this file checks what a script sees when it starts with ``import pytorch_lightning as pl``.
+"""
+
+from __future__ import annotations
+
+import re
+
+import lightning.pytorch as lp
+import pytest
+import pytorch_lightning as pl
+from hvd_launch import LIGHTNING_PACKAGES, REPO, run_job, run_single, scripts_for
+
+import hvd_plugins
+from hvd_plugins import pytorch as lightning_face
+from hvd_plugins import pytorch_lightning as standalone_face
+from hvd_plugins.mirror import rewrite
+from hvd_plugins.pytorch.strategies.registry import PRESETS
+
+
+@pytest.mark.parametrize(("trainer_package", "face"), [(lp, lightning_face), (pl, standalone_face)])
+def test_every_strategy_name_is_registered_with_each_trainer(trainer_package, face) -> None:  # noqa: ANN001
+    registry = trainer_package.strategies.StrategyRegistry
+    for name in PRESETS:
+        assert registry[name]["strategy"] is face.HorovodStrategy
+
+
+def test_each_face_subclasses_its_own_packages_classes() -> None:
+    assert issubclass(standalone_face.HorovodStrategy, pl.strategies.ParallelStrategy)
+    assert not issubclass(standalone_face.HorovodStrategy, lp.strategies.Strategy)
+    assert issubclass(lightning_face.HorovodStrategy, lp.strategies.ParallelStrategy)
+    assert issubclass(standalone_face.LineProgressBar, pl.callbacks.ProgressBar)
+    assert issubclass(standalone_face.HorovodSyncBatchNorm, pl.plugins.LayerSync)
+    assert hvd_plugins.HorovodStrategy is lightning_face.HorovodStrategy  # the short import serves lightning.pytorch
+    from hvd_plugins.pytorch_lightning.callbacks import CommunicationMonitor
+
+    assert issubclass(CommunicationMonitor, pl.Callback)
+
+
+def test_a_pytorch_lightning_trainer_takes_the_registered_name_and_the_documented_instance() -> None:
+    by_name = pl.Trainer(strategy="horovod_fp16", accelerator="cpu", devices=1, logger=False)
+    assert type(by_name.strategy) is standalone_face.HorovodStrategy
+    assert by_name.strategy.config.compression == "fp16"
+    given = standalone_face.HorovodStrategy(sync="hierarchical")
+    assert pl.Trainer(strategy=given, accelerator="cpu", devices=1, logger=False).strategy is given
+
+
+@pytest.mark.parametrize(
+    ("trainer_package", "foreign", "import_hint"),
+    [
+        (pl, lightning_face.HorovodStrategy, "from hvd_plugins.pytorch_lightning import HorovodStrategy"),
+        (lp, standalone_face.HorovodStrategy, "from hvd_plugins.pytorch import HorovodStrategy"),
+    ],
+)
+def test_a_strategy_of_the_other_package_is_refused_naming_the_import(trainer_package, foreign, import_hint) -> None:  # noqa: ANN001
+    with pytest.raises(ValueError) as refused:
+        trainer_package.Trainer(strategy=foreign(), accelerator="cpu", devices=1, logger=False)
+    assert import_hint in str(refused.value)
+
+
+def test_a_callback_of_the_other_package_is_refused_naming_the_import() -> None:
+    trainer = pl.Trainer(
+        strategy=standalone_face.HorovodStrategy(),
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        callbacks=[lightning_face.CommunicationMonitor()],
+    )
+    from pytorch_lightning.demos.boring_classes import BoringModel
+
+    model = BoringModel()
+    with pytest.raises(ValueError, match="from hvd_plugins.pytorch_lightning.callbacks import CommunicationMonitor"):
+        trainer.fit(model)
+
+
+def test_the_rewrite_maps_both_packages_and_both_faces_and_keeps_lines() -> None:
+    source = (
+        "import lightning.pytorch as pl\n"
+        "from lightning.fabric.plugins import CheckpointIO\n"
+        "from hvd_plugins.pytorch.callbacks import LineProgressBar\n"
+        "from hvd_plugins.fabric import HorovodEnvironment\n"
+        "import hvd_plugins.pytorch_lightning\n"
+        "from my.lightning.pytorch import x  # not Lightning's\n"
+    )
+    assert rewrite(source).splitlines() == [
+        "import pytorch_lightning as pl",
+        "from lightning_fabric.plugins import CheckpointIO",
+        "from hvd_plugins.pytorch_lightning.callbacks import LineProgressBar",
+        "from hvd_plugins.lightning_fabric import HorovodEnvironment",
+        "import hvd_plugins.pytorch_lightning",
+        "from my.lightning.pytorch import x  # not Lightning's",
+    ]
+
+
+def test_a_pytorch_lightning_script_trains_by_name_as_one_plain_process(tmp_path) -> None:  # noqa: ANN001
+    """``import pytorch_lightning as pl`` and ``pl.Trainer(strategy="horovod")``, as scripts before Lightning 2.0."""
+    job = run_single("single_process.py", out_dir=tmp_path, lightning="pytorch_lightning")
+    assert job.returncode == 0, job.output[-4000:]
+    result = job.results[0]
+    assert result["lightning"] == "pytorch_lightning" and result["strategy_module"].startswith(
+        "hvd_plugins.pytorch_lightning"
+    )
+    assert result["world_size"] == 1 and result["final_loss"] < 0.1 * result["first_loss"]
+
+
+@pytest.mark.multiprocess
+def test_the_shared_job_gives_the_same_results_under_both_packages(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """strategy_features.py as written for each package: every check passes or fails alike, with equal values."""
+    from conftest import two_worker_reports
+
+    by_package = {package: two_worker_reports(package, tmp_path_factory) for package in LIGHTNING_PACKAGES}
+    lightning, standalone = by_package["lightning.pytorch"], by_package["pytorch_lightning"]
+    for rank in (0, 1):
+        assert sorted(lightning[rank]) == sorted(standalone[rank])
+        for check, entry in lightning[rank].items():
+            other = standalone[rank][check]
+            assert other["ok"] == entry["ok"], (check, other.get("error"), entry.get("error"))
+            assert _comparable(other.get("value")) == _comparable(entry.get("value")), check
+
+
+def _comparable(value: object) -> object:
+    """A check's value without what differs between any two runs (timings, process ids, paths)."""
+    if isinstance(value, dict):
+        return {
+            k: _comparable(v) for k, v in value.items() if not any(w in k for w in ("seconds", "pid", "path", "dir"))
+        }
+    if isinstance(value, list):
+        return [_comparable(v) for v in value]
+    if isinstance(value, str):
+        return value.replace("pytorch_lightning", "lightning.pytorch")
+    return value
+
+
+@pytest.mark.multiprocess
+def test_lightning_cli_with_the_yaml_config_under_pytorch_lightning(tmp_path) -> None:  # noqa: ANN001
+    """examples/cli.py and config.yaml as a pytorch_lightning user writes them: class paths of that package."""
+    examples = scripts_for(REPO / "examples", "pytorch_lightning")
+    assert "pytorch_lightning.HorovodStrategy" in (examples / "config.yaml").read_text()
+    job = run_job(
+        examples / "cli.py",
+        *("fit", "--config", str(examples / "config.yaml"), "--trainer.max_epochs", "2"),
+        *("--trainer.enable_progress_bar", "false", "--trainer.logger.init_args.save_dir", str(tmp_path)),
+        np=2,
+        timeout=420,
+    ).check()
+    accuracy = re.search(r"validation accuracy: ([0-9.]+)", job.output)
+    assert accuracy is not None and float(accuracy.group(1)) >= 0.85, job.output[-3000:]
+    assert (tmp_path / "logs" / "metrics.csv").exists()
