@@ -7,6 +7,7 @@ parameter); this file checks what a script sees when it starts with ``import pyt
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
 
 import lightning.pytorch as lp
 import pytest
@@ -18,6 +19,16 @@ from hvd_plugins import pytorch as lightning_face
 from hvd_plugins import pytorch_lightning as standalone_face
 from hvd_plugins.mirror import rewrite
 from hvd_plugins.pytorch.strategies.registry import PRESETS
+
+
+@pytest.fixture(autouse=True)
+def leave_horovod_stopped() -> Iterator[None]:
+    """A Trainer built here starts Horovod in the test process; later tests expect a plain process."""
+    yield
+    import horovod.torch as hvd
+
+    if hvd.is_initialized():
+        hvd.shutdown()
 
 
 @pytest.mark.parametrize(("trainer_package", "face"), [(lp, lightning_face), (pl, standalone_face)])

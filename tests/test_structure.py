@@ -174,3 +174,13 @@ def test_every_module_of_a_face_has_a_twin_bound_to_the_other_package(face: str,
     strategy = importlib.import_module(f"hvd_plugins.{twin}").HorovodStrategy
     assert issubclass(strategy, pl.strategies.ParallelStrategy)
     assert strategy is not source.HorovodStrategy
+
+
+def test_the_strategy_wires_sync_modes_without_branching_on_them() -> None:
+    """Every sync mode offers the same hooks; HorovodStrategy never asks which one runs."""
+    path = MODULES["hvd_plugins.pytorch.strategies.horovod"]
+    (strategy,) = [n for n in ast.parse(path.read_text()).body if isinstance(n, ast.ClassDef)]
+    assert strategy.end_lineno - strategy.lineno + 1 < 300
+    mode_words = ("sync ==", "daso", "hierarchical", "route", "Daso", "Hierarchical", "node_aware")
+    branches = [ast.unparse(n.test) for n in ast.walk(strategy) if isinstance(n, (ast.If, ast.IfExp))]
+    assert not [test for test in branches if any(word in test for word in mode_words)], branches

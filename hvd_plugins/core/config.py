@@ -8,7 +8,7 @@ a collective.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from typing import Any, Literal, get_args
 
 from hvd_plugins.core.backend.stall import DEFAULT_STALL_TIMEOUT_SECONDS, validate_stall_timeout
@@ -86,6 +86,11 @@ class HorovodConfig:
     ``OMP_NUM_THREADS`` is set, a number sets it, None leaves torch's default (see ``cpu_threads``)."""
 
     def __post_init__(self) -> None:
+        for name in ("scale_lr", "compress_node_local", "average_buffers", "check_finite_gradients"):
+            value = getattr(self, name)
+            if not isinstance(value, bool) and value not in (0, 1):
+                raise ValueError(f"{name}={value!r} must be True or False")
+            object.__setattr__(self, name, bool(value))
         compressor_by_name(self.compression)  # raises naming the choices
         _choice("op", self.op, GRADIENT_OPS)
         _choice("sync", self.sync, SYNC_MODES)
@@ -135,6 +140,11 @@ class HorovodConfig:
         ):
             raise ValueError(f"stall_timeout_seconds={self.stall_timeout_seconds!r} must be whole seconds or None")
         validate_cpu_threads(self.cpu_threads)
+
+    @staticmethod
+    def argument_names() -> tuple[str, ...]:
+        """The strategy arguments this config holds: one per field."""
+        return tuple(field.name for field in fields(HorovodConfig))
 
     @staticmethod
     def build(

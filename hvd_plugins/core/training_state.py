@@ -10,6 +10,7 @@ from torch.optim import Optimizer
 
 from hvd_plugins.core.backend.module import horovod_torch
 from hvd_plugins.core.comm.buffers import finish_buffer_average, start_buffer_average
+from hvd_plugins.core.comm.gradient_sync import GradientSync
 from hvd_plugins.core.comm.parameters import indexed_optimizer_parameters
 
 
@@ -34,6 +35,26 @@ def average_buffers_(model: Module, name: str) -> None:
     Blocking form of ``comm.buffers``' start/finish pair (which DASO overlaps with its own sync).
     """
     finish_buffer_average(start_buffer_average(model, name))
+
+
+def wrap_optimizers(
+    sync: GradientSync, optimizers: Sequence[Optimizer], model: Module, schedulers: Sequence[Any] = ()
+) -> list[Optimizer]:
+    """Each optimizer as ``sync`` wraps it (named ``opt<i>.<parameter>``), and schedulers pointed at the wrappers."""
+    wrapped = [
+        sync.wrap(optimizer, named_parameters_for(optimizer, model, f"opt{index}"))
+        for index, optimizer in enumerate(optimizers)
+    ]
+    for scheduler in schedulers:
+        if scheduler.optimizer in optimizers:
+            scheduler.optimizer = wrapped[list(optimizers).index(scheduler.optimizer)]
+    return wrapped
+
+
+def broadcast_optimizer_states_(optimizers: Sequence[Optimizer], root_rank: int) -> None:
+    """Every optimizer's state as ``root_rank`` holds it (after a checkpoint restore), named by position."""
+    for index, optimizer in enumerate(optimizers):
+        broadcast_optimizer_state_(optimizer, root_rank=root_rank, name=f"opt{index}")
 
 
 def broadcast_optimizer_state_(optimizer: Optimizer, root_rank: int, name: str) -> None:

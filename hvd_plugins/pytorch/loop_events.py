@@ -5,6 +5,7 @@ this callback. It turns the loop into three events and drives everything that ha
 
 - epoch start: follow accumulation schedules, refuse uneven data for the node-aware syncs, tell the
   gradient sync (DASO re-reads which parameters are trainable);
+- batch start: refuse an accumulation change inside the epoch; the gradient sync's batch hook;
 - batch end: the gradient sync's step hook, when the batch stepped the optimizer (DASO's cross-node step);
 - the epoch's last batch: the epoch-end policy joins uneven ranks and averages buffers; the gradient
   sync closes its epoch, with the epoch's training loss averaged over all workers should it ask
@@ -45,6 +46,13 @@ def is_last_batch(trainer: Trainer, batch_idx: int) -> bool:
     )
 
 
+def training_position(trainer: Trainer | None) -> str:
+    """Where training is, for failure messages: "epoch E, global step S" (or "setup")."""
+    if trainer is None:
+        return "setup"
+    return f"epoch {trainer.current_epoch}, global step {trainer.global_step}"
+
+
 def training_data_name(trainer: Trainer) -> str:
     """The training dataset's type, for error messages ("the training data" when there is none)."""
     dataset = getattr(trainer.train_dataloader, "dataset", None)
@@ -57,15 +65,8 @@ class TrainingLoopEvents(Callback):
     ``reduce`` is the strategy's (``reduce(tensor, reduce_op="sum")`` over every worker).
     """
 
-    def __init__(
-        self,
-        epoch_end: EpochEndPolicy,
-        on_epoch_start: Callable[[Trainer], None],
-        gradient_sync: GradientSync,
-        reduce: Callable[..., torch.Tensor],
-    ) -> None:
+    def __init__(self, epoch_end: EpochEndPolicy, gradient_sync: GradientSync, reduce: Callable[..., torch.Tensor]):
         self.epoch_end = epoch_end
-        self.on_epoch_start = on_epoch_start
         self.gradient_sync = gradient_sync
         self.reduce = reduce
         self._epoch_open = False
@@ -73,17 +74,45 @@ class TrainingLoopEvents(Callback):
         self._loss_sum = 0.0
         self._loss_count = 0
 
+    @classmethod
+    def install(
+        cls,
+        trainer: Trainer,
+        epoch_end: EpochEndPolicy,
+        gradient_sync: GradientSync,
+        reduce: Callable[..., torch.Tensor],
+    ) -> None:
+        """Add a new owner of the loop events to ``trainer``, replacing the one of an earlier fit."""
+        kept = [callback for callback in trainer.callbacks if not isinstance(callback, cls)]
+        trainer.callbacks = [*kept, cls(epoch_end, gradient_sync, reduce)]
+
     @override
     def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._epoch_open = True
         self._loss_sum, self._loss_count = 0.0, 0
         self.epoch_end.check_even_batches(trainer.num_training_batches, training_data_name(trainer))
-        self.on_epoch_start(trainer)
+        self._follow_accumulation(trainer)
         self.gradient_sync.on_train_epoch_start()  # after user callbacks that (un)freeze parameters
 
     @override
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        if trainer.accumulate_grad_batches != self.gradient_sync.backward_passes:
+            raise ValueError(
+                f"accumulate_grad_batches changed to {trainer.accumulate_grad_batches} in the middle of epoch "
+                f"{trainer.current_epoch} (was {self.gradient_sync.backward_passes}). HorovodStrategy follows "
+                "accumulation schedules that change at epoch starts (GradientAccumulationScheduler), not within "
+                "an epoch."
+            )
         self._step_at_batch_start = trainer.global_step
+        self.gradient_sync.on_train_batch_start()
+
+    def _follow_accumulation(self, trainer: Trainer) -> None:
+        """Accumulation schedules (GradientAccumulationScheduler) change at epoch starts."""
+        passes = trainer.accumulate_grad_batches
+        if passes != self.gradient_sync.backward_passes:
+            for optimizer in trainer.strategy.optimizers:
+                self.gradient_sync.set_backward_passes(optimizer, passes)
+            self.gradient_sync.backward_passes = passes
 
     @override
     def on_train_batch_end(

@@ -9,7 +9,6 @@ mode runs: every mode offers the same hooks. Launch with ``horovodrun -np N pyth
 from __future__ import annotations
 
 from collections.abc import Callable
-from contextlib import AbstractContextManager, nullcontext
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
@@ -30,6 +29,7 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from hvd_plugins.core.averaging import GradientAveraging
 from hvd_plugins.core.backend import capabilities
 from hvd_plugins.core.backend import optimizer as horovod_optimizer
 from hvd_plugins.core.backend.agreement import assert_ranks_agree
@@ -50,20 +50,19 @@ from hvd_plugins.core.config import (
     StallTimeout,
     SyncMode,
 )
-from hvd_plugins.core.cpu_threads import apply_cpu_threads
 from hvd_plugins.core.daso.config import DasoConfig
 from hvd_plugins.core.epoch_end import EpochEndPolicy
-from hvd_plugins.core.faults.fingerprints import optimizer_fingerprint
-from hvd_plugins.core.faults.finite import FiniteGradientCheck, require_no_grad_scaler
+from hvd_plugins.core.faults.fingerprints import job_fingerprint, optimizer_fingerprint
+from hvd_plugins.core.faults.finite import require_no_grad_scaler
 from hvd_plugins.core.faults.report import report_failure
-from hvd_plugins.core.faults.watchdog import CollectiveWatchdog
 from hvd_plugins.core.metrics_sync import attach_horovod_metric_sync
 from hvd_plugins.core.sync_modes import make_gradient_sync
-from hvd_plugins.core.training_state import broadcast_optimizer_state_, named_parameters_for, scale_learning_rates_
+from hvd_plugins.core.training_state import broadcast_optimizer_states_, scale_learning_rates_, wrap_optimizers
+from hvd_plugins.core.worker import prepare_worker
 from hvd_plugins.fabric.plugins.environments.horovod import HorovodEnvironment
 from hvd_plugins.fabric.plugins.io.atomic import AtomicCheckpointIO
 from hvd_plugins.pytorch.callbacks.progress import progress_bar_given_to_trainer, use_line_progress_bar
-from hvd_plugins.pytorch.loop_events import TrainingLoopEvents
+from hvd_plugins.pytorch.loop_events import TrainingLoopEvents, training_position
 from hvd_plugins.pytorch.plugins.layer_sync import HorovodSyncBatchNorm
 from hvd_plugins.pytorch.strategies.launchers.horovod import HorovodScriptLauncher
 from hvd_plugins.pytorch.utilities.namespace import describe_strategy, require_own_namespace
@@ -83,8 +82,7 @@ class HorovodStrategy(ParallelStrategy):
     same names and say more; it validates them before any process starts a collective.
 
     Args:
-        compression: ``"none"`` or ``"fp16"``: gradients on the wire (DASO's parameters follow
-            ``DasoConfig.downcast``).
+        compression: ``"none"`` or ``"fp16"``: gradients on the wire (DASO's parameters: ``DasoConfig.downcast``).
         op: ``"average"``, ``"sum"`` or ``"adasum"`` (MPI builds only).
         gradient_predivide_factor: divide before the sum, the rest after (``op="average"``, flat sync).
         scale_lr: multiply learning rates (and schedulers' base lrs) by the number of workers.
@@ -94,24 +92,20 @@ class HorovodStrategy(ParallelStrategy):
         daso: a ``DasoConfig`` or a dict of its fields; only with ``sync="daso"``.
         average_buffers: average floating buffers over all workers at every training epoch's end.
         bucket_mb: gradient bucket size of the node-aware syncs, in MiB.
-        flat_below_mb: with ``sync="hierarchical"``, buckets smaller than this many MiB take one flat
-            allreduce (few bytes: one round beats three); larger ones take the two-level legs.
-            ``"auto"`` (default): 1 MiB, and the larger buckets try both routes on the first 11 steps
+        flat_below_mb: with ``sync="hierarchical"``, buckets under this many MiB take one flat allreduce, larger
+            ones the two-level legs. ``"auto"``: 1 MiB, and larger buckets time both routes on the first 11 steps
             and keep the faster (rank 0 logs what it measured).
-        stall_timeout_seconds: a worker waiting this long in a gradient allreduce or barrier ends the job
-            (exit 75). ``"auto"``: horovodrun's ``--stall-check-shutdown-time-seconds`` if given, else 1800;
-            ``None`` waits forever. Must exceed the longest legitimate wait (e.g. a checkpoint write).
+        stall_timeout_seconds: a worker waiting this long in a gradient allreduce or barrier ends the job (exit
+            75). ``"auto"``: horovodrun's ``--stall-check-shutdown-time-seconds``, else 1800; ``None``: no bound.
         check_finite_gradients: stop every rank with ``NonFiniteGradientError`` at the first NaN/Inf
             gradient (one small allreduce per step; not with a GradScaler).
-        cpu_threads: torch's intra-op threads in each worker. ``"auto"`` (default): the host's cores
-            divided among the workers on it (as ``torchrun`` does), unless ``OMP_NUM_THREADS`` is set;
-            a number: exactly that many; ``None``: torch's default (one per core, in every worker).
+        cpu_threads: torch's intra-op threads in each worker. ``"auto"``: the host's cores shared among its
+            workers (as ``torchrun`` does) unless ``OMP_NUM_THREADS`` is set; ``None``: torch's default.
 
     Synchronized BatchNorm: ``Trainer(sync_batchnorm=True)`` (or ``plugins=[HorovodSyncBatchNorm()]``).
 
     Public state for callbacks: ``config``, ``comm_counters`` (what this worker sent), ``gradient_sync``
-    (the running sync mode), ``topology`` (node layout, node-aware syncs), ``daso_sync`` (with
-    ``sync="daso"``) and ``route_tuner`` (with ``sync="hierarchical"``: the route its large buckets took).
+    (the running sync mode), ``topology``, ``daso_sync`` and ``route_tuner`` (see their docstrings).
     """
 
     strategy_name = "horovod"
@@ -137,31 +131,17 @@ class HorovodStrategy(ParallelStrategy):
         checkpoint_io: CheckpointIO | None = None,
         precision_plugin: Precision | None = None,
     ) -> None:
-        super().__init__(accelerator, parallel_devices, HorovodEnvironment(), checkpoint_io, precision_plugin)
-        self.config = HorovodConfig.build(
-            compression=compression,
-            op=op,
-            gradient_predivide_factor=gradient_predivide_factor,
-            scale_lr=bool(scale_lr),
-            sync=sync,
-            hierarchical_impl=hierarchical_impl,
-            compress_node_local=bool(compress_node_local),
-            daso=daso,
-            average_buffers=bool(average_buffers),
-            bucket_mb=bucket_mb,
-            flat_below_mb=flat_below_mb,
-            stall_timeout_seconds=stall_timeout_seconds,
-            check_finite_gradients=bool(check_finite_gradients),
-            cpu_threads=cpu_threads,
-        )
+        self._environment = HorovodEnvironment()
+        super().__init__(accelerator, parallel_devices, self._environment, checkpoint_io, precision_plugin)
+        arguments = locals()  # every argument above the Lightning plumbing is a HorovodConfig field of that name
+        self.config = HorovodConfig.build(**{name: arguments[name] for name in HorovodConfig.argument_names()})
         capabilities.require_build_supports(self.config)
         self.num_nodes = 1  # set by the Trainer; checked against the launch in setup_environment
         self.comm_counters = CommCounters()
         self.gradient_sync: GradientSync | None = None  # built at the first setup, kept across fits
+        self.topology: Topology | None = None  # which workers share a node (node-aware syncs, once set up)
+        self._averaging = GradientAveraging(self.config)
         self._restored_sync_state: dict[str, Any] = {}  # from a checkpoint, until the sync exists
-        self._finite_check: FiniteGradientCheck | None = None
-        self._watchdog: CollectiveWatchdog | None = None
-        self._backward_passes = 1
         self._progress_bar_given: bool | None = None
 
     def __repr__(self) -> str:
@@ -191,11 +171,6 @@ class HorovodStrategy(ParallelStrategy):
         horovod_optimizer.pin_zero_grad(self._lightning_optimizers)
 
     @property
-    def topology(self) -> Topology | None:
-        """Which workers share a node (node-aware syncs, once set up)."""
-        return self.gradient_sync.topology if self.gradient_sync is not None else None
-
-    @property
     def daso_sync(self) -> Any:
         """With ``sync="daso"``: the running fit's DasoSync (its ``schedule`` has phase and history)."""
         return getattr(self.gradient_sync, "daso", None)
@@ -210,9 +185,8 @@ class HorovodStrategy(ParallelStrategy):
     @override
     def root_device(self) -> torch.device:
         assert self.parallel_devices is not None
-        if self.parallel_devices[0].type == "cuda":
-            return torch.device("cuda", self.local_rank)
-        return self.parallel_devices[0]
+        device = self.parallel_devices[0]
+        return torch.device("cuda", self.local_rank) if device.type == "cuda" else device
 
     @property
     def is_distributed(self) -> bool:
@@ -230,43 +204,29 @@ class HorovodStrategy(ParallelStrategy):
         self.model.to(self.root_device)
 
     def set_world_ranks(self) -> None:
-        """Called when the Trainer is built: start Horovod so rank-zero-only output works at once.
-
-        A plain process given several devices is rank 0 of the workers it will start; its launcher
-        starts Horovod once they run.
-        """
-        environment = self._horovod_environment()
-        environment.launch_size = local_launch_size(self.parallel_devices or [], self.num_nodes)
-        if not environment.launch_size:
+        """When the Trainer is built: start Horovod (unless this process launches the workers) for rank-zero output."""
+        self._environment.launch_size = local_launch_size(self.parallel_devices or [], self.num_nodes)
+        if not self._environment.launch_size:
             init_horovod(self.config)
         follow_rank(self.global_rank)
         self._progress_bar_given = progress_bar_given_to_trainer()  # before Lightning adds its default bar
 
     @override
     def _configure_launcher(self) -> None:
-        size = self._horovod_environment().launch_size
+        size = self._environment.launch_size
         self._launcher = HorovodScriptLauncher(size, partial(init_horovod, self.config)) if size else None
-
-    def _horovod_environment(self) -> HorovodEnvironment:
-        assert isinstance(self.cluster_environment, HorovodEnvironment)
-        return self.cluster_environment
 
     @override
     def setup_environment(self) -> None:
         hvd = init_horovod(self.config)
-        if self.config.stall_timeout_seconds is not None and self._watchdog is None:
-            self._watchdog = CollectiveWatchdog(self.config.stall_timeout_seconds, hvd.rank(), hvd.size())
+        self._averaging.start_watching(hvd.rank(), hvd.size())
         assert self.parallel_devices is not None and self.cluster_environment is not None
-        on_gpu = self.parallel_devices[0].type == "cuda"
         devices, local_size = len(self.parallel_devices), hvd.local_size()
+        on_gpu = self.parallel_devices[0].type == "cuda"
         self.cluster_environment.validate_settings(
             num_devices=local_size if on_gpu and devices >= local_size else devices, num_nodes=self.num_nodes
         )
-        capabilities.require_job_supports(self.config, on_gpu)
-        apply_cpu_threads(self.config.cpu_threads, local_size)
-        if on_gpu:
-            capabilities.require_gpu_for_local_rank(self.local_rank, torch.cuda.device_count(), local_size)
-            torch.cuda.set_device(self.root_device)
+        prepare_worker(self.config, hvd, self.root_device)
         if self.lightning_module is not None:  # before callbacks' setup, so a swapped-in bar is set up too
             require_own_namespace(self.lightning_module.trainer)
             use_line_progress_bar(self.lightning_module.trainer, self._progress_bar_given, self.world_size)
@@ -278,7 +238,8 @@ class HorovodStrategy(ParallelStrategy):
         assert self.accelerator is not None and self.model is not None
         self.accelerator.setup(trainer)
         fitting = trainer.state.fn == TrainerFn.FITTING
-        assert_ranks_agree(self._fingerprint(self.model, trainer))
+        config = self.config.fingerprint()
+        assert_ranks_agree(job_fingerprint(config, self.model, trainer.accumulate_grad_batches, str(trainer.state.fn)))
         self.model = self.precision_plugin.convert_module(self.model)
         if isinstance(self._layer_sync, TorchSyncBatchNorm):  # Trainer(sync_batchnorm=True): torch's needs DDP
             self._layer_sync = HorovodSyncBatchNorm()
@@ -289,26 +250,19 @@ class HorovodStrategy(ParallelStrategy):
         if self.gradient_sync is None:
             self.gradient_sync = make_gradient_sync(self.config, self.comm_counters)  # node-aware: a collective
             self.gradient_sync.load_state_dict(self._restored_sync_state)
+            self.topology = self.gradient_sync.topology
         # Every worker starts from rank 0's weights and buffers (also after a checkpoint restore).
         horovod_torch().broadcast_parameters(self.model.state_dict(), root_rank=0)
         if fitting:
-            self._backward_passes = max(1, int(trainer.accumulate_grad_batches))
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
         if fitting:
             _optimizers_to_device(self.optimizers, self.root_device)
             max_epochs = trainer.max_epochs if trainer.max_epochs and trainer.max_epochs > 0 else None
             self.gradient_sync.setup(self.model, self.optimizers, total_epochs=max_epochs)
-            self._install_loop_events(trainer)
-
-    def _fingerprint(self, model: Module, trainer: pl.Trainer) -> dict[str, Any]:
-        """What must be equal on every rank, or collectives would deadlock."""
-        return {
-            **self.config.fingerprint(),
-            "accumulate_grad_batches": trainer.accumulate_grad_batches,
-            "parameters": [(name, tuple(p.shape)) for name, p in model.named_parameters()],
-            "trainer_fn": str(trainer.state.fn),
-        }
+            TrainingLoopEvents.install(
+                trainer, EpochEndPolicy(self.config, self.all_gather), self.gradient_sync, self.reduce
+            )
 
     @override
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
@@ -317,26 +271,12 @@ class HorovodStrategy(ParallelStrategy):
         assert_ranks_agree(optimizer_fingerprint(self.optimizers))  # before any optimizer collective
         if self.config.scale_lr:
             scale_learning_rates_(self.optimizers, [c.scheduler for c in self.lr_scheduler_configs], self.world_size)
-        self.gradient_sync.backward_passes = self._backward_passes
-        wrapped = [
-            self.gradient_sync.wrap(optimizer, named_parameters_for(optimizer, self.lightning_module, f"opt{index}"))
-            for index, optimizer in enumerate(self.optimizers)
-        ]
-        for config in self.lr_scheduler_configs:
-            if config.scheduler.optimizer in self.optimizers:
-                config.scheduler.optimizer = wrapped[self.optimizers.index(config.scheduler.optimizer)]
-        self.optimizers = wrapped
+        self.gradient_sync.backward_passes = max(1, int(trainer.accumulate_grad_batches))
+        schedulers = [config.scheduler for config in self.lr_scheduler_configs]
+        self.optimizers = wrap_optimizers(self.gradient_sync, self.optimizers, self.lightning_module, schedulers)
         if self.config.check_finite_gradients:
             require_no_grad_scaler(self.precision_plugin)
-            self._finite_check = FiniteGradientCheck(self.optimizers)
-
-    def _install_loop_events(self, trainer: pl.Trainer) -> None:
-        """Replace the loop-event owner of an earlier fit."""
-        assert self.gradient_sync is not None
-        events = TrainingLoopEvents(
-            EpochEndPolicy(self.config, self.all_gather), self._follow_accumulation, self.gradient_sync, self.reduce
-        )
-        trainer.callbacks = [c for c in trainer.callbacks if not isinstance(c, TrainingLoopEvents)] + [events]
+        self._averaging.check_gradients_of(self.optimizers)
 
     # ------------------------------------------------------------------ stepping
     @override
@@ -354,41 +294,16 @@ class HorovodStrategy(ParallelStrategy):
 
         def closure_then_average() -> Any:
             result = closure()  # forward + backward of the micro-batch that steps
-            with self._waiting("gradient allreduce"):
-                sync.synchronize(optimizer)  # averaged before clipping and AMP unscaling see them
-                if self._finite_check is not None:
-                    self._finite_check.after_average(optimizer, self._progress_text())
+            self._averaging.after_backward(sync, optimizer, training_position(self._trainer))
             return result
 
         with sync.deferred(optimizer):
             return super().optimizer_step(optimizer, closure_then_average, model, **kwargs)
 
-    def _follow_accumulation(self, trainer: pl.Trainer) -> None:
-        """Accumulation schedules (GradientAccumulationScheduler) change at epoch starts."""
-        passes = trainer.accumulate_grad_batches
-        if passes != self._backward_passes and self.gradient_sync is not None:
-            self._backward_passes = passes
-            for optimizer in self.optimizers:
-                self.gradient_sync.set_backward_passes(optimizer, passes)
-
-    @override
-    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-        if trainer is not None and trainer.accumulate_grad_batches != self._backward_passes:
-            raise ValueError(
-                f"accumulate_grad_batches changed to {trainer.accumulate_grad_batches} in the middle of epoch "
-                f"{trainer.current_epoch} (was {self._backward_passes}). HorovodStrategy follows accumulation "
-                "schedules that change at epoch starts (GradientAccumulationScheduler), not within an epoch."
-            )
-        if self.gradient_sync is not None:
-            self.gradient_sync.on_train_batch_start()
-        super().on_train_batch_start(batch, batch_idx)
-
     # ------------------------------------------------------------------ checkpoints
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
-        own = self.gradient_sync.state_dict() if self.gradient_sync is not None else {}
-        if own:
+        if self.gradient_sync is not None and (own := self.gradient_sync.state_dict()):
             checkpoint[CHECKPOINT_KEY] = own
         super().save_checkpoint(checkpoint, filepath, storage_options)
 
@@ -404,8 +319,7 @@ class HorovodStrategy(ParallelStrategy):
     @override
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
         super().load_optimizer_state_dict(checkpoint)
-        for index, optimizer in enumerate(self.optimizers):
-            broadcast_optimizer_state_(optimizer, root_rank=0, name=f"opt{index}")
+        broadcast_optimizer_states_(self.optimizers, root_rank=0)
 
     @override
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
@@ -434,35 +348,27 @@ class HorovodStrategy(ParallelStrategy):
     @override
     def barrier(self, name: str | None = None) -> None:
         if self.world_size > 1 and horovod_torch().is_initialized():
-            with self._waiting(f"barrier {name or ''}".strip()):
+            with self._averaging.waiting(f"barrier {name or ''}".strip()):
                 horovod_torch().barrier()
 
     # ------------------------------------------------------------------ failures and teardown
-    def _waiting(self, what: str) -> AbstractContextManager[None]:
-        """Bound the wait with ``stall_timeout_seconds`` when it is set."""
-        return self._watchdog.waiting(what) if self._watchdog is not None else nullcontext()
-
-    def _progress_text(self) -> str:
-        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-        if trainer is None:
-            return "setup"
-        return f"epoch {trainer.current_epoch}, global step {trainer.global_step}"
+    @property
+    def _trainer(self) -> pl.Trainer | None:
+        return self.lightning_module._trainer if self.lightning_module is not None else None  # None before setup
 
     @override
     def on_exception(self, exception: BaseException) -> None:
         """Name this rank and what stopped it, so the launcher's output shows which rank failed first."""
         hvd = horovod_torch()
         if hvd.is_initialized():
-            report_failure(exception, hvd.rank(), hvd.size(), hvd.local_rank(), self._progress_text())
+            report_failure(exception, hvd.rank(), hvd.size(), hvd.local_rank(), training_position(self._trainer))
 
     @override
     def teardown(self) -> None:
-        if self._finite_check is not None:
-            self._finite_check.remove()
-            self._finite_check = None
+        self._averaging.stop_checking()
         if self.gradient_sync is not None:
             self.gradient_sync.teardown(self.optimizers)  # its state (the measured route) stays for a later fit
-        trainer = self.lightning_module._trainer if self.lightning_module is not None else None
+        trainer = self._trainer
         if trainer is not None and trainer.state.fn == TrainerFn.FITTING and self._layer_sync is not None:
             self.model = self._layer_sync.revert(self.model)
         super().teardown()

@@ -1,0 +1,55 @@
+"""The step between backward and the optimizer: average the gradients, bounded and checked.
+
+A strategy runs backward (inside Lightning's closure, or in ``fabric.backward``) and then calls
+``after_backward``: the gradient sync averages, the watchdog bounds the wait, and the finite check
+stops every rank at once at the first NaN/Inf. Waits of the strategy's own collectives (barriers)
+go through ``waiting`` so the same bound holds there.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from contextlib import AbstractContextManager, nullcontext
+
+from torch.optim import Optimizer
+
+from hvd_plugins.core.comm.gradient_sync import GradientSync
+from hvd_plugins.core.config import HorovodConfig
+from hvd_plugins.core.faults.finite import FiniteGradientCheck
+from hvd_plugins.core.faults.watchdog import CollectiveWatchdog
+
+
+class GradientAveraging:
+    """Owns the watchdog (one per process, from the first setup on) and the finite check of the running fit."""
+
+    def __init__(self, config: HorovodConfig) -> None:
+        self.config = config
+        self.watchdog: CollectiveWatchdog | None = None
+        self.finite_check: FiniteGradientCheck | None = None
+
+    def start_watching(self, rank: int, size: int) -> None:
+        """Start the watchdog once Horovod runs (``stall_timeout_seconds=None``: never)."""
+        if self.config.stall_timeout_seconds is not None and self.watchdog is None:
+            self.watchdog = CollectiveWatchdog(self.config.stall_timeout_seconds, rank, size)
+
+    def waiting(self, what: str) -> AbstractContextManager[None]:
+        """Bound a wait with ``stall_timeout_seconds`` when it is set."""
+        return self.watchdog.waiting(what) if self.watchdog is not None else nullcontext()
+
+    def check_gradients_of(self, optimizers: Sequence[Optimizer]) -> None:
+        """With ``check_finite_gradients``, watch the gradients of these (wrapped) optimizers."""
+        self.stop_checking()
+        if self.config.check_finite_gradients:
+            self.finite_check = FiniteGradientCheck(optimizers)
+
+    def after_backward(self, sync: GradientSync, optimizer: Optimizer, where: str) -> None:
+        """Average ``optimizer``'s gradients now (collective), before clipping and AMP unscaling see them."""
+        with self.waiting("gradient allreduce"):
+            sync.synchronize(optimizer)
+            if self.finite_check is not None:
+                self.finite_check.after_average(optimizer, where)
+
+    def stop_checking(self) -> None:
+        if self.finite_check is not None:
+            self.finite_check.remove()
+            self.finite_check = None
