@@ -77,6 +77,7 @@ def run_job(
     python: bool = True,
     console_script: bool = False,
     lightning: str = "lightning.pytorch",
+    controller: str = "gloo",
 ) -> JobResult:
     """Run ``horovodrun -np N -H hosts --gloo python script args`` and gather ``rank*.json``.
 
@@ -88,7 +89,15 @@ def run_job(
     script = _worker_path(script, lightning)
     worker = ([sys.executable, str(script)] if python else [str(script)]) + list(args)
     job = horovodrun(
-        worker, np=np, hosts=hosts, out_dir=out_dir, timeout=timeout, env=env, cwd=REPO, probe_build=console_script
+        worker,
+        np=np,
+        hosts=hosts,
+        out_dir=out_dir,
+        timeout=timeout,
+        env=env,
+        cwd=REPO,
+        probe_build=console_script,
+        controller=controller,
     )
     return _fail_on_timeout(job, "horovodrun", timeout)
 

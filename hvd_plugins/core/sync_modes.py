@@ -5,7 +5,12 @@ from __future__ import annotations
 from hvd_plugins.core.backend.module import horovod_torch
 from hvd_plugins.core.comm.compression import compressor_by_name
 from hvd_plugins.core.comm.counters import CommCounters, Scope
-from hvd_plugins.core.comm.gradient_sync import GradientSync, HierarchicalGradientSync, HorovodOptimizerSync
+from hvd_plugins.core.comm.gradient_sync import (
+    AdasumOptimizerSync,
+    GradientSync,
+    HierarchicalGradientSync,
+    HorovodOptimizerSync,
+)
 from hvd_plugins.core.comm.topology import build_node_groups, discover_topology
 from hvd_plugins.core.config import HorovodConfig
 from hvd_plugins.core.daso.gradient_sync import DasoGradientSync
@@ -29,6 +34,5 @@ def make_gradient_sync(config: HorovodConfig, counters: CommCounters) -> Gradien
             tune_route=config.tune_hierarchical_route,
         )
     scope = Scope.CROSS_NODE if horovod_torch().cross_size() > 1 else Scope.NODE_LOCAL
-    return HorovodOptimizerSync(
-        compressor, config.op, counters, scope, gradient_predivide_factor=config.gradient_predivide_factor
-    )
+    flat = AdasumOptimizerSync if config.op == "adasum" else HorovodOptimizerSync
+    return flat(compressor, config.op, counters, scope, gradient_predivide_factor=config.gradient_predivide_factor)

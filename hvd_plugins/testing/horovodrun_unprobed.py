@@ -5,10 +5,10 @@
 Before every ``--gloo`` launch horovodrun forks a process that imports ``horovod.torch`` (so torch)
 only to ask whether Gloo was built: about 1.5 CPU-seconds and 2-3 s of wall time per job on a small
 machine, before any worker starts. This runs Horovod's own ``horovodrun`` entry point with that
-answer given instead. The driver must have checked the build once (``gloo_built()`` in a process
-that imports Horovod anyway); the launched workers, their environment and the rendezvous are
-horovodrun's, unchanged. Run as a script (never imported): it must not import ``hvd_plugins``,
-whose package import loads Lightning.
+answer given instead (for ``--mpi``, that MPI was built). The driver must have checked the build
+once (``gloo_built()`` or ``mpi_built()`` in a process that imports Horovod anyway); the launched
+workers, their environment and the rendezvous are horovodrun's, unchanged. Run as a script (never
+imported): it must not import ``hvd_plugins``, whose package import loads Lightning.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ def main() -> int | None:
     from horovod.runner import launch
 
     launch.gloo_built = lambda verbose=False: True  # type: ignore[assignment]
+    launch.mpi_built = lambda verbose=False: True  # type: ignore[assignment]  # checked by the driver for --mpi
     sys.argv[0] = "horovodrun"
     return launch.run_commandline()
 

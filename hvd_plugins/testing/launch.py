@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -76,12 +77,35 @@ def require_gloo_build() -> None:
         raise JobFailed("this Horovod build has no Gloo support; reinstall it with HOROVOD_WITH_GLOO=1")
 
 
-def horovodrun_command(probe_build: bool = False) -> list[str]:
+@functools.cache
+def mpi_launch_problem() -> str | None:
+    """Why ``horovodrun --mpi`` cannot run here (no mpirun, or Horovod built without MPI); None when it can."""
+    if shutil.which("mpirun") is None:
+        return "mpirun is not installed (apt-get install openmpi-bin libopenmpi-dev)"
+    if "horovod.torch" in sys.modules:
+        built = bool(sys.modules["horovod.torch"].mpi_built())
+    else:
+        from horovod.common.util import mpi_built
+
+        built = bool(mpi_built())
+    return (
+        None
+        if built
+        else "this Horovod build has no MPI controller (rebuild with HVD_MPI=yes bash ci/install_horovod.sh)"
+    )
+
+
+def horovodrun_command(probe_build: bool = False, controller: str = "gloo") -> list[str]:
     """How to start horovodrun: the console script, or (``probe_build=False``) Horovod's same entry
     point run without the build probe each launch pays for, once the build was checked here."""
     if probe_build:
         return [horovodrun_path()]
-    require_gloo_build()
+    if controller == "mpi":
+        problem = mpi_launch_problem()
+        if problem is not None:
+            raise JobFailed(problem)
+    else:
+        require_gloo_build()
     return [sys.executable, str(UNPROBED_HOROVODRUN)]
 
 
@@ -144,18 +168,26 @@ def horovodrun(
     env: Mapping[str, str] | None = None,
     cwd: Path | None = None,
     probe_build: bool = False,
+    controller: str = "gloo",
 ) -> JobResult:
     """``horovodrun -np N -H hosts --gloo <worker> [--out out_dir]``, bounded by ``timeout``.
+
+    ``controller="mpi"`` launches with ``--mpi`` instead (OpenMPI's mpirun; as root with the two
+    variables OpenMPI asks for).
 
     ``worker`` is the full worker command (e.g. ``[sys.executable, script, *args]``); ``hosts``
     defaults to ``localhost:N``. ``HOROVOD_GLOO_TIMEOUT_SECONDS`` defaults to 180 s unless this
     process's environment or ``env`` sets it. horovodrun's per-launch build probe is skipped
     unless ``probe_build`` (see ``horovodrun_command``).
     """
-    launcher = horovodrun_command(probe_build)
-    command = [*launcher, "-np", str(np), "-H", hosts or f"localhost:{np}", "--gloo", *worker]
+    if controller not in ("gloo", "mpi"):
+        raise ValueError(f"controller={controller!r}; choose 'gloo' or 'mpi'")
+    launcher = horovodrun_command(probe_build, controller)
+    command = [*launcher, "-np", str(np), "-H", hosts or f"localhost:{np}", f"--{controller}", *worker]
     if out_dir is not None:
         command += ["--out", str(out_dir)]
     full_env = {"HOROVOD_GLOO_TIMEOUT_SECONDS": os.environ.get("HOROVOD_GLOO_TIMEOUT_SECONDS", GLOO_TIMEOUT_SECONDS)}
+    if controller == "mpi" and os.geteuid() == 0:
+        full_env.update({"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"})
     full_env.update(env or {})
     return run_bounded(command, timeout, env=full_env, cwd=cwd, out_dir=out_dir)

@@ -67,6 +67,9 @@ class TrainingLoopHooks:
     def teardown(self, optimizers: Sequence[Optimizer]) -> None:
         """After a fit: forget its optimizers, so a later fit in this process starts clean (state is kept)."""
 
+    def refuse_unsupported(self, accumulate_grad_batches: int, clips_gradients: bool) -> None:
+        """Before the first step: raise, naming the setting, for training this sync cannot do."""
+
 
 class GradientSync(TrainingLoopHooks, ABC):
     """Averages the gradients of one optimizer's parameters across workers, and follows the training loop.
@@ -142,6 +145,41 @@ class HorovodOptimizerSync(GradientSync):
     def teardown(self, optimizers: Sequence[Optimizer]) -> None:
         for optimizer in optimizers:
             drop_gradient_hooks(optimizer)
+
+
+class AdasumOptimizerSync(HorovodOptimizerSync):
+    """Horovod's Adasum optimizer (``op="adasum"``, MPI controller): it combines updates, not gradients.
+
+    Each parameter's backward hook runs the wrapped optimizer's step for that parameter locally and
+    starts an Adasum allreduce of the resulting change; ``step()`` waits and applies the combined
+    change. So there is nothing to synchronize after backward, and Horovod refuses to defer it
+    (``skip_synchronize``). Gradients are never averaged: clipping them after backward would change
+    nothing, and accumulation would step inside the hooks of a micro-batch, so both are refused.
+    """
+
+    @contextlib.contextmanager
+    def deferred(self, optimizer: Optimizer) -> Iterator[None]:
+        yield
+
+    def synchronize(self, optimizer: Optimizer) -> None:
+        with self.counters.waiting():
+            wait_for_pending_allreduces(optimizer)  # the changes the hooks started; step() applies them
+
+    def set_backward_passes(self, optimizer: Optimizer, passes: int) -> None:
+        self.refuse_unsupported(passes, clips_gradients=False)  # an accumulation schedule changed it
+
+    def refuse_unsupported(self, accumulate_grad_batches: int, clips_gradients: bool) -> None:
+        if accumulate_grad_batches > 1:
+            raise ValueError(
+                f"op='adasum' cannot accumulate gradients (accumulate_grad_batches={accumulate_grad_batches}): "
+                "Horovod's Adasum optimizer steps inside the backward hooks. Use accumulate_grad_batches=1, "
+                "or op='average'."
+            )
+        if clips_gradients:
+            raise ValueError(
+                "op='adasum' cannot clip gradients (gradient_clip_val is set): Horovod's Adasum optimizer has "
+                "stepped by the time Lightning clips. Drop gradient_clip_val, or use op='average'."
+            )
 
 
 class HierarchicalGradientSync(GradientSync):

@@ -271,6 +271,7 @@ class HorovodStrategy(ParallelStrategy):
         assert_ranks_agree(optimizer_fingerprint(self.optimizers))  # before any optimizer collective
         if self.config.scale_lr:
             scale_learning_rates_(self.optimizers, [c.scheduler for c in self.lr_scheduler_configs], self.world_size)
+        self.gradient_sync.refuse_unsupported(trainer.accumulate_grad_batches, bool(trainer.gradient_clip_val))
         self.gradient_sync.backward_passes = max(1, int(trainer.accumulate_grad_batches))
         schedulers = [config.scheduler for config in self.lr_scheduler_configs]
         self.optimizers = wrap_optimizers(self.gradient_sync, self.optimizers, self.lightning_module, schedulers)

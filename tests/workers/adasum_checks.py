@@ -1,0 +1,119 @@
+"""Adasum under ``horovodrun --mpi``: Horovod's reduction against Adasum's definition, and training with it.
+
+Adasum of two vectors a, b: (1 - a.b / 2|a|^2) a + (1 - a.b / 2|b|^2) b, applied recursively to pairs
+of workers (0+1, 2+3, then the two results). Every rank runs every check and writes its report.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+import horovod.torch as hvd
+import lightning.pytorch as pl
+import torch
+from _common import parse_out, run_checks, write_result
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from hvd_plugins.pytorch import HorovodStrategy
+
+OUT, ARGS = parse_out()
+
+
+def adasum_pair(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    dot = a @ b
+    return (1 - dot / (2 * (a @ a))) * a + (1 - dot / (2 * (b @ b))) * b
+
+
+def adasum_of(vectors: list[torch.Tensor]) -> torch.Tensor:
+    """Neighbours first, then pairs of their results (the order of Horovod's recursive halving)."""
+    while len(vectors) > 1:
+        vectors = [adasum_pair(vectors[i], vectors[i + 1]) for i in range(0, len(vectors), 2)]
+    return vectors[0]
+
+
+def check_definition() -> dict[str, Any]:
+    generator = torch.Generator().manual_seed(100 + hvd.rank())
+    shared = torch.randn(1003, dtype=torch.float64, generator=torch.Generator().manual_seed(7))
+    mine = 0.5 * shared + torch.randn(1003, dtype=torch.float64, generator=generator)  # correlated, not equal
+    everyone = list(hvd.allgather(mine.unsqueeze(0), name="adasum.inputs"))
+    got = hvd.allreduce(mine, op=hvd.Adasum, name="adasum.random")
+    same = hvd.allreduce(shared, op=hvd.Adasum, name="adasum.identical")  # Adasum(a, a) = a
+    expected = adasum_of(everyone)
+    return {
+        "relative_error": float((got - expected).norm() / expected.norm()),
+        "differs_from_sum": float((got - torch.stack(everyone).sum(0)).norm() / expected.norm()),
+        "identical_inputs_error": float((same - shared).abs().max()),
+    }
+
+
+class Regression(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(1)
+        self.layer = nn.Linear(5, 1)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = nn.functional.mse_loss(self.layer(batch[0]), batch[1])
+        self.log("loss", loss, sync_dist=True)
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+
+def data() -> DataLoader:
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(128, 5, generator=generator)
+    y = x @ torch.arange(1.0, 6.0).unsqueeze(1)
+    return DataLoader(TensorDataset(x, y), batch_size=8)
+
+
+def trainer(**kwargs: Any) -> pl.Trainer:
+    options: dict[str, Any] = dict(
+        strategy=HorovodStrategy(op="adasum"),
+        accelerator="cpu",
+        max_epochs=3,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    return pl.Trainer(**{**options, **kwargs})
+
+
+def check_training() -> dict[str, Any]:
+    model = Regression()
+    loader = data()
+    first = float(nn.functional.mse_loss(model.layer(loader.dataset.tensors[0]), loader.dataset.tensors[1]))
+    t = trainer()
+    t.fit(model, loader)
+    digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in model.parameters())).hexdigest()
+    return {
+        "first_loss": first,
+        "final_loss": float(t.callback_metrics["loss"]),
+        "steps": t.global_step,
+        "ranks_identical": len(set(hvd.allgather_object(digest))) == 1,
+    }
+
+
+def refused(**kwargs: Any) -> str | None:
+    try:
+        trainer(max_epochs=1, **kwargs).fit(Regression(), data())
+    except ValueError as error:
+        return str(error)
+    return None
+
+
+if __name__ == "__main__":
+    hvd.init()
+    report = run_checks(
+        {
+            "definition": check_definition,
+            "training": check_training,
+            "accumulation_refused": lambda: refused(accumulate_grad_batches=2),
+            "clipping_refused": lambda: refused(gradient_clip_val=1.0),
+        }
+    )
+    write_result(OUT, hvd.rank(), {**report, "mpi_enabled": bool(hvd.mpi_enabled()), "size": hvd.size()})
