@@ -15,6 +15,17 @@ source "$VENV/bin/activate"
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 pip install --quiet "$TORCH_SPEC" 2>&1 | grep -v "^WARNING: Location" >&2 || true
 python -c "import torch" || { echo "[setup] torch did not install ($TORCH_SPEC)" >&2; exit 1; }
+# OpenMPI gives Horovod its MPI controller (op="adasum", horovodrun --mpi, mpirun, srun --mpi=pmix).
+# Installed from Debian when missing and this runs as root; HVD_MPI=no builds Horovod without it.
+if [ "${HVD_MPI:-auto}" != no ] && ! command -v mpicc >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    echo "[setup] installing OpenMPI (openmpi-bin libopenmpi-dev)" >&2
+    { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq openmpi-bin libopenmpi-dev; } >&2 \
+      || echo "[setup] OpenMPI did not install: Horovod is built without MPI, and the MPI tests skip" >&2
+  else
+    echo "[setup] no mpicc, and not root: Horovod is built without MPI, and the MPI tests skip" >&2
+  fi
+fi
 # Build requirements of Horovod's setup.py (it is built without build isolation).
 pip install --quiet setuptools wheel packaging numpy cloudpickle psutil pyyaml cffi 2>&1 | grep -v "^WARNING: Location" >&2 || true
 bash "$ROOT/ci/install_horovod.sh"

@@ -7,7 +7,7 @@ parameter); this file checks what a script sees when it starts with ``import pyt
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
+from typing import Any
 
 import lightning.pytorch as lp
 import pytest
@@ -19,16 +19,6 @@ from hvd_plugins import pytorch as lightning_face
 from hvd_plugins import pytorch_lightning as standalone_face
 from hvd_plugins.mirror import rewrite
 from hvd_plugins.pytorch.strategies.registry import PRESETS
-
-
-@pytest.fixture(autouse=True)
-def leave_horovod_stopped() -> Iterator[None]:
-    """A Trainer built here starts Horovod in the test process; later tests expect a plain process."""
-    yield
-    import horovod.torch as hvd
-
-    if hvd.is_initialized():
-        hvd.shutdown()
 
 
 @pytest.mark.parametrize(("trainer_package", "face"), [(lp, lightning_face), (pl, standalone_face)])
@@ -50,12 +40,27 @@ def test_each_face_subclasses_its_own_packages_classes() -> None:
     assert issubclass(CommunicationMonitor, pl.Callback)
 
 
-def test_a_pytorch_lightning_trainer_takes_the_registered_name_and_the_documented_instance() -> None:
-    by_name = pl.Trainer(strategy="horovod_fp16", accelerator="cpu", devices=1, logger=False)
-    assert type(by_name.strategy) is standalone_face.HorovodStrategy
-    assert by_name.strategy.config.compression == "fp16"
-    given = standalone_face.HorovodStrategy(sync="hierarchical")
-    assert pl.Trainer(strategy=given, accelerator="cpu", devices=1, logger=False).strategy is given
+@pytest.fixture(scope="module")
+def plain_process_checks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """tests/workers/namespace_checks.py: Trainers start Horovod, so they run in a process of their own."""
+    out = tmp_path_factory.mktemp("namespace_checks")
+    job = run_single("namespace_checks.py", out_dir=out)
+    assert job.returncode == 0 and 0 in job.results, job.output[-4000:]
+    return job.results[0]
+
+
+def checked(report: dict[str, Any], check: str) -> Any:
+    entry = report[check]
+    assert entry["ok"], f"check {check!r} failed: {entry['error']}\n{entry['trace']}"
+    return entry["value"]
+
+
+def test_a_pytorch_lightning_trainer_takes_the_registered_name_and_the_documented_instance(
+    plain_process_checks: dict[str, Any],
+) -> None:
+    result = checked(plain_process_checks, "name_and_instance")
+    assert result["by_name_class"] == "hvd_plugins.pytorch_lightning.strategies.horovod.HorovodStrategy"
+    assert result["by_name_compression"] == "fp16" and result["instance_kept"]
 
 
 @pytest.mark.parametrize(
@@ -71,19 +76,9 @@ def test_a_strategy_of_the_other_package_is_refused_naming_the_import(trainer_pa
     assert import_hint in str(refused.value)
 
 
-def test_a_callback_of_the_other_package_is_refused_naming_the_import() -> None:
-    trainer = pl.Trainer(
-        strategy=standalone_face.HorovodStrategy(),
-        accelerator="cpu",
-        devices=1,
-        logger=False,
-        callbacks=[lightning_face.CommunicationMonitor()],
-    )
-    from pytorch_lightning.demos.boring_classes import BoringModel
-
-    model = BoringModel()
-    with pytest.raises(ValueError, match="from hvd_plugins.pytorch_lightning.callbacks import CommunicationMonitor"):
-        trainer.fit(model)
+def test_a_callback_of_the_other_package_is_refused_naming_the_import(plain_process_checks: dict[str, Any]) -> None:
+    message = checked(plain_process_checks, "foreign_callback")
+    assert message is not None and "from hvd_plugins.pytorch_lightning.callbacks import CommunicationMonitor" in message
 
 
 def test_the_rewrite_maps_both_packages_and_both_faces_and_keeps_lines() -> None:

@@ -194,16 +194,38 @@ def test_accumulation_change_inside_an_epoch_is_refused_clearly(features: dict[i
         assert "accumulate_grad_batches changed to 3 in the middle of epoch 0 (was 1)" in result["error"]
 
 
+COMM_CHECKS = ("fp64_integers", "fp64_random", "fp32_random", "fp32_fp16_wire", "fp32_mixed", "fp64_two_round_groups")
+"""Checks of tests/workers/hierarchical_checks.py that use no Lightning: run once, not per Lightning package."""
+STRATEGY_CHECKS = ("topology", "startup", "strategy_modes", "compress_node_local", "route_tuning", "after_training")
+_two_nodes_jobs: dict[str, dict[int, dict]] = {}
+
+
+def _two_nodes_job(lightning: str, tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict]:
+    """hierarchical_checks.py on two emulated nodes of two workers, as written for ``lightning``."""
+    if lightning not in _two_nodes_jobs:
+        out = tmp_path_factory.mktemp("two_nodes")
+        checks = COMM_CHECKS + STRATEGY_CHECKS if lightning == "lightning.pytorch" else STRATEGY_CHECKS
+        case = ("--case", ",".join(checks))
+        job = run_job(
+            "hierarchical_checks.py", *case, np=4, hosts=TWO_NODES, out_dir=out, timeout=900, lightning=lightning
+        )
+        job.check()
+        assert sorted(job.results) == [0, 1, 2, 3], job.output[-3000:]
+        job.results[0]["route_lines"] = [line for line in job.output.splitlines() if "gradient sync took" in line]
+        _two_nodes_jobs[lightning] = job.results
+    return _two_nodes_jobs[lightning]
+
+
 @pytest.fixture(scope="module", params=LIGHTNING_PACKAGES)
 def two_nodes(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict]:
-    """The hierarchical checks on two emulated nodes of two workers, with each Lightning package."""
-    out = tmp_path_factory.mktemp("two_nodes")
-    job = run_job(
-        "hierarchical_checks.py", np=4, hosts=TWO_NODES, out_dir=out, timeout=900, lightning=request.param
-    ).check()
-    assert sorted(job.results) == [0, 1, 2, 3], job.output[-3000:]
-    job.results[0]["route_lines"] = [line for line in job.output.splitlines() if "gradient sync took" in line]
-    return job.results
+    """The strategy-level hierarchical checks on two emulated nodes of two workers, with each Lightning package."""
+    return _two_nodes_job(request.param, tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def two_nodes_comm(tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict]:
+    """The same job's checks of the two-level allreduce itself (no Lightning involved)."""
+    return _two_nodes_job("lightning.pytorch", tmp_path_factory)
 
 
 def test_two_emulated_nodes_have_the_expected_topology(two_nodes: dict[int, dict]) -> None:
@@ -235,19 +257,19 @@ def test_node_aware_syncs_keep_the_scripts_plain_init_and_add_no_process_set(two
     ],
 )
 def test_hierarchical_allreduce_equals_flat_on_two_nodes(
-    two_nodes: dict[int, dict], check: str, tolerance: float
+    two_nodes_comm: dict[int, dict], check: str, tolerance: float
 ) -> None:
     for rank in range(4):
-        result = value(two_nodes[rank], check)
+        result = value(two_nodes_comm[rank], check)
         assert result["max_abs_diff"] <= tolerance * max(1.0, result["max_abs_value"])
         if check in ("fp64_integers", "fp64_two_round_groups"):
             assert result["exactly_equal"]
 
 
-def test_hierarchical_bytes_per_leg_on_two_nodes(two_nodes: dict[int, dict]) -> None:
+def test_hierarchical_bytes_per_leg_on_two_nodes(two_nodes_comm: dict[int, dict]) -> None:
     for rank in range(4):
-        fp32 = value(two_nodes[rank], "fp32_random")
-        fp16 = value(two_nodes[rank], "fp32_fp16_wire")
+        fp32 = value(two_nodes_comm[rank], "fp32_random")
+        fp16 = value(two_nodes_comm[rank], "fp32_fp16_wire")
         padded32 = [5 + 1, 100_001 + 1]  # each buffer padded to a multiple of the 2 local workers
         assert fp32["counters"]["node_local_bytes"] == 4 * sum(n + n // 2 for n in padded32)
         assert fp32["counters"]["cross_node_bytes"] == 4 * sum(n // 2 for n in padded32)
@@ -255,7 +277,7 @@ def test_hierarchical_bytes_per_leg_on_two_nodes(two_nodes: dict[int, dict]) -> 
         assert fp16["counters"]["cross_node_bytes"] == 2 * sum(n // 2 for n in padded16)  # fp16 on the wire
         assert fp16["counters"]["node_local_bytes"] == 4 * sum(n + n // 2 for n in padded16)
         # 1,000 elements under the threshold: one flat allreduce, the whole buffer counted as cross-node
-        mixed = value(two_nodes[rank], "fp32_mixed")["counters"]
+        mixed = value(two_nodes_comm[rank], "fp32_mixed")["counters"]
         assert mixed["cross_node_bytes"] == 4 * (1000 + (100_001 + 1) // 2)
         assert mixed["node_local_bytes"] == 4 * (100_002 + 100_002 // 2)
         assert mixed["cross_node_calls"] == 2 and mixed["node_local_calls"] == 2
@@ -318,7 +340,8 @@ def test_compress_node_local_compresses_the_node_local_legs_on_two_nodes(two_nod
 
 
 def test_hierarchical_on_one_node_equals_flat(tmp_path: Path) -> None:
-    job = run_job("hierarchical_checks.py", np=2, out_dir=tmp_path, timeout=600).check()
+    case = ("--case", "topology,startup,fp64_integers,strategy_modes,compress_node_local")  # what it asserts
+    job = run_job("hierarchical_checks.py", *case, np=2, out_dir=tmp_path, timeout=600).check()
     for rank in range(2):
         assert value(job.results[rank], "topology")["nodes"] == [[0, 1]]
         assert value(job.results[rank], "startup")["process_sets"] == [[0, 1]]  # one node: no set beyond the global
@@ -335,7 +358,8 @@ def test_hierarchical_on_one_node_equals_flat(tmp_path: Path) -> None:
 
 def test_hierarchical_with_one_worker_per_node_needs_no_process_set(tmp_path: Path) -> None:
     one_per_node = "localhost:1,127.0.0.1:1"
-    job = run_job("hierarchical_checks.py", np=2, hosts=one_per_node, out_dir=tmp_path, timeout=600).check()
+    case = ("--case", "topology,startup,fp64_integers,strategy_modes")  # what it asserts
+    job = run_job("hierarchical_checks.py", *case, np=2, hosts=one_per_node, out_dir=tmp_path, timeout=600).check()
     for rank in range(2):
         assert value(job.results[rank], "topology")["nodes"] == [[0], [1]]
         startup = value(job.results[rank], "startup")

@@ -29,7 +29,7 @@ from hvd_plugins.core.comm import (
 )
 from hvd_plugins.pytorch import HorovodStrategy
 
-OUT, _ = parse_out()
+OUT, ARGS = parse_out()
 
 
 def rank_tensor(n: int, dtype: torch.dtype, integers: bool, seed: int) -> torch.Tensor:
@@ -237,23 +237,23 @@ def check_compress_node_local() -> dict[str, Any]:
 
 if __name__ == "__main__":
     hvd.init()
-    report = run_checks(
-        {
-            "topology": check_topology,
-            "startup": check_startup,
-            "fp64_integers": lambda: compare_with_flat(torch.float64, True, [1, 7, 1000, 4096, 150_000], fp16=False),
-            "fp64_random": lambda: compare_with_flat(torch.float64, False, [13, 2049], fp16=False),
-            "fp32_random": lambda: compare_with_flat(torch.float32, False, [5, 100_001], fp16=False),
-            "fp32_fp16_wire": lambda: compare_with_flat(torch.float32, False, [999, 4096], fp16=True),
-            # 1000 float32 (4000 B) under the 4001 B threshold go flat, 100_001 take the legs
-            "fp32_mixed": lambda: compare_with_flat(
-                torch.float32, False, [1000, 100_001], fp16=False, flat_below_bytes=4001
-            ),
-            "fp64_two_round_groups": check_two_round_groups,
-            "strategy_modes": check_strategy_modes,
-            "compress_node_local": check_compress_node_local,
-            "route_tuning": check_route_tuning,
-            "after_training": check_still_one_process_set,
-        }
-    )
+    checks = {
+        "topology": check_topology,
+        "startup": check_startup,
+        "fp64_integers": lambda: compare_with_flat(torch.float64, True, [1, 7, 1000, 4096, 150_000], fp16=False),
+        "fp64_random": lambda: compare_with_flat(torch.float64, False, [13, 2049], fp16=False),
+        "fp32_random": lambda: compare_with_flat(torch.float32, False, [5, 100_001], fp16=False),
+        "fp32_fp16_wire": lambda: compare_with_flat(torch.float32, False, [999, 4096], fp16=True),
+        # 1000 float32 (4000 B) under the 4001 B threshold go flat, 100_001 take the legs
+        "fp32_mixed": lambda: compare_with_flat(
+            torch.float32, False, [1000, 100_001], fp16=False, flat_below_bytes=4001
+        ),
+        "fp64_two_round_groups": check_two_round_groups,
+        "strategy_modes": check_strategy_modes,
+        "compress_node_local": check_compress_node_local,
+        "route_tuning": check_route_tuning,
+        "after_training": check_still_one_process_set,
+    }
+    selected = ARGS.case.split(",") if ARGS.case else list(checks)
+    report = run_checks({name: checks[name] for name in checks if name in selected})
     write_result(OUT, hvd.rank(), report)

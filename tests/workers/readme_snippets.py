@@ -59,6 +59,10 @@ def main() -> None:
     snippets = json.loads(args.snippets.read_text())
     args.out.mkdir(parents=True, exist_ok=True)
     os.chdir(args.out)
+    # Snippets restart Horovod in this one process; with an MPI build that needs the Gloo controller,
+    # since MPI cannot start again once it finalized (a launcher-less script starts alone either way).
+    os.environ.setdefault("HOROVOD_CONTROLLER", "gloo")
+    os.environ.setdefault("HOROVOD_CPU_OPERATIONS", "gloo")
     environment = dict(os.environ)
     record_fits()
     report: dict[str, Any] = {}
