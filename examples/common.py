@@ -70,6 +70,12 @@ STRATEGY_FLAGS_SKIPPED = frozenset({"daso", "accelerator", "parallel_devices", "
 """HorovodStrategy arguments that get no flag: DASO's come one per field, the rest is the Trainer's business."""
 
 
+def strategy_flag_arguments() -> list[inspect.Parameter]:
+    """HorovodStrategy's arguments that have a flag of their own, in signature order."""
+    parameters = inspect.signature(HorovodStrategy.__init__).parameters.values()
+    return [p for p in parameters if p.name != "self" and p.name not in STRATEGY_FLAGS_SKIPPED]
+
+
 def add_strategy_flags(parser: argparse.ArgumentParser) -> None:
     """One flag per HorovodStrategy argument and per DasoConfig field (``--daso-<field>``), read from their code.
 
@@ -79,9 +85,8 @@ def add_strategy_flags(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("HorovodStrategy")
     helps = _docstring_args(HorovodStrategy.__doc__ or "")
     hints = typing.get_type_hints(HorovodStrategy.__init__)
-    for name, parameter in inspect.signature(HorovodStrategy.__init__).parameters.items():
-        if name == "self" or name in STRATEGY_FLAGS_SKIPPED:
-            continue
+    for parameter in strategy_flag_arguments():
+        name = parameter.name
         _add_flag(group, name, hints[name], parameter.default, helps.get(name, ""), dest=name)
     daso = parser.add_argument_group("DASO (only with --sync daso; defaults from DasoConfig)")
     daso_helps = _attribute_docstrings(DasoConfig)
@@ -156,8 +161,7 @@ def strategy_from_args(args: argparse.Namespace) -> HorovodStrategy:
     if daso and args.sync != "daso":
         flags = ", ".join("--daso-" + name.replace("_", "-") for name in daso)
         raise ValueError(f"{flags} given with --sync {args.sync}; DASO settings need --sync daso")
-    names = [n for n in inspect.signature(HorovodStrategy.__init__).parameters if n not in STRATEGY_FLAGS_SKIPPED]
-    settings = {name: getattr(args, name) for name in names if name != "self"}
+    settings = {parameter.name: getattr(args, parameter.name) for parameter in strategy_flag_arguments()}
     return HorovodStrategy(**settings, daso=daso if args.sync == "daso" else None)
 
 

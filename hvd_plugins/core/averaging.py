@@ -8,14 +8,14 @@ go through ``waiting`` so the same bound holds there.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 
 from torch.optim import Optimizer
 
 from hvd_plugins.core.comm.gradient_sync import GradientSync
 from hvd_plugins.core.config import HorovodConfig
-from hvd_plugins.core.faults.finite import FiniteGradientCheck
+from hvd_plugins.core.faults.finite import FiniteGradientCheck, require_no_grad_scaler
 from hvd_plugins.core.faults.watchdog import CollectiveWatchdog
 
 
@@ -36,18 +36,22 @@ class GradientAveraging:
         """Bound a wait with ``stall_timeout_seconds`` when it is set."""
         return self.watchdog.waiting(what) if self.watchdog is not None else nullcontext()
 
-    def check_gradients_of(self, optimizers: Sequence[Optimizer]) -> None:
-        """With ``check_finite_gradients``, watch the gradients of these (wrapped) optimizers."""
+    def check_gradients_of(self, optimizers: Sequence[Optimizer], precision_plugin: object) -> None:
+        """With ``check_finite_gradients``, watch the gradients of these (wrapped) optimizers (no GradScaler)."""
         self.stop_checking()
         if self.config.check_finite_gradients:
+            require_no_grad_scaler(precision_plugin)
             self.finite_check = FiniteGradientCheck(optimizers)
 
-    def after_backward(self, sync: GradientSync, optimizer: Optimizer, where: str) -> None:
-        """Average ``optimizer``'s gradients now (collective), before clipping and AMP unscaling see them."""
+    def after_backward(self, sync: GradientSync, optimizer: Optimizer, where: Callable[[], str]) -> None:
+        """Average ``optimizer``'s gradients now (collective), before clipping and AMP unscaling see them.
+
+        ``where()`` names the training position for the finite check's error; it is asked only then.
+        """
         with self.waiting("gradient allreduce"):
             sync.synchronize(optimizer)
             if self.finite_check is not None:
-                self.finite_check.after_average(optimizer, where)
+                self.finite_check.after_average(optimizer, where())
 
     def stop_checking(self) -> None:
         if self.finite_check is not None:

@@ -53,7 +53,6 @@ from hvd_plugins.core.config import (
 from hvd_plugins.core.daso.config import DasoConfig
 from hvd_plugins.core.epoch_end import EpochEndPolicy
 from hvd_plugins.core.faults.fingerprints import job_fingerprint, optimizer_fingerprint
-from hvd_plugins.core.faults.finite import require_no_grad_scaler
 from hvd_plugins.core.faults.report import report_failure
 from hvd_plugins.core.metrics_sync import attach_horovod_metric_sync
 from hvd_plugins.core.sync_modes import make_gradient_sync
@@ -275,9 +274,7 @@ class HorovodStrategy(ParallelStrategy):
         self.gradient_sync.backward_passes = max(1, int(trainer.accumulate_grad_batches))
         schedulers = [config.scheduler for config in self.lr_scheduler_configs]
         self.optimizers = wrap_optimizers(self.gradient_sync, self.optimizers, self.lightning_module, schedulers)
-        if self.config.check_finite_gradients:
-            require_no_grad_scaler(self.precision_plugin)
-        self._averaging.check_gradients_of(self.optimizers)
+        self._averaging.check_gradients_of(self.optimizers, self.precision_plugin)
 
     # ------------------------------------------------------------------ stepping
     @override
@@ -295,7 +292,7 @@ class HorovodStrategy(ParallelStrategy):
 
         def closure_then_average() -> Any:
             result = closure()  # forward + backward of the micro-batch that steps
-            self._averaging.after_backward(sync, optimizer, training_position(self._trainer))
+            self._averaging.after_backward(sync, optimizer, lambda: training_position(self._trainer))
             return result
 
         with sync.deferred(optimizer):
