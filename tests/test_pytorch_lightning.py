@@ -154,3 +154,19 @@ def test_lightning_cli_with_the_yaml_config_under_pytorch_lightning(tmp_path) ->
     accuracy = re.search(r"validation accuracy: ([0-9.]+)", job.output)
     assert accuracy is not None and float(accuracy.group(1)) >= 0.85, job.output[-3000:]
     assert (tmp_path / "logs" / "metrics.csv").exists()
+
+
+@pytest.mark.multiprocess
+def test_strategy_by_name_under_horovodrun_gives_the_same_training_under_both_packages(tmp_path) -> None:  # noqa: ANN001
+    """single_process.py (``pl.Trainer(strategy="horovod")``) on 2 workers, as written for each package."""
+    results = {}
+    for package in LIGHTNING_PACKAGES:
+        out = tmp_path / package
+        job = run_job("single_process.py", np=2, out_dir=out, timeout=300, lightning=package).check()
+        assert sorted(job.results) == [0, 1], job.output[-3000:]
+        for result in job.results.values():
+            assert result["lightning"] == package and result["world_size"] == 2 and result["is_distributed"]
+            face = "hvd_plugins.pytorch." if package == "lightning.pytorch" else "hvd_plugins.pytorch_lightning."
+            assert result["strategy_module"].startswith(face)
+        results[package] = [job.results[rank]["final_loss"] for rank in (0, 1)]
+    assert results["pytorch_lightning"] == results["lightning.pytorch"]  # same code, same numbers

@@ -1,4 +1,4 @@
-"""The same script runs as one plain process: HorovodStrategy with a world of one."""
+"""A plain script with ``strategy="horovod"``: one process (a world of one), or every worker under horovodrun."""
 
 from __future__ import annotations
 
@@ -40,7 +40,7 @@ if __name__ == "__main__":
     trainer.fit(model, DataLoader(TensorDataset(x, y), batch_size=8))
     write_result(
         OUT,
-        0,
+        trainer.global_rank,
         {
             "lightning": pl.__name__,
             "strategy_module": type(trainer.strategy).__module__,
