@@ -24,6 +24,8 @@
 #   CUDA_HOME=DIR              CUDA toolkit for NCCL builds (default /usr/local/cuda, else nvcc on PATH)
 #   HVD_WHEEL_CACHE=DIR        where built wheels are kept (default ~/.cache/hvd_plugins/wheels)
 #   HVD_FORCE_BUILD=1          ignore the cache
+#   HVD_SDIST=FILE             build from this horovod-0.28.1.tar.gz instead of downloading it
+#                              (machines without a package index)
 set -euo pipefail
 
 HOROVOD_VERSION="0.28.1"
@@ -121,7 +123,12 @@ else
     log "building Horovod $HOROVOD_VERSION for torch $TORCH_VERSION (C++$CXX_STD, gpu=$GPU_MODE, mpi=$MPI_MODE); this takes several minutes"
     WORK=$(mktemp -d)
     trap 'rm -rf "$WORK"' EXIT
-    "$PYTHON" -m pip download --quiet --no-deps --no-binary :all: "horovod==$HOROVOD_VERSION" -d "$WORK"
+    if [ -n "${HVD_SDIST:-}" ]; then
+      [ -f "$HVD_SDIST" ] || die "HVD_SDIST=$HVD_SDIST is not a file"
+      cp "$HVD_SDIST" "$WORK/horovod-$HOROVOD_VERSION.tar.gz"
+    else
+      "$PYTHON" -m pip download --quiet --no-deps --no-binary :all: "horovod==$HOROVOD_VERSION" -d "$WORK"
+    fi
     tar -xzf "$WORK/horovod-$HOROVOD_VERSION.tar.gz" -C "$WORK"
     SRC="$WORK/horovod-$HOROVOD_VERSION"
 
@@ -167,6 +174,23 @@ for path, anchor, addition in edits:
     path.write_text(text.replace(anchor, anchor + addition))
 PY
 
+    # GCC 13's standard headers no longer include <string> and <stdexcept> on the side; two
+    # Horovod headers relied on that (std::string in group_table.h, std::logic_error in
+    # common.h). Compilers whose headers still do see no difference.
+    "$PYTHON" - "$SRC/horovod/common" <<'PY'
+import pathlib, sys
+common = pathlib.Path(sys.argv[1])
+edits = [
+    (common / "group_table.h", "#include <queue>\n", "#include <string>\n"),
+    (common / "common.h", "#include <memory>\n", "#include <stdexcept>\n"),
+]
+for path, anchor, addition in edits:
+    text = path.read_text()
+    if text.count(anchor) != 1:
+        sys.exit(f"{path.name} does not look as expected; cannot add the includes GCC 13 needs")
+    path.write_text(text.replace(anchor, anchor + addition))
+PY
+
     # Process-set Gloo contexts must use the network interface of the global context.
     GLOO_CC="$SRC/horovod/common/gloo/gloo_context.cc"
     "$PYTHON" - "$GLOO_CC" <<'PY'
@@ -181,22 +205,39 @@ path.write_text(text.replace(old, new))
 PY
 
     export HOROVOD_WITH_PYTORCH=1 HOROVOD_WITHOUT_TENSORFLOW=1 HOROVOD_WITHOUT_MXNET=1 HOROVOD_WITH_GLOO=1
+    # CMake 4 refuses projects that ask for CMake < 3.5, as Horovod's copy of Gloo does
+    # (cmake_minimum_required 2.8.12); this lets them configure with 3.5's policies. CMake 3
+    # ignores the variable, so builds that worked there are unchanged.
+    export CMAKE_POLICY_VERSION_MINIMUM="${CMAKE_POLICY_VERSION_MINIMUM:-3.5}"
     export MAKEFLAGS="-j$(nproc)" HOROVOD_BUILD_PARALLEL="$(nproc)"
     if [ "$MPI_MODE" = yes ]; then export HOROVOD_WITH_MPI=1; else export HOROVOD_WITHOUT_MPI=1; fi
     if [ "$GPU_MODE" = nccl ]; then
-      NCCL_ROOT=$("$PYTHON" -c 'import nvidia.nccl, os; print(os.path.dirname(nvidia.nccl.__file__) if nvidia.nccl.__file__ else list(nvidia.nccl.__path__)[0])') \
-        || die "GPU build asked for but the nvidia-nccl wheel is not installed beside torch"
+      # The nvidia-nccl wheel's header and library (their folders differ between CUDA 12 and 13 wheels).
+      read -r NCCL_HEADER NCCL_LIBRARY < <("$PYTHON" - <<'PY'
+import pathlib, nvidia.nccl
+roots = [pathlib.Path(p) for p in nvidia.nccl.__path__]
+def first(name):
+    return next((str(f) for root in roots for f in sorted(root.rglob(name))), "")
+print(first("nccl.h") or "-", first("libnccl.so.2") or "-")
+PY
+) || die "GPU build asked for but the nvidia-nccl wheel is not installed beside torch"
+      [ "$NCCL_HEADER" != - ] && [ "$NCCL_LIBRARY" != - ] \
+        || die "the nvidia-nccl wheel has no nccl.h or libnccl.so.2 (found: $NCCL_HEADER $NCCL_LIBRARY)"
       NCCL_LINKS="$WORK/nccl_lib"; mkdir -p "$NCCL_LINKS"
-      ln -sf "$NCCL_ROOT/lib/libnccl.so.2" "$NCCL_LINKS/libnccl.so"
+      ln -sf "$NCCL_LIBRARY" "$NCCL_LINKS/libnccl.so"
+      # Horovod compiles its CUDA kernels as C++11, which the CUDA 13 headers no longer accept.
+      sed -i "s/set(CMAKE_CUDA_STANDARD 11)/set(CMAKE_CUDA_STANDARD 17)/" "$SRC/horovod/common/ops/cuda/CMakeLists.txt"
+      grep -q "CMAKE_CUDA_STANDARD 17" "$SRC/horovod/common/ops/cuda/CMakeLists.txt" \
+        || die "could not raise the CUDA standard in horovod/common/ops/cuda/CMakeLists.txt"
       export HOROVOD_GPU_OPERATIONS=NCCL HOROVOD_NCCL_LINK=SHARED \
-        HOROVOD_NCCL_INCLUDE="$NCCL_ROOT/include" HOROVOD_NCCL_LIB="$NCCL_LINKS" \
+        HOROVOD_NCCL_INCLUDE="$(dirname "$NCCL_HEADER")" HOROVOD_NCCL_LIB="$NCCL_LINKS" \
         HOROVOD_CUDA_HOME="$CUDA_ROOT" HOROVOD_BUILD_CUDA_CC_LIST="${CUDA_ARCHS//;/,}"
       export PATH="$CUDA_ROOT/bin:$PATH"   # Horovod asks the nvcc on PATH for its flags
     fi
     mkdir -p "$WHEEL_DIR"
     rm -f "$WHEEL_DIR"/horovod-*.whl
     "$PYTHON" -m pip wheel --no-build-isolation --no-deps -w "$WHEEL_DIR" "$SRC" \
-      > "$WORK/build.log" 2>&1 || { tail -n 60 "$WORK/build.log" >&2; die "Horovod build failed (log above)"; }
+      > "$WHEEL_DIR/build.log" 2>&1 || { tail -n 60 "$WHEEL_DIR/build.log" >&2; die "Horovod build failed (log above; all of it in $WHEEL_DIR/build.log)"; }
   else
     log "using cached wheel $WHEEL_DIR"
   fi

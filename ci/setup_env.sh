@@ -15,15 +15,19 @@ source "$VENV/bin/activate"
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 pip install --quiet "$TORCH_SPEC" 2>&1 | grep -v "^WARNING: Location" >&2 || true
 python -c "import torch" || { echo "[setup] torch did not install ($TORCH_SPEC)" >&2; exit 1; }
-# OpenMPI gives Horovod its MPI controller (op="adasum", horovodrun --mpi, mpirun, srun --mpi=pmix).
-# Installed from Debian when missing and this runs as root; HVD_MPI=no builds Horovod without it.
-if [ "${HVD_MPI:-auto}" != no ] && ! command -v mpicc >/dev/null 2>&1; then
+# OpenMPI gives Horovod its MPI controller (op="adasum", horovodrun --mpi, mpirun, srun --mpi=pmix);
+# Slurm and munge run the batch-job tests on a one-node cluster. Both come from Debian when missing and
+# this runs as root; HVD_MPI=no builds Horovod without MPI, HVD_SLURM=no leaves Slurm out (tests skip).
+PACKAGES=()
+if [ "${HVD_MPI:-auto}" != no ] && ! command -v mpicc >/dev/null 2>&1; then PACKAGES+=(openmpi-bin libopenmpi-dev); fi
+if [ "${HVD_SLURM:-auto}" != no ] && ! command -v slurmctld >/dev/null 2>&1; then PACKAGES+=(slurm-wlm munge); fi
+if [ "${#PACKAGES[@]}" -gt 0 ]; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
-    echo "[setup] installing OpenMPI (openmpi-bin libopenmpi-dev)" >&2
-    { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq openmpi-bin libopenmpi-dev; } >&2 \
-      || echo "[setup] OpenMPI did not install: Horovod is built without MPI, and the MPI tests skip" >&2
+    echo "[setup] installing ${PACKAGES[*]}" >&2
+    { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${PACKAGES[@]}"; } >&2 \
+      || echo "[setup] ${PACKAGES[*]} did not install: the MPI build and the MPI and Slurm tests are left out" >&2
   else
-    echo "[setup] no mpicc, and not root: Horovod is built without MPI, and the MPI tests skip" >&2
+    echo "[setup] not root: ${PACKAGES[*]} not installed; the MPI build and the MPI and Slurm tests are left out" >&2
   fi
 fi
 # Build requirements of Horovod's setup.py (it is built without build isolation).

@@ -16,6 +16,7 @@ from hvd_plugins.core.comm.counters import CommCounters
 from hvd_plugins.core.config import HorovodConfig
 from hvd_plugins.core.daso.config import DasoConfig
 from hvd_plugins.core.faults.finite import NonFiniteGradientError
+from hvd_plugins.core.faults.preemption import note_early_warning_signal
 
 __version__ = "0.2.0"
 
@@ -34,6 +35,7 @@ def _log_to_stderr() -> None:
 
 _log_to_stderr()
 mirror.install()
+note_early_warning_signal()  # in a Slurm job: a time-limit warning during start-up is kept, not fatal
 
 if find_spec("lightning") is not None:
     from hvd_plugins.pytorch import AtomicCheckpointIO, HorovodEnvironment, HorovodStrategy, HorovodSyncBatchNorm

@@ -81,12 +81,14 @@ class HorovodConfig:
     """Longest wait in one collective before the worker ends the job; None waits forever."""
     check_finite_gradients: bool = False
     """Stop every rank at the first step whose gradients hold NaN/Inf."""
+    auto_requeue: bool = True
+    """Inside a Slurm job: at SIGUSR1 (``--signal=USR1@T``) or SIGTERM, save ``hpc_ckpt_<n>.ckpt``, requeue, stop."""
     cpu_threads: CpuThreads = "auto"
     """torch's intra-op threads per worker: ``"auto"`` shares the host's cores among its workers unless
     ``OMP_NUM_THREADS`` is set, a number sets it, None leaves torch's default (see ``cpu_threads``)."""
 
     def __post_init__(self) -> None:
-        for name in ("scale_lr", "compress_node_local", "average_buffers", "check_finite_gradients"):
+        for name in ("scale_lr", "compress_node_local", "average_buffers", "check_finite_gradients", "auto_requeue"):
             value = getattr(self, name)
             if not isinstance(value, bool) and value not in (0, 1):
                 raise ValueError(f"{name}={value!r} must be True or False")

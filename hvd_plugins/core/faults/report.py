@@ -5,6 +5,8 @@ from __future__ import annotations
 import logging
 import socket
 
+from hvd_plugins.core.faults.preemption import TrainingPreempted
+
 log = logging.getLogger(__name__)
 
 
@@ -23,5 +25,12 @@ def describe_failure(exception: BaseException, rank: int, size: int, local_rank:
 
 
 def report_failure(exception: BaseException, rank: int, size: int, local_rank: int, where: str) -> None:
-    """Log the failure line at once (stderr), before Lightning's teardown or the launcher's SIGTERM."""
+    """Log the failure line at once (stderr), before Lightning's teardown or the launcher's SIGTERM.
+
+    A stop for a time limit or preemption is no failure: rank 0 says what was saved, the others nothing.
+    """
+    if isinstance(exception, TrainingPreempted):
+        if rank == 0:
+            log.warning(str(exception))
+        return
     log.error(describe_failure(exception, rank, size, local_rank, where))

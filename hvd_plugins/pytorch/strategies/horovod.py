@@ -53,6 +53,7 @@ from hvd_plugins.core.config import (
 from hvd_plugins.core.daso.config import DasoConfig
 from hvd_plugins.core.epoch_end import EpochEndPolicy
 from hvd_plugins.core.faults.fingerprints import job_fingerprint, optimizer_fingerprint
+from hvd_plugins.core.faults.preemption import slurm_job_id
 from hvd_plugins.core.faults.report import report_failure
 from hvd_plugins.core.metrics_sync import attach_horovod_metric_sync
 from hvd_plugins.core.sync_modes import make_gradient_sync
@@ -63,6 +64,8 @@ from hvd_plugins.fabric.plugins.io.atomic import AtomicCheckpointIO
 from hvd_plugins.pytorch.callbacks.progress import progress_bar_given_to_trainer, use_line_progress_bar
 from hvd_plugins.pytorch.loop_events import TrainingLoopEvents, training_position
 from hvd_plugins.pytorch.plugins.layer_sync import HorovodSyncBatchNorm
+from hvd_plugins.pytorch.preemption import RequeueOnPreemption
+from hvd_plugins.pytorch.resume_position import ResumePosition
 from hvd_plugins.pytorch.strategies.launchers.horovod import HorovodScriptLauncher
 from hvd_plugins.pytorch.utilities.namespace import describe_strategy, require_own_namespace
 from hvd_plugins.pytorch.utilities.rank_zero import follow_rank
@@ -77,8 +80,7 @@ CHECKPOINT_KEY = "hvd_plugins"
 class HorovodStrategy(ParallelStrategy):
     """Data-parallel training over Horovod (Gloo or MPI controller; NCCL on GPUs).
 
-    The keyword arguments become ``self.config``, a frozen ``HorovodConfig`` whose fields carry the
-    same names and say more; it validates them before any process starts a collective.
+    The arguments become ``self.config``, a frozen ``HorovodConfig`` (same names, more detail), validated at once.
 
     Args:
         compression: ``"none"`` or ``"fp16"``: gradients on the wire (DASO's parameters: ``DasoConfig.downcast``).
@@ -91,20 +93,17 @@ class HorovodStrategy(ParallelStrategy):
         daso: a ``DasoConfig`` or a dict of its fields; only with ``sync="daso"``.
         average_buffers: average floating buffers over all workers at every training epoch's end.
         bucket_mb: gradient bucket size of the node-aware syncs, in MiB.
-        flat_below_mb: with ``sync="hierarchical"``, buckets under this many MiB take one flat allreduce, larger
-            ones the two-level legs. ``"auto"``: 1 MiB, and larger buckets time both routes on the first 11 steps
-            and keep the faster (rank 0 logs what it measured).
+        flat_below_mb: with ``sync="hierarchical"``, buckets under this many MiB take one flat allreduce. ``"auto"``:
+            1 MiB, and larger buckets time both routes on the first 11 steps and keep the faster (rank 0 logs it).
         stall_timeout_seconds: a worker waiting this long in a gradient allreduce or barrier ends the job (exit
             75). ``"auto"``: horovodrun's ``--stall-check-shutdown-time-seconds``, else 1800; ``None``: no bound.
-        check_finite_gradients: stop every rank with ``NonFiniteGradientError`` at the first NaN/Inf
-            gradient (one small allreduce per step; not with a GradScaler).
-        cpu_threads: torch's intra-op threads in each worker. ``"auto"``: the host's cores shared among its
-            workers (as ``torchrun`` does) unless ``OMP_NUM_THREADS`` is set; ``None``: torch's default.
+        check_finite_gradients: stop every rank at the first NaN/Inf gradient (one small allreduce per step).
+        auto_requeue: in a Slurm job, save, requeue and stop at SIGUSR1 or SIGTERM (``RequeueOnPreemption``).
+        cpu_threads: torch's threads per worker; ``"auto"``: the host's cores shared among its workers.
 
     Synchronized BatchNorm: ``Trainer(sync_batchnorm=True)`` (or ``plugins=[HorovodSyncBatchNorm()]``).
 
-    Public state for callbacks: ``config``, ``comm_counters`` (what this worker sent), ``gradient_sync``
-    (the running sync mode), ``topology``, ``daso_sync`` and ``route_tuner`` (see their docstrings).
+    State for callbacks: ``config``, ``comm_counters``, ``gradient_sync``, ``topology``, ``daso_sync``, ``route_tuner``.
     """
 
     strategy_name = "horovod"
@@ -124,6 +123,7 @@ class HorovodStrategy(ParallelStrategy):
         flat_below_mb: Megabytes = "auto",
         stall_timeout_seconds: StallTimeout = "auto",
         check_finite_gradients: bool = False,
+        auto_requeue: bool = True,
         cpu_threads: CpuThreads = "auto",
         accelerator: Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
@@ -142,6 +142,7 @@ class HorovodStrategy(ParallelStrategy):
         self._averaging = GradientAveraging(self.config)
         self._restored_sync_state: dict[str, Any] = {}  # from a checkpoint, until the sync exists
         self._progress_bar_given: bool | None = None
+        self._resume_position = ResumePosition()  # a mid-epoch resume continues at the next batch
 
     def __repr__(self) -> str:
         """Named with its Lightning package: Lightning prints it when a Trainer of the other package refuses it."""
@@ -262,6 +263,7 @@ class HorovodStrategy(ParallelStrategy):
             TrainingLoopEvents.install(
                 trainer, EpochEndPolicy(self.config, self.all_gather), self.gradient_sync, self.reduce
             )
+            RequeueOnPreemption.install(trainer, slurm_job_id() if self.config.auto_requeue else None)
 
     @override
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
@@ -276,7 +278,6 @@ class HorovodStrategy(ParallelStrategy):
         self.optimizers = wrap_optimizers(self.gradient_sync, self.optimizers, self.lightning_module, schedulers)
         self._averaging.check_gradients_of(self.optimizers, self.precision_plugin)
 
-    # ------------------------------------------------------------------ stepping
     @override
     def optimizer_step(
         self,
@@ -298,11 +299,11 @@ class HorovodStrategy(ParallelStrategy):
         with sync.deferred(optimizer):
             return super().optimizer_step(optimizer, closure_then_average, model, **kwargs)
 
-    # ------------------------------------------------------------------ checkpoints
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
         if self.gradient_sync is not None and (own := self.gradient_sync.state_dict()):
             checkpoint[CHECKPOINT_KEY] = own
+        self._resume_position.record(self._trainer, checkpoint)
         super().save_checkpoint(checkpoint, filepath, storage_options)
 
     @override
@@ -310,6 +311,7 @@ class HorovodStrategy(ParallelStrategy):
         """Hand the gradient sync its state; Lightning restores checkpoints before ``setup`` builds the sync."""
         checkpoint = super().load_checkpoint(checkpoint_path, *args, **kwargs)
         self._restored_sync_state = dict(checkpoint.get(CHECKPOINT_KEY, {}))
+        self._resume_position.restore(checkpoint)
         if self.gradient_sync is not None:
             self.gradient_sync.load_state_dict(self._restored_sync_state)
         return checkpoint
@@ -324,6 +326,10 @@ class HorovodStrategy(ParallelStrategy):
         super().load_model_state_dict(checkpoint, strict=strict)
         if self.model is not None and horovod_torch().is_initialized():
             horovod_torch().broadcast_parameters(self.model.state_dict(), root_rank=0)
+
+    @override
+    def process_dataloader(self, dataloader: object) -> object:
+        return self._resume_position.prepare(self._trainer, dataloader)
 
     # ------------------------------------------------------------------ collectives for Lightning
     @override

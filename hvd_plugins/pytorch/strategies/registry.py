@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from hvd_plugins.pytorch.strategies.cluster_choice import choose_horovod_environment_for
 from hvd_plugins.pytorch.strategies.horovod import HorovodStrategy
 
 PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
@@ -21,7 +22,8 @@ PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
 
 
 def register_named_strategies(strategy_registry: Any) -> None:
-    """Register every preset (idempotent: re-importing does not raise)."""
+    """Register every preset (idempotent: re-importing does not raise); each name gets HorovodEnvironment."""
+    choose_horovod_environment_for(PRESETS)
     for name, (description, init_params) in PRESETS.items():
         if name in strategy_registry:
             continue
