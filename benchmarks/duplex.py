@@ -38,7 +38,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from common import format_table, save_report  # noqa: E402
 from emulated_cluster import SKIP_EXIT_CODE, parse_link, run_on_cluster  # noqa: E402
-from netns_cluster import ClusterUnavailable, NamespaceCluster, shaping_for  # noqa: E402
+
+from hvd_plugins.testing.netns_cluster import ClusterUnavailable, NamespaceCluster, shaping_for  # noqa: E402
 
 OPS = ("flat", "exchange", "relay", "one_way", "two_level")
 

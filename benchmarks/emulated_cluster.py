@@ -51,7 +51,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
-from netns_cluster import ClusterUnavailable, NamespaceCluster, shaping_for  # noqa: E402
+
+from hvd_plugins.testing.netns_cluster import ClusterUnavailable, NamespaceCluster, shaping_for  # noqa: E402
 
 MODES = ("allreduce/none", "allreduce/fp16", "hierarchical/none", "hierarchical/fp16", "daso/none", "daso/fp16")
 BASELINE = "allreduce/none"
@@ -577,8 +578,11 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     for axes, model in zip(axes_list[0], models, strict=True):
         lines = dict.fromkeys((r["mode"], r["topology"]) for r in rows if r["model"] == model and r["mode"] != BASELINE)
         for mode, topology in lines:
-            points = sorted((x_of(r["link_mbit"]), r["speedup"]) for r in rows
-                            if (r["model"], r["mode"], r["topology"]) == (model, mode, topology) and r["speedup"])
+            points = sorted(
+                (x_of(r["link_mbit"]), r["speedup"])
+                for r in rows
+                if (r["model"], r["mode"], r["topology"]) == (model, mode, topology) and r["speedup"]
+            )
             if points:  # colour by mode, line style by topology
                 style = "--s" if topology.endswith("x1") else "-o"
                 color = f"C{MODES.index(mode)}"
@@ -650,25 +654,42 @@ def build_grid(args: argparse.Namespace) -> Grid:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--sweep", action="store_true",
-                        help="the grid: models small,large x topologies 2x1,2x2 x links unshaped,200,50 x the 4 "
-                             "sweep modes (the small model at unshaped and 50 only); writes emulated_sweep.*")
+    parser.add_argument(
+        "--sweep",
+        action="store_true",
+        help="the grid: models small,large x topologies 2x1,2x2 x links unshaped,200,50 x the 4 "
+        "sweep modes (the small model at unshaped and 50 only); writes emulated_sweep.*",
+    )
     parser.add_argument("--smoke", action="store_true", help="tiny model, 3 epochs, 2x1 and 2x2 at 50 Mbit/s")
-    parser.add_argument("--link-mbit", help="comma-separated link rates between nodes in Mbit/s, or 'unshaped' "
-                        "(the first one's flat fp32 run sets the target; default 200)")
+    parser.add_argument(
+        "--link-mbit",
+        help="comma-separated link rates between nodes in Mbit/s, or 'unshaped' "
+        "(the first one's flat fp32 run sets the target; default 200)",
+    )
     parser.add_argument("--topology", help="comma-separated NODESxWORKERS (default 2x2; 2x1 needs only 2 cores)")
     parser.add_argument("--model", help=f"comma-separated, from {sorted(MODELS)} (default large)")
     parser.add_argument("--epochs", type=int, help="epochs per run (default: the model's, 6)")
     parser.add_argument("--daso-warmup", type=int, default=1, help="DASO warmup epochs (default 1)")
     parser.add_argument("--daso-cooldown", type=int, default=1, help="DASO cooldown epochs (default 1)")
-    parser.add_argument("--modes", help=f"comma-separated from {list(MODES)}; flat fp32 always runs (default: "
-                        f"{','.join(SWEEP_MODES)})")
-    parser.add_argument("--run-budget", type=float, default=150.0,
-                        help="seconds of training after which a run stops at its epoch's end (default 150)")
-    parser.add_argument("--results-dir", type=Path,
-                        help="write emulated_sweep.{txt,json,csv,png} here (default with --sweep: docs/benchmarks)")
-    parser.add_argument("--logs-dir", type=Path, help="keep every run's worker logs under this folder (default: "
-                        "a temporary folder, removed afterwards)")
+    parser.add_argument(
+        "--modes", help=f"comma-separated from {list(MODES)}; flat fp32 always runs (default: {','.join(SWEEP_MODES)})"
+    )
+    parser.add_argument(
+        "--run-budget",
+        type=float,
+        default=150.0,
+        help="seconds of training after which a run stops at its epoch's end (default 150)",
+    )
+    parser.add_argument(
+        "--results-dir",
+        type=Path,
+        help="write emulated_sweep.{txt,json,csv,png} here (default with --sweep: docs/benchmarks)",
+    )
+    parser.add_argument(
+        "--logs-dir",
+        type=Path,
+        help="keep every run's worker logs under this folder (default: a temporary folder, removed afterwards)",
+    )
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--spec", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)

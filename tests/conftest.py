@@ -12,31 +12,70 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from hvd_launch import LIGHTNING_PACKAGES, horovodrun_path, run_job  # noqa: E402
 
+from hvd_plugins.testing.launch import mpi_launch_problem  # noqa: E402
+from hvd_plugins.testing.netns_cluster import ClusterUnavailable, NamespaceCluster  # noqa: E402
+
 
 def pytest_configure(config: pytest.Config) -> None:
     if shutil.which(horovodrun_path()) is None and not Path(horovodrun_path()).exists():
         raise pytest.UsageError("horovodrun is not installed; run `bash ci/test.sh`, which builds it")
 
 
-_two_worker_reports: dict[str, dict[int, dict]] = {}
+_two_worker_reports: dict[tuple[str, str], dict[int, dict]] = {}
+
+TWO_WORKER_VARIANTS = [(package, "gloo") for package in LIGHTNING_PACKAGES] + [("lightning.pytorch", "mpi")]
+"""The shared job runs with each Lightning package over Gloo, and over MPI (mpirun under horovodrun --mpi)."""
 
 
-def two_worker_reports(lightning: str, tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict]:
+def skip_without_mpi() -> None:
+    """Skip (with the reason printed) where horovodrun --mpi cannot run."""
+    problem = mpi_launch_problem()
+    if problem:
+        print(f"skipping the MPI variant: {problem}")
+        pytest.skip(f"needs horovodrun --mpi: {problem}")
+
+
+def two_worker_reports(
+    lightning: str, tmp_path_factory: pytest.TempPathFactory, controller: str = "gloo"
+) -> dict[int, dict]:
     """Every rank's report of the one two-worker, one-node job of named checks (tests/workers/strategy_features.py),
-    with the worker written for ``lightning`` ("lightning.pytorch" or "pytorch_lightning"); run once per package.
+    with the worker written for ``lightning`` ("lightning.pytorch" or "pytorch_lightning") and Horovod's
+    ``controller`` ("gloo" or "mpi"); run once per variant.
 
     Shared by the Lightning-feature tests and the fault tests: one launch instead of one per file.
     Each check is recorded on its own, so a failing check fails only the tests that read it.
     """
-    if lightning not in _two_worker_reports:
-        out = tmp_path_factory.mktemp(f"two_worker_checks_{lightning.replace('.', '_')}")
-        job = run_job("strategy_features.py", np=2, out_dir=out, timeout=900, lightning=lightning).check()
+    key = (lightning, controller)
+    if key not in _two_worker_reports:
+        out = tmp_path_factory.mktemp(f"two_worker_checks_{lightning.replace('.', '_')}_{controller}")
+        job = run_job(
+            "strategy_features.py", np=2, out_dir=out, timeout=900, lightning=lightning, controller=controller
+        ).check()
         assert sorted(job.results) == [0, 1], job.output[-3000:]
-        _two_worker_reports[lightning] = job.results
-    return _two_worker_reports[lightning]
+        _two_worker_reports[key] = job.results
+    return _two_worker_reports[key]
 
 
-@pytest.fixture(scope="session", params=LIGHTNING_PACKAGES)
+@pytest.fixture(scope="session", params=TWO_WORKER_VARIANTS, ids=lambda variant: "-".join(variant))
 def two_worker_checks(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict]:
-    """The shared two-worker job's reports, once with each Lightning package."""
-    return two_worker_reports(request.param, tmp_path_factory)
+    """The shared two-worker job's reports, once with each Lightning package and once over MPI."""
+    lightning, controller = request.param
+    if controller == "mpi":
+        skip_without_mpi()
+    return two_worker_reports(lightning, tmp_path_factory, controller)
+
+
+@pytest.fixture(scope="session")
+def mpi_nodes():
+    """Two nodes for MPI: network namespaces with their own host names, reached by mpirun through an rsh agent."""
+    skip_without_mpi()
+    cluster = NamespaceCluster(nodes=2, shaping="")
+    try:
+        cluster.create()
+        cluster.check_reachable(sys.executable)
+    except ClusterUnavailable as error:
+        cluster.teardown()
+        print(f"skipping the MPI-node jobs: {error}")
+        pytest.skip(f"network namespaces for two MPI nodes are unavailable: {error}")
+    yield cluster
+    cluster.teardown()

@@ -15,7 +15,8 @@ import tempfile
 from pathlib import Path
 
 from hvd_plugins.mirror import rewrite
-from hvd_plugins.testing.launch import JobResult, horovodrun, horovodrun_path, run_bounded
+from hvd_plugins.testing.launch import JobResult, horovodrun, horovodrun_path, mpirun, run_bounded
+from hvd_plugins.testing.netns_cluster import NamespaceCluster
 
 __all__ = [
     "LIGHTNING_PACKAGES",
@@ -25,6 +26,8 @@ __all__ = [
     "JobResult",
     "horovodrun_path",
     "run_job",
+    "run_mpirun",
+    "run_on_mpi_nodes",
     "run_single",
     "scripts_for",
     "workers_for",
@@ -114,3 +117,33 @@ def run_single(
     command += ["--out", str(out_dir)] if out_dir is not None else []
     job = run_bounded(command, timeout, cwd=REPO, out_dir=out_dir, drop_launcher_env=True)
     return _fail_on_timeout(job, "the single process", timeout)
+
+
+def run_mpirun(
+    script: str | Path, *args: str, np: int = 2, out_dir: Path | None = None, timeout: float = 300
+) -> JobResult:
+    """``mpirun -np N python script args`` on this machine: OpenMPI starts the workers, no horovodrun."""
+    job = mpirun([sys.executable, str(_worker_path(script)), *args], np=np, out_dir=out_dir, timeout=timeout, cwd=REPO)
+    return _fail_on_timeout(job, "mpirun", timeout)
+
+
+def run_on_mpi_nodes(
+    cluster: NamespaceCluster,
+    script: str | Path,
+    *args: str,
+    workers_per_node: int = 2,
+    out_dir: Path,
+    timeout: float = 300,
+    lightning: str = "lightning.pytorch",
+) -> JobResult:
+    """``mpirun`` over the namespace cluster's nodes (each its own host to OpenMPI), through its rsh agent."""
+    job = mpirun(
+        [sys.executable, str(_worker_path(script, lightning)), *args],
+        np=workers_per_node * cluster.nodes,
+        hosts=cluster.mpi_hosts(workers_per_node),
+        out_dir=out_dir,
+        timeout=timeout,
+        cwd=REPO,
+        mpi_args=cluster.mpirun_args(out_dir),
+    )
+    return _fail_on_timeout(job, "mpirun on the namespace nodes", timeout)

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import csv
 import json
+import re
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import skip_without_mpi
 from hvd_launch import LIGHTNING_PACKAGES, TWO_NODES, run_job, run_single
 from lightning.pytorch import LightningModule, Trainer
 from torch.utils.data import DataLoader, TensorDataset
@@ -133,10 +135,16 @@ def _check_timeline_only_on_rank_zero(out: Path, size: int, collective: str = "A
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("lightning", LIGHTNING_PACKAGES)
-def test_callbacks_two_workers_fp16_with_accumulation(tmp_path: Path, lightning: str) -> None:
+@pytest.mark.parametrize(
+    ("lightning", "controller"),
+    [(package, "gloo") for package in LIGHTNING_PACKAGES] + [("lightning.pytorch", "mpi")],
+)
+def test_callbacks_two_workers_fp16_with_accumulation(tmp_path: Path, lightning: str, controller: str) -> None:
+    if controller == "mpi":
+        skip_without_mpi()
     args = ("--compression", "fp16", "--accumulate", "2")
-    job = run_job(WORKER, *args, np=2, out_dir=tmp_path, timeout=420, lightning=lightning).check()
+    job = run_job(WORKER, *args, np=2, out_dir=tmp_path, timeout=420, lightning=lightning, controller=controller)
+    job.check()
     assert sorted(job.results) == [0, 1]
     for result in job.results.values():
         assert result["parameters"] == PARAMETERS
@@ -154,7 +162,7 @@ def test_callbacks_two_workers_fp16_with_accumulation(tmp_path: Path, lightning:
     assert logged_bytes == [PARAMETERS * 2 * 2] * 2
     assert any(row.get("memory/cpu_peak_rss_mb_max") for row in rows)
     tables = [line for line in job.output.splitlines() if "Peak memory over 2 worker(s)" in line]
-    assert len(tables) == 1 and tables[0].startswith("[0]"), tables
+    assert len(tables) == 1 and re.match(r"\[(\d+,)?0\]", tables[0]), tables  # horovodrun's [0], mpirun's [1,0]
     assert sum("Communication per worker" in line for line in job.output.splitlines()) == 1
 
 

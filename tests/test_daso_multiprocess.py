@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from hvd_launch import LIGHTNING_PACKAGES, TWO_NODES, JobResult, run_job
+from hvd_launch import LIGHTNING_PACKAGES, TWO_NODES, JobResult, run_job, run_on_mpi_nodes
 
 pytestmark = pytest.mark.multiprocess
 
@@ -21,10 +21,16 @@ def check(job: JobResult, name: str, rank: int) -> Any:
     return result["value"]
 
 
-@pytest.fixture(scope="module")
-def two_by_two(tmp_path_factory: pytest.TempPathFactory) -> JobResult:
+@pytest.fixture(scope="module", params=["gloo", "mpi"])
+def two_by_two(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> JobResult:
+    """DASO's checks on two nodes of two workers: horovodrun --gloo on emulated nodes, and mpirun on MPI nodes."""
     out: Path = tmp_path_factory.mktemp("daso_two_by_two")
-    job = run_job("daso_checks.py", "--case", "two_by_two", np=4, hosts=TWO_NODES, out_dir=out, timeout=900).check()
+    case = ("--case", "two_by_two")
+    if request.param == "mpi":
+        job = run_on_mpi_nodes(request.getfixturevalue("mpi_nodes"), "daso_checks.py", *case, out_dir=out, timeout=900)
+    else:
+        job = run_job("daso_checks.py", *case, np=4, hosts=TWO_NODES, out_dir=out, timeout=900)
+    job.check()
     assert sorted(job.results) == [0, 1, 2, 3]
     return job
 

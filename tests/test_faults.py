@@ -9,6 +9,7 @@ import horovod.torch as hvd
 import psutil
 import pytest
 import torch
+from conftest import skip_without_mpi
 from hvd_launch import TWO_NODES, JobResult, run_job
 
 from hvd_plugins.core.backend.capabilities import require_gpu_build, require_gpu_for_local_rank
@@ -79,15 +80,29 @@ def assert_failed(job: JobResult) -> None:
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize(
-    ("case", "np", "hosts", "victim"),
-    [("raise", 2, None, 1), ("kill", 2, None, 1), ("kill", 4, TWO_NODES, 3)],
-    ids=["raise-1-of-2", "kill-1-of-2", "kill-1-of-4"],
+    ("case", "np", "hosts", "victim", "controller"),
+    [
+        ("raise", 2, None, 1, "gloo"),
+        ("kill", 2, None, 1, "gloo"),
+        ("kill", 4, TWO_NODES, 3, "gloo"),
+        ("raise", 2, None, 1, "mpi"),
+        ("kill", 2, None, 1, "mpi"),
+    ],
+    ids=["raise-1-of-2", "kill-1-of-2", "kill-1-of-4", "mpi-raise-1-of-2", "mpi-kill-1-of-2"],
 )
-def test_a_failed_worker_ends_the_whole_job(tmp_path: Path, case: str, np: int, hosts: str | None, victim: int) -> None:
-    job = run_job("faults_crash.py", "--case", case, "--victim", str(victim), np=np, hosts=hosts, out_dir=tmp_path)
+def test_a_failed_worker_ends_the_whole_job(
+    tmp_path: Path, case: str, np: int, hosts: str | None, victim: int, controller: str
+) -> None:
+    if controller == "mpi":
+        skip_without_mpi()
+    args = ("--case", case, "--victim", str(victim))
+    job = run_job("faults_crash.py", *args, np=np, hosts=hosts, out_dir=tmp_path, controller=controller)
     assert_failed(job)
-    code = 137 if case == "kill" else 1
-    assert f"Process {victim} exit with status code {code}" in job.output  # horovodrun names the rank
+    if controller == "gloo":
+        code = 137 if case == "kill" else 1
+        assert f"Process {victim} exit with status code {code}" in job.output  # horovodrun names the rank
+    else:  # mpirun names the rank that ended the job
+        assert "mpirun" in job.output and (f"rank {victim}" in job.output or f"process rank {victim}" in job.output)
     if case == "raise":
         assert f"hvd_plugins: rank {victim} of {np}" in job.output
         assert "RuntimeError: injected failure" in job.output

@@ -9,7 +9,8 @@ from pathlib import Path
 import horovod.torch as hvd
 import pytest
 import torch
-from hvd_launch import LIGHTNING_PACKAGES, run_job, run_single
+from conftest import skip_without_mpi
+from hvd_launch import LIGHTNING_PACKAGES, run_job, run_mpirun, run_single
 from lightning.pytorch import Trainer
 from test_readme import SNIPPETS
 
@@ -94,6 +95,23 @@ def test_plain_python_with_two_devices_runs_two_workers_that_match_horovodrun(tm
         assert launched.results[rank]["world_size"] == 2
         expected = torch.tensor([v for p in launched.results[rank]["parameters"] for v in p])
         got = torch.tensor([v for p in plain.results[rank]["parameters"] for v in p])
+        assert torch.allclose(got, expected, rtol=0, atol=1e-6), (got, expected)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.mpi
+def test_mpirun_starts_the_workers_itself_and_they_train_like_horovodrun(tmp_path: Path) -> None:
+    """``mpirun -np 2 python train.py``: the MPI controller, no horovodrun, the same training."""
+    skip_without_mpi()
+    launched = run_mpirun("self_launch.py", np=2, out_dir=tmp_path / "mpirun", timeout=300).check("mpirun")
+    reference = run_job("self_launch.py", np=2, out_dir=tmp_path / "horovodrun", timeout=300).check()
+    assert sorted(launched.results) == [0, 1], launched.output[-3000:]
+    for rank in (0, 1):
+        result = launched.results[rank]
+        assert result["rank"] == rank and result["world_size"] == result["horovod_size"] == 2
+        assert result["global_step"] == 12 and result["parameters"] != result["initial"]
+        expected = torch.tensor([v for p in reference.results[rank]["parameters"] for v in p])
+        got = torch.tensor([v for p in result["parameters"] for v in p])
         assert torch.allclose(got, expected, rtol=0, atol=1e-6), (got, expected)
 
 

@@ -191,3 +191,38 @@ def horovodrun(
         full_env.update({"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"})
     full_env.update(env or {})
     return run_bounded(command, timeout, env=full_env, cwd=cwd, out_dir=out_dir)
+
+
+MPIRUN_EXPORTS = ("PATH", "PYTHONPATH", "PYTHONUNBUFFERED", "PYTHONWARNINGS", "VIRTUAL_ENV", "OMP_NUM_THREADS")
+"""Variables mpirun forwards to every worker (``-x``), on top of the HOROVOD_* ones of the launch."""
+
+
+def mpirun(
+    worker: Sequence[str],
+    *,
+    np: int = 2,
+    hosts: str | None = None,
+    out_dir: Path | None = None,
+    timeout: float = 300,
+    env: Mapping[str, str] | None = None,
+    cwd: Path | None = None,
+    mpi_args: Sequence[str] = (),
+) -> JobResult:
+    """``mpirun -np N [--host hosts] <worker> [--out out_dir]``: OpenMPI starts the workers, no horovodrun.
+
+    Every ``HOROVOD_*`` variable of this process or ``env`` is forwarded, with the ones named in
+    MPIRUN_EXPORTS. ``mpi_args`` go before the worker (``--mca plm_rsh_agent ...`` and the like).
+    """
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONWARNINGS": "ignore", **(env or {})}
+    if os.geteuid() == 0:
+        full_env.update({"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"})
+    exports = [name for name in full_env if name in MPIRUN_EXPORTS or name.startswith("HOROVOD_")]
+    command = [shutil.which("mpirun") or "mpirun", "-np", str(np), "--bind-to", "none", "--tag-output"]
+    if hosts:
+        command += ["--host", hosts]
+    for name in sorted(exports):
+        command += ["-x", name]
+    command += [*mpi_args, *worker]
+    if out_dir is not None:
+        command += ["--out", str(out_dir)]
+    return run_bounded(command, timeout, env=full_env, cwd=cwd, out_dir=out_dir)

@@ -5,6 +5,10 @@ Horovod's rendezvous server listens). Each node's ``eth0`` egress is shaped with
 not available in every kernel), so traffic between nodes is slow while workers inside a node talk
 over the namespace's own unshaped loopback. Everything created here is removed by ``teardown``,
 which is idempotent; ``NamespaceCluster`` also registers it with ``atexit`` and for SIGINT/SIGTERM.
+
+MPI reaches the nodes as it reaches hosts of a real cluster, through a remote-shell agent:
+``mpirun_args()`` names an agent that runs OpenMPI's daemon inside the node's namespace, under the
+node's host name, so OpenMPI sees one host per node (``local_size`` is the node's workers).
 """
 
 from __future__ import annotations
@@ -29,6 +33,8 @@ def shaping_for(link_mbit: float | None) -> str:
     if link_mbit <= 0:
         raise ValueError(f"link rate {link_mbit!r} Mbit/s must be > 0 (or None for an unshaped link)")
     return f"tbf rate {link_mbit:g}mbit burst 256kb latency 50ms"
+
+
 SUBNET_CANDIDATES = [ipaddress.ip_network(f"10.213.{third}.0/24") for third in range(100, 200)]
 
 
@@ -186,6 +192,36 @@ class NamespaceCluster:
     def _teardown_and_exit(self, signum: int, frame: FrameType | None) -> None:
         self.teardown()
         raise SystemExit(128 + signum)
+
+    def rsh_agent(self, folder: Path) -> Path:
+        """A script for ``--mca plm_rsh_agent``: ``agent <node address> <command...>`` runs it in that node."""
+        cases = "".join(
+            f"  {self.node_ip(n)}|{self.host_name(n)}) ns={self.namespace(n)}; name={self.host_name(n)} ;;\n"
+            for n in range(self.nodes)
+        )
+        agent = folder / f"{self.tag}-rsh-agent.sh"
+        agent.write_text(
+            "#!/bin/bash\n# OpenMPI's remote shell for the namespace cluster: enter the node, then run the command.\n"
+            'host="$1"; shift\n'
+            f'case "$host" in\n{cases}  *) echo "no node named $host" >&2; exit 255 ;;\nesac\n'
+            'exec ip netns exec "$ns" unshare --uts bash -c "hostname $name; $*"\n'
+        )
+        agent.chmod(0o755)
+        return agent
+
+    def mpirun_args(self, folder: Path) -> list[str]:
+        """``mpirun`` options that start each node's workers inside it and keep MPI's traffic on the bridge."""
+        assert self.subnet is not None
+        return [
+            "--mca", "plm_rsh_agent", str(self.rsh_agent(folder)),
+            "--mca", "oob_tcp_if_include", str(self.subnet),
+            "--mca", "btl_tcp_if_include", str(self.subnet),
+            "--mca", "btl", "self,vader,tcp",
+        ]  # fmt: skip
+
+    def mpi_hosts(self, workers_per_node: int) -> str:
+        """``--host`` for mpirun: every node by address, with its slots."""
+        return ",".join(f"{self.node_ip(n)}:{workers_per_node}" for n in range(self.nodes))
 
     def worker_command(self, node: int, command: str) -> list[str]:
         """Run ``command`` inside node ``node``: its namespace, and its own host name (new UTS namespace)."""
