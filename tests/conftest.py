@@ -10,10 +10,21 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import slurm_jobs  # noqa: E402
 from hvd_launch import LIGHTNING_PACKAGES, horovodrun_path, run_job  # noqa: E402
 
 from hvd_plugins.testing.launch import mpi_launch_problem  # noqa: E402
 from hvd_plugins.testing.netns_cluster import ClusterUnavailable, NamespaceCluster  # noqa: E402
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Slurm's requeue jobs spend minutes asleep: start them now, beside the rest of the suite."""
+    if any(item.nodeid.startswith("tests/test_slurm.py::test_time_limit") for item in session.items):
+        slurm_jobs.start_requeue_jobs()
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    slurm_jobs.stop()
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -23,7 +23,7 @@ pytestmark = [
 
 def test_training_on_gpus_with_nccl(tmp_path: Path) -> None:
     if not _nccl_built():
-        pytest.skip("Horovod was built without NCCL (HVD_GPU=nccl bash ci/install_horovod.sh)")
+        pytest.skip("Horovod was built without NCCL (hvd-build-horovod --gpu nccl)")
     workers = min(2, torch.cuda.device_count())
     job = run_job("gpu_checks.py", np=workers, out_dir=tmp_path, timeout=600).check()
     for report in job.results.values():

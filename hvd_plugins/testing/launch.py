@@ -91,7 +91,7 @@ def mpi_launch_problem() -> str | None:
     return (
         None
         if built
-        else "this Horovod build has no MPI controller (rebuild with HVD_MPI=yes bash ci/install_horovod.sh)"
+        else "this Horovod build has no MPI controller (rebuild with: hvd-build-horovod --mpi yes)"
     )
 
 

@@ -182,7 +182,7 @@ def check_accumulation() -> dict[str, Any]:
 
 
 def check_float16_sum() -> dict[str, Any]:
-    """Horovod's float16 allreduce (Gloo's F16C sum in the wheel ci/install_horovod.sh builds) against
+    """Horovod's float16 allreduce (Gloo's F16C sum in the wheel hvd-build-horovod builds) against
     float32 addition rounded once: sizes that are and are not multiples of the 8-wide vector loop."""
     exact = {}
     for numel in (1, 7, 8, 9, 1003, 100_001):

@@ -12,11 +12,12 @@ if TYPE_CHECKING:
 
 
 def require_build_supports(config: HorovodConfig) -> None:
-    """Checks that need only the build, so a bad choice fails when the strategy is created."""
-    if config.op == "adasum" and not horovod_torch().mpi_built():
+    """Checks that need only the build, so a missing Horovod or a bad choice fails when the strategy is created."""
+    hvd = horovod_torch()  # raises HorovodUnavailable naming the build command
+    if config.op == "adasum" and not hvd.mpi_built():
         raise ValueError(
             "op='adasum' needs Horovod's MPI controller, but this Horovod build has no MPI. Use op='average' or "
-            "'sum', or build Horovod with MPI (HVD_MPI=yes bash ci/install_horovod.sh)."
+            "'sum', or build Horovod with MPI (hvd-build-horovod --mpi yes)."
         )
 
 
@@ -43,7 +44,7 @@ def require_gpu_build(hvd: ModuleType) -> None:
     if not (hvd.cuda_built() or hvd.rocm_built()):
         raise RuntimeError(
             "Training on GPUs was asked for, but this Horovod build has no GPU support. Rebuild it "
-            "with NCCL: HVD_GPU=nccl bash ci/install_horovod.sh"
+            "with NCCL: hvd-build-horovod --gpu nccl"
         )
 
 

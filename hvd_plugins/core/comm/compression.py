@@ -42,7 +42,7 @@ class FP16Compression:
     """Send floating-point tensors as float16 and cast back on arrival.
 
     Halves the bytes on the wire. On CPU the float16 sum is fast only where Horovod's Gloo adds
-    float16 with F16C (the wheel ``ci/install_horovod.sh`` builds); elsewhere it converts every
+    float16 with F16C (the wheel ``hvd-build-horovod`` builds); elsewhere it converts every
     element in software, and compression pays off only where the network limits the collective.
     """
 

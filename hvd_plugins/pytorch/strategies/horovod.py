@@ -322,12 +322,6 @@ class HorovodStrategy(ParallelStrategy):
         broadcast_optimizer_states_(self.optimizers, root_rank=0)
 
     @override
-    def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
-        super().load_model_state_dict(checkpoint, strict=strict)
-        if self.model is not None and horovod_torch().is_initialized():
-            horovod_torch().broadcast_parameters(self.model.state_dict(), root_rank=0)
-
-    @override
     def process_dataloader(self, dataloader: object) -> object:
         return self._resume_position.prepare(self._trainer, dataloader)
 
