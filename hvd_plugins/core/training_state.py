@@ -38,12 +38,17 @@ def average_buffers_(model: Module, name: str) -> None:
 
 
 def wrap_optimizers(
-    sync: GradientSync, optimizers: Sequence[Optimizer], model: Module, schedulers: Sequence[Any] = ()
+    sync: GradientSync,
+    optimizers: Sequence[Optimizer],
+    model: Module,
+    schedulers: Sequence[Any] = (),
+    first_index: int = 0,
 ) -> list[Optimizer]:
-    """Each optimizer as ``sync`` wraps it (named ``opt<i>.<parameter>``), and schedulers pointed at the wrappers."""
+    """Each optimizer as ``sync`` wraps it (named ``opt<i>.<parameter>``, ``i`` from ``first_index``: a loop that
+    sets up optimizers in several calls keeps their names apart), and schedulers pointed at the wrappers."""
     wrapped = [
         sync.wrap(optimizer, named_parameters_for(optimizer, model, f"opt{index}"))
-        for index, optimizer in enumerate(optimizers)
+        for index, optimizer in enumerate(optimizers, start=first_index)
     ]
     for scheduler in schedulers:
         if scheduler.optimizer in optimizers:

@@ -88,11 +88,7 @@ def mpi_launch_problem() -> str | None:
         from horovod.common.util import mpi_built
 
         built = bool(mpi_built())
-    return (
-        None
-        if built
-        else "this Horovod build has no MPI controller (rebuild with: hvd-build-horovod --mpi yes)"
-    )
+    return None if built else "this Horovod build has no MPI controller (rebuild with: hvd-build-horovod --mpi yes)"
 
 
 def horovodrun_command(probe_build: bool = False, controller: str = "gloo") -> list[str]:

@@ -22,6 +22,37 @@ def set_backward_passes(optimizer: Optimizer, passes: int) -> None:
             optimizer._allreduce_delay[parameter] = passes
 
 
+def delay_next_allreduce(optimizer: Optimizer) -> None:
+    """Let the next backward only add to the gradients: every parameter's countdown to its allreduce gains one.
+
+    The step's ``synchronize`` (or the countdown of a later backward) still averages the sum, and each
+    step resets the countdowns to ``backward_passes_per_step``.
+    """
+    for parameter in getattr(optimizer, "_allreduce_delay", {}):
+        optimizer._allreduce_delay[parameter] += 1
+
+
+def make_zero_grad_wrapper_safe(optimizer: Optimizer) -> None:
+    """Give a DistributedOptimizer's class a ``zero_grad`` that also works through a subclassing wrapper.
+
+    Horovod's ``zero_grad`` calls ``super(self.__class__, self)``: through Fabric's optimizer wrapper
+    (a subclass of the optimizer's class) that recurses forever. Each DistributedOptimizer has a class
+    of its own, so this changes nothing else. Allreduces a backward started are completed first (see
+    ``_zero_grad_completing_allreduces``).
+    """
+    if not hasattr(optimizer, "_handles"):
+        return
+    horovod_class = type(optimizer)
+
+    def zero_grad(self: Any, set_to_none: bool = True) -> None:
+        target = self.__dict__.get("_optimizer", self)  # the DistributedOptimizer itself
+        if target._handles:
+            target.synchronize()
+        super(horovod_class, target).zero_grad(set_to_none=set_to_none)
+
+    horovod_class.zero_grad = zero_grad
+
+
 def drop_gradient_hooks(optimizer: Optimizer) -> None:
     """Forget a DistributedOptimizer's gradient hooks, so a later fit in this process starts clean."""
     getattr(optimizer, "_grad_accs", []).clear()

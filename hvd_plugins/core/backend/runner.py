@@ -22,8 +22,9 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -213,3 +214,26 @@ class LocalJob:
     def _exit_now(self) -> None:
         log.error(f"rank 0 still runs {EXIT_GRACE_SECONDS:g} s after {self.failure}; ending it")
         os._exit(1)
+
+
+_local_job: LocalJob | None = None
+"""The one job this process started; it outlives Trainers and Fabrics (a later one sees the Horovod variables)."""
+
+
+def start_local_job_once(size: int, start_horovod: Callable[[], Any], asked_as: str) -> None:
+    """Start ``size`` workers of this script (once per process), then Horovod; ``asked_as`` names the request."""
+    global _local_job
+    if _local_job is None:
+        if horovod_torch().is_initialized():
+            raise RuntimeError(
+                f"hvd.init() ran before the {size} workers of {asked_as} were started. "
+                "Let the strategy start Horovod, or launch with `horovodrun`."
+            )
+        _local_job = LocalJob(size)
+        _local_job.wait_for_workers()
+    start_horovod()
+
+
+def kill_local_job(signum: int) -> None:
+    if _local_job is not None:
+        _local_job.kill(signum)

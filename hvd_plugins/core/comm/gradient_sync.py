@@ -25,7 +25,7 @@ from torch.nn import Module
 from torch.optim import Optimizer
 
 from hvd_plugins.core.backend.module import horovod_torch
-from hvd_plugins.core.backend.optimizer import drop_gradient_hooks, set_backward_passes
+from hvd_plugins.core.backend.optimizer import delay_next_allreduce, drop_gradient_hooks, set_backward_passes
 from hvd_plugins.core.backend.waits import wait_for_pending_allreduces
 from hvd_plugins.core.comm.buckets import bucket_tensors, flatten, unflatten_into
 from hvd_plugins.core.comm.compression import Compressor, CountingCompressor
@@ -97,6 +97,9 @@ class GradientSync(TrainingLoopHooks, ABC):
         """Tell the sync how many backward passes accumulate into one step."""
         self.backward_passes = passes
 
+    def hold_next_backward(self, optimizer: Optimizer) -> None:
+        """The next backward only adds to the gradients (a loop's ``no_backward_sync``); explicit syncs wait anyway."""
+
 
 class HorovodOptimizerSync(GradientSync):
     """Horovod's ``DistributedOptimizer``: one allreduce per gradient, started by backward hooks.
@@ -142,6 +145,9 @@ class HorovodOptimizerSync(GradientSync):
         self.backward_passes = passes
         set_backward_passes(optimizer, passes)
 
+    def hold_next_backward(self, optimizer: Optimizer) -> None:
+        delay_next_allreduce(optimizer)
+
     def teardown(self, optimizers: Sequence[Optimizer]) -> None:
         for optimizer in optimizers:
             drop_gradient_hooks(optimizer)
@@ -167,6 +173,12 @@ class AdasumOptimizerSync(HorovodOptimizerSync):
 
     def set_backward_passes(self, optimizer: Optimizer, passes: int) -> None:
         self.refuse_unsupported(passes, clips_gradients=False)  # an accumulation schedule changed it
+
+    def hold_next_backward(self, optimizer: Optimizer) -> None:
+        raise ValueError(
+            "op='adasum' cannot accumulate gradients (no_backward_sync): Horovod's Adasum optimizer steps inside "
+            "the backward hooks. Step after every backward, or use op='average'."
+        )
 
     def refuse_unsupported(self, accumulate_grad_batches: int, clips_gradients: bool) -> None:
         if accumulate_grad_batches > 1:

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from hvd_plugins.pytorch.strategies.cluster_choice import choose_horovod_environment_for
+from lightning.pytorch.trainer.connectors.accelerator_connector import _AcceleratorConnector
+
+from hvd_plugins.fabric.strategies.cluster_choice import choose_horovod_environment_for
 from hvd_plugins.pytorch.strategies.horovod import HorovodStrategy
 
 PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
@@ -23,7 +25,7 @@ PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
 
 def register_named_strategies(strategy_registry: Any) -> None:
     """Register every preset (idempotent: re-importing does not raise); each name gets HorovodEnvironment."""
-    choose_horovod_environment_for(PRESETS)
+    choose_horovod_environment_for(PRESETS, _AcceleratorConnector)
     for name, (description, init_params) in PRESETS.items():
         if name in strategy_registry:
             continue

@@ -12,14 +12,10 @@ from typing import TYPE_CHECKING, Any
 from lightning.pytorch.strategies.launchers.launcher import _Launcher
 from typing_extensions import override
 
-from hvd_plugins.core.backend.module import horovod_torch
-from hvd_plugins.core.backend.runner import LocalJob
+from hvd_plugins.core.backend.runner import kill_local_job, start_local_job_once
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
-
-_job: LocalJob | None = None
-"""The one job this process started; it outlives Trainers (a later Trainer sees the Horovod variables)."""
 
 
 class HorovodScriptLauncher(_Launcher):
@@ -36,19 +32,9 @@ class HorovodScriptLauncher(_Launcher):
 
     @override
     def launch(self, function: Callable, *args: Any, trainer: pl.Trainer | None = None, **kwargs: Any) -> Any:
-        global _job
-        if _job is None:
-            if horovod_torch().is_initialized():
-                raise RuntimeError(
-                    f"hvd.init() ran before the {self.size} workers of Trainer(devices={self.size}) were started. "
-                    "Let the strategy start Horovod, or launch with `horovodrun`."
-                )
-            _job = LocalJob(self.size)
-            _job.wait_for_workers()
-        self._start_horovod()
+        start_local_job_once(self.size, self._start_horovod, f"Trainer(devices={self.size})")
         return function(*args, **kwargs)
 
     @override
     def kill(self, signum: int) -> None:
-        if _job is not None:
-            _job.kill(signum)
+        kill_local_job(signum)

@@ -1,0 +1,345 @@
+"""``Fabric(strategy="horovod")``: Horovod for loops people write themselves, on the core the Trainer strategy uses.
+
+Fabric calls ``backward``, then (maybe) ``clip_gradients``, then ``optimizer.step()``; which optimizer a
+backward was for is only known when it is clipped or stepped. So gradients are averaged lazily, once
+per optimizer and step: at the first of its clip or step. With Horovod's DistributedOptimizer (flat
+sync) the allreduces start during backward and are only waited for then; ``fabric.no_backward_sync``
+holds them back for the micro-batches of an accumulation, so one allreduce per parameter and step
+remains. The two-level sync averages at that moment, in buckets.
+
+DASO is a Trainer feature (its schedule follows epochs and the loss the Trainer averages); here
+``sync="daso"`` is refused at construction.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Generator
+from functools import partial
+from typing import Any
+
+import torch
+from lightning.fabric.accelerators import Accelerator
+from lightning.fabric.connector import _Connector
+from lightning.fabric.plugins import CheckpointIO
+from lightning.fabric.plugins.precision import Precision
+from lightning.fabric.strategies import ParallelStrategy
+from lightning.fabric.strategies.strategy import TBroadcast, _BackwardSyncControl
+from lightning.fabric.utilities.distributed import ReduceOp
+from lightning.fabric.utilities.rank_zero import rank_zero_only
+from lightning.fabric.utilities.types import _PATH
+from torch import Tensor
+from torch.nn import Module
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from hvd_plugins.core.averaging import GradientAveraging
+from hvd_plugins.core.backend import capabilities
+from hvd_plugins.core.backend import optimizer as horovod_optimizer
+from hvd_plugins.core.backend.module import horovod_torch
+from hvd_plugins.core.backend.runner import local_launch_size
+from hvd_plugins.core.backend.startup import init_horovod
+from hvd_plugins.core.comm import collectives
+from hvd_plugins.core.comm.counters import CommCounters
+from hvd_plugins.core.comm.gradient_sync import GradientSync
+from hvd_plugins.core.config import (
+    CompressionName,
+    CpuThreads,
+    GradientOp,
+    HierarchicalImpl,
+    HorovodConfig,
+    Megabytes,
+    StallTimeout,
+    SyncMode,
+)
+from hvd_plugins.core.sync_modes import make_gradient_sync
+from hvd_plugins.core.training_state import broadcast_optimizer_state_, wrap_optimizers
+from hvd_plugins.core.worker import prepare_worker
+from hvd_plugins.fabric.plugins.environments.horovod import HorovodEnvironment
+from hvd_plugins.fabric.plugins.io.atomic import AtomicCheckpointIO
+from hvd_plugins.fabric.strategies.cluster_choice import choose_horovod_environment_for
+from hvd_plugins.fabric.strategies.launchers.horovod import HorovodFabricLauncher
+
+
+class _HoldAllreduces(_BackwardSyncControl):
+    """``fabric.no_backward_sync``: the backward inside adds to the gradients and starts no allreduce."""
+
+    def __init__(self, strategy: HorovodStrategy) -> None:
+        self.strategy = strategy
+
+    @contextlib.contextmanager
+    def no_backward_sync(self, module: Module, enabled: bool) -> Generator[None, None, None]:
+        if enabled:
+            self.strategy.hold_next_backward()
+        yield
+
+
+class HorovodStrategy(ParallelStrategy):
+    """Data-parallel training over Horovod for Lightning Fabric (Gloo or MPI controller; NCCL on GPUs).
+
+    Args:
+        compression: ``"none"`` or ``"fp16"``: gradients on the wire.
+        op: ``"average"``, ``"sum"`` or ``"adasum"`` (MPI builds only; no accumulation).
+        gradient_predivide_factor: divide before the sum, the rest after (``op="average"``, flat sync).
+        sync: ``"allreduce"`` (flat) or ``"hierarchical"`` (inside each node, then across nodes).
+        hierarchical_impl: ``"portable"`` (every build) or ``"native"`` (MPI + NCCL only).
+        compress_node_local: with ``sync="hierarchical"``, compress the node-local legs too.
+        bucket_mb: gradient bucket size of the two-level sync, in MiB.
+        flat_below_mb: with ``sync="hierarchical"``, buckets under this many MiB take one flat allreduce.
+        stall_timeout_seconds: a worker waiting this long in a gradient allreduce or barrier ends the job.
+        cpu_threads: torch's threads per worker; ``"auto"``: the host's cores shared among its workers.
+
+    The same names mean the same as in the Trainer's ``HorovodStrategy`` (see ``HorovodConfig``).
+    """
+
+    strategy_name = "horovod"
+
+    def __init__(
+        self,
+        compression: CompressionName = "none",
+        op: GradientOp = "average",
+        gradient_predivide_factor: float = 1.0,
+        sync: SyncMode = "allreduce",
+        hierarchical_impl: HierarchicalImpl = "portable",
+        compress_node_local: bool = False,
+        bucket_mb: float = 32.0,
+        flat_below_mb: Megabytes = "auto",
+        stall_timeout_seconds: StallTimeout = "auto",
+        cpu_threads: CpuThreads = "auto",
+        accelerator: Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision: Precision | None = None,
+    ) -> None:
+        if sync == "daso":
+            raise ValueError(
+                "sync='daso' is not available with Fabric: DASO's schedule follows training epochs and the "
+                "epoch loss, which only the Trainer knows. Use sync='hierarchical' or 'allreduce' here, or "
+                "the Trainer's HorovodStrategy(sync='daso')."
+            )
+        self._environment = HorovodEnvironment()
+        super().__init__(accelerator, parallel_devices, self._environment, checkpoint_io, precision)
+        self.config = HorovodConfig.build(
+            compression=compression,
+            op=op,
+            gradient_predivide_factor=gradient_predivide_factor,
+            sync=sync,
+            hierarchical_impl=hierarchical_impl,
+            compress_node_local=compress_node_local,
+            bucket_mb=bucket_mb,
+            flat_below_mb=flat_below_mb,
+            stall_timeout_seconds=stall_timeout_seconds,
+            cpu_threads=cpu_threads,
+            average_buffers=False,  # no epochs here; Fabric loops average what they need with all_reduce
+            auto_requeue=False,
+        )
+        capabilities.require_build_supports(self.config)
+        self._num_nodes = 1  # set by Fabric's connector
+        self.comm_counters = CommCounters()
+        self.gradient_sync: GradientSync | None = None  # built at the first setup (node-aware: a collective)
+        self._averaging = GradientAveraging(self.config)
+        self._backward_sync_control = _HoldAllreduces(self)
+        self._wrapped: list[Optimizer] = []  # every optimizer set up so far, in order (names opt0, opt1, ...)
+        self._averaged: set[int] = set()  # optimizers whose gradients are averaged for the coming step
+
+    # ------------------------------------------------------------------ plumbing
+    @property
+    @override
+    def checkpoint_io(self) -> CheckpointIO:
+        """Atomic writes unless a CheckpointIO was given (here or as a Fabric plugin)."""
+        if self._checkpoint_io is None:
+            self._checkpoint_io = AtomicCheckpointIO()
+        return self._checkpoint_io
+
+    @checkpoint_io.setter
+    def checkpoint_io(self, io: CheckpointIO | None) -> None:
+        self._checkpoint_io = io
+
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        device = self.parallel_devices[0]
+        return torch.device("cuda", self.local_rank) if device.type == "cuda" else device
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any] | None:
+        return {"num_replicas": self.world_size, "rank": self.global_rank} if self.world_size > 1 else None
+
+    @property
+    def num_nodes(self) -> int:
+        return self._num_nodes
+
+    def _set_world_ranks(self) -> None:
+        """When Fabric is built: start Horovod (unless this process launches the workers) for rank-zero output."""
+        self._environment.launch_size = local_launch_size(self.parallel_devices or [], self.num_nodes)
+        if not self._environment.launch_size:
+            init_horovod(self.config)
+        rank_zero_only.rank = self.global_rank
+
+    @override
+    def _configure_launcher(self) -> None:
+        size = self._environment.launch_size
+        self._launcher = HorovodFabricLauncher(size, partial(init_horovod, self.config)) if size else None
+
+    @override
+    def setup_environment(self) -> None:
+        hvd = init_horovod(self.config)
+        self._averaging.start_watching(hvd.rank(), hvd.size())
+        assert self.parallel_devices is not None
+        on_gpu = self.parallel_devices[0].type == "cuda"
+        devices, local_size = len(self.parallel_devices), hvd.local_size()
+        self._environment.validate_settings(
+            num_devices=local_size if on_gpu and devices >= local_size else devices, num_nodes=self.num_nodes
+        )
+        prepare_worker(self.config, hvd, self.root_device)
+        super().setup_environment()
+
+    @override
+    def module_to_device(self, module: Module) -> None:
+        module.to(self.root_device)
+
+    # ------------------------------------------------------------------ setup
+    @override
+    def setup_module(self, module: Module) -> Module:
+        """Every worker starts from rank 0's parameters and buffers."""
+        horovod_torch().broadcast_parameters(module.state_dict(), root_rank=0)
+        return module
+
+    @override
+    def setup_module_and_optimizers(
+        self, module: Module, optimizers: list[Optimizer], scheduler: Any | None = None
+    ) -> tuple[Module, list[Optimizer], Any | None]:
+        module = self.setup_module(module)
+        return module, self._wrap(optimizers, module), scheduler
+
+    @override
+    def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
+        """An optimizer set up without its module (``fabric.setup_optimizers``): positional allreduce names."""
+        return self._wrap([optimizer], Module())[0]
+
+    def _wrap(self, optimizers: list[Optimizer], module: Module) -> list[Optimizer]:
+        if self.gradient_sync is None:
+            self.gradient_sync = make_gradient_sync(self.config, self.comm_counters)
+        first = len(self._wrapped)
+        wrapped = wrap_optimizers(self.gradient_sync, optimizers, module, first_index=first)
+        for index, optimizer in enumerate(wrapped, start=first):
+            broadcast_optimizer_state_(optimizer, root_rank=0, name=f"opt{index}")
+            horovod_optimizer.make_zero_grad_wrapper_safe(optimizer)
+        self._wrapped += wrapped
+        self.gradient_sync.setup(module, wrapped, total_epochs=None)
+        return wrapped
+
+    # ------------------------------------------------------------------ stepping
+    def hold_next_backward(self) -> None:
+        """The next backward only accumulates (``no_backward_sync``); the step's sync averages the sum."""
+        assert self.gradient_sync is not None, "fabric.setup(model, optimizer) comes before no_backward_sync"
+        for optimizer in self._wrapped:
+            self.gradient_sync.hold_next_backward(optimizer)
+
+    def _average(self, optimizer: Optimizer) -> None:
+        """Average ``optimizer``'s gradients over every worker, once per step (at its clip or its step)."""
+        optimizer = getattr(optimizer, "optimizer", optimizer)  # Fabric's wrapper
+        if self.gradient_sync is None or id(optimizer) in self._averaged:
+            return
+        with self._averaging.waiting("gradient allreduce"):
+            self.gradient_sync.synchronize(optimizer)
+        self._averaged.add(id(optimizer))
+
+    @override
+    def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
+        inner = getattr(optimizer, "optimizer", optimizer)
+        self._average(inner)
+        self._averaged.discard(id(inner))
+        if self.gradient_sync is None:
+            return super().optimizer_step(optimizer, **kwargs)
+        with self.gradient_sync.deferred(inner):
+            return super().optimizer_step(optimizer, **kwargs)
+
+    @override
+    def clip_gradients_norm(
+        self,
+        module: Module,
+        optimizer: Optimizer,
+        max_norm: float | int,
+        norm_type: float | int = 2.0,
+        error_if_nonfinite: bool = True,
+    ) -> Tensor:
+        """Clips the averaged gradients, as one process with the whole batch would."""
+        self._average(optimizer)
+        return super().clip_gradients_norm(module, optimizer, max_norm, norm_type, error_if_nonfinite)
+
+    @override
+    def clip_gradients_value(self, module: Module, optimizer: Optimizer, clip_val: float | int) -> None:
+        self._average(optimizer)
+        return super().clip_gradients_value(module, optimizer, clip_val)
+
+    # ------------------------------------------------------------------ checkpoints
+    @override
+    def load_checkpoint(
+        self,
+        path: _PATH,
+        state: Module | Optimizer | dict[str, Module | Optimizer | Any] | None = None,
+        strict: bool = True,
+        weights_only: bool | None = None,
+    ) -> dict[str, Any]:
+        """Load on every worker, then take rank 0's modules and optimizer states, so all continue alike."""
+        remainder = super().load_checkpoint(path, state, strict, weights_only)
+        objects = state.values() if isinstance(state, dict) else [state] if state is not None else []
+        hvd = horovod_torch()
+        for obj in objects:
+            if isinstance(obj, Module):
+                hvd.broadcast_parameters(obj.state_dict(), root_rank=0)
+            elif isinstance(obj, Optimizer):
+                inner = getattr(obj, "optimizer", obj)
+                index = next((i for i, o in enumerate(self._wrapped) if o is inner), len(self._wrapped))
+                broadcast_optimizer_state_(inner, root_rank=0, name=f"loaded_opt{index}")
+        return remainder
+
+    # ------------------------------------------------------------------ collectives
+    @override
+    def all_reduce(
+        self, tensor: Tensor | Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean"
+    ) -> Any:
+        if not isinstance(tensor, Tensor) or self.world_size == 1:
+            return tensor
+        collectives.require_whole_world("all_reduce", group)
+        return collectives.reduce_tensor(tensor, reduce_op)
+
+    @override
+    def all_gather(self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor:
+        collectives.require_whole_world("all_gather", group)
+        return tensor.unsqueeze(0) if self.world_size == 1 else collectives.gather_stacked(tensor, sync_grads)
+
+    @override
+    def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
+        return obj if self.world_size == 1 else collectives.broadcast_object(obj, src)
+
+    @override
+    def barrier(self, name: str | None = None) -> None:
+        if self.world_size > 1 and horovod_torch().is_initialized():
+            with self._averaging.waiting(f"barrier {name or ''}".strip()):
+                horovod_torch().barrier()
+
+    @override
+    def teardown(self) -> None:
+        self._averaging.stop_checking()
+        if self.gradient_sync is not None:
+            self.gradient_sync.teardown(self._wrapped)
+        super().teardown()
+
+
+FABRIC_PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
+    "horovod": ("Horovod: flat allreduce, no compression", {}),
+    "horovod_fp16": ("Horovod: flat allreduce, gradients sent as float16", {"compression": "fp16"}),
+    "horovod_hierarchical": ("Horovod: allreduce inside each node, then across nodes", {"sync": "hierarchical"}),
+}
+
+
+def register_named_strategies(strategy_registry: Any) -> None:
+    """Register the presets with Fabric's registry (idempotent); each name gets HorovodEnvironment under Slurm."""
+    choose_horovod_environment_for(FABRIC_PRESETS, _Connector)
+    for name, (description, init_params) in FABRIC_PRESETS.items():
+        if name not in strategy_registry:
+            strategy_registry.register(name, HorovodStrategy, description=description, **init_params)

@@ -1,0 +1,106 @@
+"""Fabric(strategy="horovod") in plain loops: every check of tests/workers/fabric_checks.py against one process
+with the whole batch, under horovodrun (Gloo; two nodes of one worker), with ``lightning_fabric``, and over MPI."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import skip_without_mpi
+from hvd_launch import run_job
+
+pytestmark = pytest.mark.multiprocess
+
+TWO_BY_ONE = "localhost:1,127.0.0.1:1"
+VARIANTS = {
+    "lightning.fabric-gloo-two-nodes": ("lightning.pytorch", "gloo", TWO_BY_ONE),
+    "lightning_fabric-gloo": ("pytorch_lightning", "gloo", None),
+    "lightning.fabric-mpi": ("lightning.pytorch", "mpi", None),
+}
+EXACT = 1e-12  # float64 model and data: averaging over workers equals one process up to rounding
+
+
+@pytest.fixture(scope="module", params=list(VARIANTS))
+def checks(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict]:
+    lightning, controller, hosts = VARIANTS[request.param]
+    if controller == "mpi":
+        skip_without_mpi()
+    out = tmp_path_factory.mktemp("fabric")
+    job = run_job(
+        "fabric_checks.py", np=2, hosts=hosts, out_dir=out, timeout=600, lightning=lightning, controller=controller
+    )
+    job.check()
+    assert sorted(job.results) == [0, 1], job.output[-3000:]
+    return job.results
+
+
+def value(checks: dict[int, dict], name: str, rank: int) -> Any:
+    entry = checks[rank][name]
+    assert entry["ok"], f"{name}: {entry['error']}\n{entry['trace']}"
+    return entry["value"]
+
+
+def test_setup_gives_every_worker_rank_zeros_parameters_and_buffers(checks: dict[int, dict]) -> None:
+    for rank in (0, 1):
+        result = value(checks, "setup_broadcasts_rank_zeros_state", rank)
+        assert result == {"same": True, "weight": 1.0, "running_mean": 5.0}
+
+
+def test_backward_and_step_average_like_one_process_with_the_whole_batch(checks: dict[int, dict]) -> None:
+    for rank in (0, 1):
+        result = value(checks, "steps_equal_one_process_on_the_global_batch", rank)
+        assert result["max_diff"] < EXACT and result["same"]
+        assert result["allreduces_per_step"] == result["parameter_tensors"]
+
+
+def test_no_backward_sync_accumulates_with_one_allreduce_per_step_and_equals_the_large_batch(
+    checks: dict[int, dict],
+) -> None:
+    for rank in (0, 1):
+        result = value(checks, "no_backward_sync_accumulates_with_one_allreduce_per_step", rank)
+        assert result["max_diff"] < EXACT and result["same"]
+        assert result["allreduces_per_step"] == 4  # one per parameter tensor, not one per micro-batch
+        assert value(checks, "hierarchical_accumulation_equals_the_large_batch", rank)["max_diff"] < EXACT
+
+
+def test_clip_gradients_sees_the_averaged_gradients(checks: dict[int, dict]) -> None:
+    for rank in (0, 1):
+        result = value(checks, "clipping_sees_averaged_gradients", rank)
+        assert result["norms"] == pytest.approx(result["expected_norms"], rel=1e-12)
+        assert min(result["expected_norms"]) > 0.05  # clipping changed every step
+        assert result["max_diff"] < EXACT
+
+
+def test_optimizers_set_up_in_separate_calls_get_distinct_allreduce_names(checks: dict[int, dict]) -> None:
+    for rank in (0, 1):
+        result = value(checks, "two_optimizers_set_up_apart_keep_distinct_names", rank)
+        assert result["same"] and len(set(result["names"])) == 8
+        assert {name.split(".")[0] for name in result["names"]} == {"opt0", "opt1"}
+
+
+def test_collectives_and_dataloaders(checks: dict[int, dict]) -> None:
+    for rank in (0, 1):
+        result = value(checks, "collectives", rank)
+        assert result == {"mean": 1.5, "sum": 3.0, "max": 2.0, "gathered": [1.0, 2.0], "broadcast": {"from": 1}}
+        assert value(checks, "setup_dataloaders_split_the_data", rank) == {"counts": [20, 20], "union": True}
+
+
+def test_save_writes_once_and_load_continues_identically_on_every_rank(checks: dict[int, dict], tmp_path: Path) -> None:
+    for rank in (0, 1):
+        result = value(checks, "save_once_load_everywhere_and_resume_identically", rank)
+        assert result["remainder"] == {"step": 3}  # what was not a module or optimizer comes back
+        assert result["resume_diff"] == 0.0 and result["same"]
+        assert result["leftovers"] == []  # the atomic write left no temporary file
+
+
+def test_mixed_precision_trains_identically_on_every_rank(checks: dict[int, dict]) -> None:
+    for rank in (0, 1):
+        result = value(checks, "mixed_precision_trains_alike_on_every_rank", rank)
+        assert all(entry["same"] for entry in result.values()), result
+        assert result["16-mixed+GradScaler"]["scaler"] == "GradScaler"
+
+
+def test_daso_is_refused_with_the_reason(checks: dict[int, dict]) -> None:
+    message = value(checks, "daso_is_refused_at_construction", 0)
+    assert message.startswith("sync='daso' is not available with Fabric")

@@ -1,0 +1,264 @@
+"""Fabric(strategy=HorovodStrategy(...)) in plain loops, each check against a single-process reference.
+
+Every rank computes the reference itself (one process, the whole global batch, the same float64
+model), so the checks compare what Horovod averaged with what one process would have computed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+from typing import Any
+
+import horovod.torch as hvd
+import torch
+from _common import parse_out, run_checks, write_result
+from lightning.fabric import Fabric
+from lightning.fabric.plugins.precision import MixedPrecision
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from hvd_plugins.fabric import HorovodStrategy
+
+OUT, _ = parse_out()
+BATCH = 8
+RANK_ZERO_SEED = 10
+
+
+def make_fabric(**strategy: Any) -> Fabric:
+    fabric = Fabric(accelerator="cpu", strategy=HorovodStrategy(**strategy))  # float64 model and data
+    fabric.launch()
+    return fabric
+
+
+def net(seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 1)).double()
+
+
+def data(samples: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(1)
+    x = torch.randn(samples, 6, generator=generator, dtype=torch.float64)
+    return x, (x[:, :2].sum(1, keepdim=True) - x[:, 2:3]).tanh()
+
+
+def flat(module: nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in module.parameters()])
+
+
+def digest(module: nn.Module) -> str:
+    return hashlib.sha256(b"".join(t.detach().numpy().tobytes() for t in module.state_dict().values())).hexdigest()
+
+
+def same_on_every_rank(value: str) -> bool:
+    return len(set(hvd.allgather_object(value))) == 1
+
+
+def rank_slice(x: torch.Tensor, step: int, per_rank: int) -> torch.Tensor:
+    """The rows DistributedSampler(shuffle=False) gives this rank for global step ``step`` (rank r: r, r+N, ...)."""
+    own = x[hvd.rank() :: hvd.size()]
+    return own[step * per_rank : (step + 1) * per_rank]
+
+
+def reference(steps: int, micro: int, clip: float | None = None) -> tuple[torch.Tensor, list[float]]:
+    """One process, rank 0's initial model and SGD, each step over every rank's micro-batches at once."""
+    model = net(RANK_ZERO_SEED)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    x, y = data(steps * micro * BATCH * hvd.size())
+    norms = []
+    for step in range(steps):
+        rows = slice(step * micro * BATCH * hvd.size(), (step + 1) * micro * BATCH * hvd.size())
+        loss = nn.functional.mse_loss(model(x[rows]), y[rows])
+        optimizer.zero_grad()
+        loss.backward()
+        if clip is not None:
+            norms.append(float(nn.utils.clip_grad_norm_(model.parameters(), clip)))
+        optimizer.step()
+    return flat(model), norms
+
+
+def train(
+    fabric: Fabric, steps: int, micro: int = 1, clip: float | None = None, start: int = 0, model=None, opt=None
+) -> dict[str, Any]:
+    """The Fabric loop: ``micro`` micro-batches per step under no_backward_sync, optional clipping."""
+    if model is None:
+        model = net(RANK_ZERO_SEED + hvd.rank())  # different on every rank until setup broadcasts rank 0's
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        model, opt = fabric.setup(model, opt)
+    x, y = data((start + steps) * micro * BATCH * hvd.size())
+    counters = fabric.strategy.comm_counters
+    calls_before = counters.node_local_calls + counters.cross_node_calls
+    norms = []
+    for step in range(start, start + steps):
+        for index in range(micro):
+            rows = slice((step * micro + index) * BATCH * hvd.size(), (step * micro + index + 1) * BATCH * hvd.size())
+            xs, ys = x[rows][hvd.rank() :: hvd.size()], y[rows][hvd.rank() :: hvd.size()]
+            with fabric.no_backward_sync(model, enabled=index < micro - 1):
+                fabric.backward(nn.functional.mse_loss(model(xs), ys) / micro)
+        if clip is not None:
+            norms.append(float(fabric.clip_gradients(model, opt, max_norm=clip)))
+        opt.step()
+        opt.zero_grad()
+    calls = counters.node_local_calls + counters.cross_node_calls - calls_before
+    return {"model": model, "opt": opt, "norms": norms, "allreduces_per_step": calls / steps}
+
+
+def check_setup_broadcasts_rank_zeros_state() -> dict[str, Any]:
+    fabric = make_fabric()
+    model = nn.Sequential(nn.Linear(3, 3), nn.BatchNorm1d(3)).double()
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.fill_(hvd.rank() + 1.0)
+        model[1].running_mean.fill_(hvd.rank() + 5.0)
+    model = fabric.setup(model)
+    return {
+        "same": same_on_every_rank(digest(model)),
+        "weight": float(model.module[0].weight[0, 0]),
+        "running_mean": float(model.module[1].running_mean[0]),
+    }
+
+
+def check_steps_equal_one_process_on_the_global_batch() -> dict[str, Any]:
+    result = train(make_fabric(), steps=5)
+    expected, _ = reference(steps=5, micro=1)
+    return {
+        "max_diff": float((flat(result["model"]) - expected).abs().max()),
+        "same": same_on_every_rank(digest(result["model"])),
+        "allreduces_per_step": result["allreduces_per_step"],
+        "parameter_tensors": 4,
+    }
+
+
+def check_no_backward_sync_accumulates_with_one_allreduce_per_step() -> dict[str, Any]:
+    result = train(make_fabric(), steps=3, micro=3)
+    expected, _ = reference(steps=3, micro=3)
+    return {
+        "max_diff": float((flat(result["model"]) - expected).abs().max()),
+        "allreduces_per_step": result["allreduces_per_step"],
+        "same": same_on_every_rank(digest(result["model"])),
+    }
+
+
+def check_hierarchical_accumulation_equals_the_large_batch() -> dict[str, Any]:
+    result = train(make_fabric(sync="hierarchical"), steps=3, micro=2)
+    expected, _ = reference(steps=3, micro=2)
+    return {"max_diff": float((flat(result["model"]) - expected).abs().max())}
+
+
+def check_clipping_sees_averaged_gradients() -> dict[str, Any]:
+    result = train(make_fabric(), steps=3, clip=0.05)
+    expected, norms = reference(steps=3, micro=1, clip=0.05)
+    return {
+        "norms": result["norms"],
+        "expected_norms": norms,
+        "max_diff": float((flat(result["model"]) - expected).abs().max()),
+    }
+
+
+def check_two_optimizers_set_up_apart_keep_distinct_names() -> dict[str, Any]:
+    fabric = make_fabric()
+    first, second = net(1), net(2)
+    opt_first = torch.optim.SGD(first.parameters(), lr=0.1)
+    opt_second = torch.optim.Adam(second.parameters(), lr=0.01)
+    first, opt_first = fabric.setup(first, opt_first)
+    second, opt_second = fabric.setup(second, opt_second)
+    x, y = data(BATCH * hvd.size() * 3)
+    for step in range(3):
+        xs, ys = rank_slice(x, step, BATCH), rank_slice(y, step, BATCH)
+        fabric.backward(nn.functional.mse_loss(first(xs), ys))
+        opt_first.step()
+        opt_first.zero_grad()
+        fabric.backward(nn.functional.mse_loss(second(first(xs).detach().repeat(1, 6)), ys))
+        opt_second.step()
+        opt_second.zero_grad()
+    names = sorted(
+        name for optimizer in (opt_first, opt_second) for name in optimizer.optimizer._parameter_names.values()
+    )
+    return {"names": names, "same": same_on_every_rank(digest(first) + digest(second))}
+
+
+def check_collectives() -> dict[str, Any]:
+    fabric = make_fabric()
+    value = torch.tensor([float(hvd.rank() + 1)])
+    fabric.barrier()
+    return {
+        "mean": float(fabric.all_reduce(value, reduce_op="mean")),
+        "sum": float(fabric.all_reduce(value, reduce_op="sum")),
+        "max": float(fabric.all_reduce(value, reduce_op="max")),
+        "gathered": fabric.all_gather(value).reshape(-1).tolist(),
+        "broadcast": fabric.broadcast({"from": hvd.rank()}, src=1),
+    }
+
+
+def check_setup_dataloaders_split_the_data() -> dict[str, Any]:
+    fabric = make_fabric()
+    loader = fabric.setup_dataloaders(DataLoader(TensorDataset(torch.arange(40)), batch_size=4, shuffle=True))
+    seen = sorted(int(i) for (batch,) in loader for i in batch)
+    everyone = hvd.allgather_object(seen)
+    return {"counts": [len(s) for s in everyone], "union": sorted(set().union(*everyone)) == list(range(40))}
+
+
+def check_save_once_load_everywhere_and_resume_identically() -> dict[str, Any]:
+    fabric = make_fabric()
+    path = OUT / "fabric_checkpoint.ckpt"
+    first = train(fabric, steps=3)
+    fabric.save(path, {"model": first["model"], "opt": first["opt"], "step": 3})
+    uninterrupted = train(fabric, steps=3, start=3, model=first["model"], opt=first["opt"])
+    # a fresh model and optimizer (different on every rank) restored from the file
+    fresh = net(hvd.rank() + 20)
+    fresh_opt = torch.optim.SGD(fresh.parameters(), lr=0.05, momentum=0.9)
+    fresh, fresh_opt = fabric.setup(fresh, fresh_opt)
+    with torch.no_grad():
+        for parameter in fresh.parameters():
+            parameter.add_(hvd.rank())  # ranks differ before the load
+    state = {"model": fresh, "opt": fresh_opt}
+    remainder = fabric.load(path, state)
+    resumed = train(fabric, steps=3, start=3, model=fresh, opt=fresh_opt)
+    leftovers = sorted(p.name for p in OUT.iterdir() if p.name.startswith("fabric_checkpoint") and p != path)
+    return {
+        "remainder": remainder,
+        "resume_diff": float((flat(resumed["model"]) - flat(uninterrupted["model"])).abs().max()),
+        "same": same_on_every_rank(digest(resumed["model"])),
+        "leftovers": leftovers,
+    }
+
+
+def check_mixed_precision_trains_alike_on_every_rank() -> dict[str, Any]:
+    results = {}
+    with_scaler = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=2.0**8))
+    for precision in ("bf16-mixed", "16-mixed", "16-mixed+GradScaler"):
+        plugin = {"plugins": [with_scaler]} if precision.endswith("GradScaler") else {"precision": precision}
+        fabric = Fabric(accelerator="cpu", strategy=HorovodStrategy(), **plugin)
+        fabric.launch()
+        model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 1))
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        model, opt = fabric.setup(model, opt)
+        x, y = data(BATCH * hvd.size() * 4)
+        for step in range(4):
+            loss = nn.functional.mse_loss(model(rank_slice(x, step, BATCH).float()), rank_slice(y, step, BATCH).float())
+            fabric.backward(loss)
+            opt.step()
+            opt.zero_grad()
+        scaler = getattr(fabric.strategy.precision, "scaler", None)
+        results[precision] = {
+            "same": same_on_every_rank(digest(model)),
+            "scaler": type(scaler).__name__ if scaler is not None else None,
+            "loss": float(loss),
+        }
+    return results
+
+
+def check_daso_is_refused_at_construction() -> str:
+    try:
+        HorovodStrategy(sync="daso")
+    except ValueError as error:
+        return str(error)
+    return "accepted"
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONWARNINGS", "ignore")
+    report = run_checks({name[len("check_") :]: fn for name, fn in globals().items() if name.startswith("check_")})
+    write_result(OUT, hvd.rank(), report)
+    Path(OUT / f"pid{hvd.rank()}").write_text(str(os.getpid()))
