@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 from hvd_launch import REPO, TWO_NODES, run_job, run_single
 
+from hvd_plugins.testing.launch import run_bounded
+
 EXAMPLES = REPO / "examples"
 sys.path.insert(0, str(EXAMPLES))
 
@@ -167,3 +169,20 @@ def test_digits_as_one_plain_process(tmp_path: Path) -> None:
     assert job.returncode == 0, job.output[-4000:]
     assert _metric(r"validation accuracy: ([0-9.]+)", job.output) >= 0.85
     assert (tmp_path / "digits.png").exists()
+
+
+@pytest.mark.multiprocess
+def test_fabric_example_trains_alike_under_horovodrun_and_from_plain_python(tmp_path: Path) -> None:
+    script = EXAMPLES / "fabric_digits.py"
+    launched = run_job(script, "--epochs", "6", "--compression", "fp16", np=2, timeout=420).check()
+    accuracy = _metric(r"validation accuracy: ([0-9.]+) on 360 images, 2 worker", launched.output)
+    assert accuracy >= 0.85
+    assert len(_printed(r"^(\[0\]<stdout>:)?epoch \d+/6", launched.output)) == 6  # printed by rank 0 only
+    plain = run_bounded(
+        [sys.executable, str(script), "--devices", "2", "--epochs", "6", "--compression", "fp16"],
+        420,
+        cwd=tmp_path,
+        drop_launcher_env=True,
+    )
+    assert plain.returncode == 0, plain.output[-3000:]
+    assert _metric(r"validation accuracy: ([0-9.]+) on 360 images, 2 worker", plain.output) == accuracy

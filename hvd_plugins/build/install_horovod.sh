@@ -254,7 +254,10 @@ pathlib.Path(horovod.__file__).with_name(".hvd_plugins_build_key").write_text(ke
 PY
 fi
 
-CHECK=$(horovodrun --check-build 2>&1) || die "horovodrun --check-build failed: $CHECK"
+# The horovodrun of this interpreter's environment (activated or not).
+HOROVODRUN="$("$PYTHON" -c 'import os, sys; print(os.path.join(os.path.dirname(sys.executable), "horovodrun"))')"
+[ -x "$HOROVODRUN" ] || HOROVODRUN=horovodrun
+CHECK=$("$HOROVODRUN" --check-build 2>&1) || die "horovodrun --check-build failed: $CHECK"
 echo "$CHECK" | grep -q "\[X\] PyTorch" || die "Horovod was built without PyTorch support:
 $CHECK"
 if [ "$GPU_MODE" = nccl ]; then

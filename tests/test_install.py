@@ -1,0 +1,62 @@
+"""What a user who installed with pip meets: the build command, and the error that names it."""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hvd_plugins.build import SCRIPT, build_environment, main
+
+REFUSAL = """
+import sys, types
+{setup}
+from hvd_plugins import HorovodStrategy
+try:
+    HorovodStrategy()
+except ImportError as error:
+    print(type(error).__name__, error)
+"""
+
+
+@pytest.mark.parametrize(
+    ("setup", "problem"),
+    [
+        ("sys.modules['horovod'] = None", "Horovod cannot be imported"),
+        (
+            "torchless = types.ModuleType('horovod.torch'); torchless._MPI_LIB_AVAILABLE = False\n"
+            "sys.modules['horovod.torch'] = torchless",
+            "The installed Horovod was built without PyTorch support",
+        ),
+    ],
+    ids=["missing", "built-without-torch"],
+)
+def test_a_missing_or_torchless_horovod_stops_the_strategy_naming_the_build_command(setup: str, problem: str) -> None:
+    done = subprocess.run(
+        [sys.executable, "-c", REFUSAL.format(setup=setup)], capture_output=True, text=True, timeout=120
+    )
+    assert done.stdout.startswith("HorovodUnavailable " + problem), done.stdout + done.stderr[-2000:]
+    assert "run `hvd-build-horovod`" in done.stdout
+
+
+def test_the_build_command_is_installed_and_maps_its_options_to_the_scripts_knobs(tmp_path: Path) -> None:
+    command = Path(sys.executable).with_name("hvd-build-horovod")
+    assert command.exists(), "pip install -e . installs the console script beside the interpreter"
+    help_text = subprocess.run([str(command), "--help"], capture_output=True, text=True, timeout=120).stdout
+    assert all(option in help_text for option in ("--gpu", "--mpi", "--cuda-archs", "--sdist", "--cache", "--force"))
+    assert SCRIPT.exists() and SCRIPT.read_text().startswith("#!/usr/bin/env bash")
+    namespace = argparse.Namespace(gpu="none", mpi="no", cuda_archs=None, sdist=None, cache=tmp_path, force=True)
+    env = build_environment(namespace, {"PATH": "/usr/bin"})
+    assert env["HVD_GPU"] == "none" and env["HVD_MPI"] == "no" and env["HVD_WHEEL_CACHE"] == str(tmp_path)
+    assert env["HVD_FORCE_BUILD"] == "1" and env["PYTHON"] == sys.executable
+    assert env["PATH"].startswith(str(Path(sys.executable).parent))
+    assert "HVD_SDIST" not in env  # options not given leave the script's defaults
+
+
+def test_the_build_command_refuses_a_bad_choice_before_building() -> None:
+    with pytest.raises(SystemExit) as stop:
+        main(["--gpu", "cuda"])
+    assert stop.value.code == 2
