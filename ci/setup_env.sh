@@ -34,7 +34,18 @@ fi
 pip install --quiet setuptools wheel packaging numpy cloudpickle psutil pyyaml cffi 2>&1 | grep -v "^WARNING: Location" >&2 || true
 bash "$ROOT/ci/install_horovod.sh"
 pip install --quiet -r "$ROOT/ci/requirements.txt" 2>&1 | grep -v "^WARNING: Location" >&2 || true
+# Another cell than CI's own: HVD_LIGHTNING_VERSION=2.1.4 (both Lightning packages at that version);
+# torch before 2.3 was built against numpy 1 and hangs or warns with numpy 2.
+EXTRA=()
+# (pytorch_lightning before 2.2 imports requests without declaring it)
+[ -n "${HVD_LIGHTNING_VERSION:-}" ] && EXTRA+=("lightning==$HVD_LIGHTNING_VERSION" "pytorch-lightning==$HVD_LIGHTNING_VERSION" requests)
+python -c 'import sys, torch; v = torch.__version__.split("+")[0].split("."); sys.exit(0 if (int(v[0]), int(v[1])) < (2, 3) else 1)' \
+  && EXTRA+=("numpy<2")
+if [ "${#EXTRA[@]}" -gt 0 ]; then
+  echo "[setup] this cell: ${EXTRA[*]}" >&2
+  pip install --quiet "${EXTRA[@]}" 2>&1 | grep -v "^WARNING: Location" >&2 || true
+fi
 pip install --quiet --no-build-isolation -e "$ROOT" 2>&1 | grep -v "^WARNING: Location" >&2 || true
 python -c "import hvd_plugins, horovod.torch, lightning, torchmetrics, sklearn" \
   || { echo "[setup] the environment is incomplete" >&2; exit 1; }
-echo "[setup] ready: $(python -c 'import torch, lightning, horovod; print(f"torch {torch.__version__}, lightning {lightning.__version__}, horovod {horovod.__version__}")')" >&2
+echo "[setup] ready: $(python -c 'import torch, lightning, numpy, horovod; print(f"torch {torch.__version__}, lightning {lightning.__version__}, numpy {numpy.__version__}, horovod {horovod.__version__}")')" >&2

@@ -104,7 +104,7 @@ def main() -> None:
     add_strategy_flags(parser)
     args = parser.parse_args()
 
-    seed_everything(args.seed, workers=True, verbose=False)
+    seed_everything(args.seed, workers=True)
     trainer = build_trainer(args)  # starts Horovod; Lightning adds the DistributedSamplers
     trainer.fit(DigitsClassifier(lr=args.lr), DigitsData(args.batch_size, args.seed))
 

@@ -130,7 +130,7 @@ def main() -> None:
     parser.add_argument("--rank", type=int, default=16, help="complex embedding dimension (default 16)")
     args = parser.parse_args()
 
-    seed_everything(args.seed, workers=True, verbose=False)
+    seed_everything(args.seed, workers=True)
     graph = SyntheticGraph()
     train, held_out = graph.split(args.seed)
     known = known_tails(with_reciprocals(graph.triples(), graph.relations), graph.entities, graph.relations)

@@ -98,7 +98,8 @@ def test_mixed_precision_trains_identically_on_every_rank(checks: dict[int, dict
     for rank in (0, 1):
         result = value(checks, "mixed_precision_trains_alike_on_every_rank", rank)
         assert all(entry["same"] for entry in result.values()), result
-        assert result["16-mixed+GradScaler"]["scaler"] == "GradScaler"
+        if "16-mixed+GradScaler" in result:  # torch 2.3+ has a CPU GradScaler
+            assert result["16-mixed+GradScaler"]["scaler"] == "GradScaler"
 
 
 def test_daso_is_refused_with_the_reason(checks: dict[int, dict]) -> None:

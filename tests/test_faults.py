@@ -244,6 +244,8 @@ def test_nan_gradients_stop_every_rank_naming_step_and_rank(checks: dict[int, di
 @pytest.mark.multiprocess
 def test_grad_scaler_skips_the_same_step_on_every_rank(checks: dict[int, dict]) -> None:
     refused = values(checks, "check_with_grad_scaler")
+    if refused[0].startswith("skipped: "):
+        pytest.skip(refused[0])
     assert refused[0] == refused[1] and refused[0].startswith("ValueError: check_finite_gradients=True cannot")
     scaled = values(checks, "grad_scaler_skips_everywhere")
     assert scaled[0] == scaled[1] and scaled[0]["finite"]

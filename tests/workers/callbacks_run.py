@@ -64,7 +64,7 @@ def main() -> None:
     parser.add_argument("--accumulate", type=int, default=1)
     args, _ = parser.parse_known_args()
 
-    seed_everything(0, verbose=False)
+    seed_everything(0)
     # Built before the Trainer: it must set HOROVOD_TIMELINE before the strategy starts Horovod.
     rank_hint = int(os.environ.get("HOROVOD_RANK", "0"))  # hvd.init() has not run yet
     timeline = HorovodTimeline(out / f"timeline_rank{rank_hint}.json", start_step=1, stop_step=3)

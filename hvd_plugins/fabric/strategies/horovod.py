@@ -68,7 +68,8 @@ class _HoldAllreduces(_BackwardSyncControl):
         self.strategy = strategy
 
     @contextlib.contextmanager
-    def no_backward_sync(self, module: Module, enabled: bool) -> Generator[None, None, None]:
+    def no_backward_sync(self, module: Module, enabled: bool = True) -> Generator[None, None, None]:
+        # Fabric before 2.4 calls this only to skip, without ``enabled``
         if enabled:
             self.strategy.hold_next_backward()
         yield
@@ -208,11 +209,12 @@ class HorovodStrategy(ParallelStrategy):
         return module
 
     @override
-    def setup_module_and_optimizers(
-        self, module: Module, optimizers: list[Optimizer], scheduler: Any | None = None
-    ) -> tuple[Module, list[Optimizer], Any | None]:
+    def setup_module_and_optimizers(  # type: ignore[override]
+        self, module: Module, optimizers: list[Optimizer], *scheduler: Any
+    ) -> tuple[Any, ...]:
+        """Rank 0's module everywhere, each optimizer wrapped; ``scheduler`` passes through (Fabric 2.4 added it)."""
         module = self.setup_module(module)
-        return module, self._wrap(optimizers, module), scheduler
+        return (module, self._wrap(optimizers, module), *scheduler)
 
     @override
     def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
@@ -277,15 +279,15 @@ class HorovodStrategy(ParallelStrategy):
 
     # ------------------------------------------------------------------ checkpoints
     @override
-    def load_checkpoint(
+    def load_checkpoint(  # type: ignore[override]
         self,
         path: _PATH,
         state: Module | Optimizer | dict[str, Module | Optimizer | Any] | None = None,
         strict: bool = True,
-        weights_only: bool | None = None,
+        **kwargs: Any,
     ) -> dict[str, Any]:
         """Load on every worker, then take rank 0's modules and optimizer states, so all continue alike."""
-        remainder = super().load_checkpoint(path, state, strict, weights_only)
+        remainder = super().load_checkpoint(path, state, strict, **kwargs)  # weights_only since Fabric 2.4
         objects = state.values() if isinstance(state, dict) else [state] if state is not None else []
         hvd = horovod_torch()
         for obj in objects:
