@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
-# Build Horovod with ci/install_horovod.sh for several (torch, Python, GPU mode) combinations and
-# train the digits example on 2 Gloo workers with each; print one table row per combination.
+# Build Horovod with ci/install_horovod.sh for several (torch, Python, GPU mode, Lightning)
+# combinations, train the digits example on 2 Gloo workers and run the suite's core multi-process
+# jobs with each; print one table row per combination.
 #
 # Each row gets a throw-away venv and a throw-away wheel cache, so every build is a cold one:
 #   1. venv from the requested Python, torch==VERSION, the packages of ci/requirements.txt
 #   2. build + install Horovod (timed: "build min"), with HVD_GPU set to the row's GPU mode
 #   3. uninstall Horovod and install it again from the row's wheel cache (timed: "cached min")
-#   4. horovodrun -np 2 --gloo examples/digits.py for a few epochs ("smoke")
+#   4. horovodrun -np 2 --gloo examples/digits.py for a few epochs ("smoke"), then the core
+#      multi-process tests (tests/test_strategy_multiprocess.py and tests/test_fabric.py)
 # Rows run one after another (a build uses every core), and the venv is deleted after its row.
 # This takes 10-15 minutes per row on 2 cores; it is run by hand, not by CI.
 #
@@ -14,9 +16,11 @@
 #   bash ci/build_matrix.sh 2.4.1:3.10:none 2.15.0:3.12:auto
 #   bash ci/build_matrix.sh --workdir /scratch/m --keep 2.11.0:3.11:none
 #
-# A row is TORCH:PYTHON:GPU. TORCH is an exact torch version ("latest" = the newest the package
-# index offers); PYTHON is a major.minor found as pythonX.Y on PATH or under pyenv; GPU is none,
-# nccl or auto (what ci/install_horovod.sh picks by itself; the table shows the result).
+# A row is TORCH:PYTHON:GPU[:LIGHTNING]. TORCH is an exact torch version ("latest" = the newest the
+# package index offers); PYTHON is a major.minor found as pythonX.Y on PATH or under pyenv; GPU is
+# none, nccl or auto (what ci/install_horovod.sh picks by itself; the table shows the result);
+# LIGHTNING an exact version of both Lightning packages (default: ci/requirements.txt's pin).
+# torch before 2.3 gets numpy<2 (it was built against numpy 1).
 # Options: --workdir DIR (default: a new folder under /tmp), --keep (keep venvs and wheels; a
 # later run with the same --workdir reuses a row's venv when its torch matches),
 # --row-timeout MIN (default 40: a row taking longer is stopped and reported as failed).
@@ -24,7 +28,7 @@
 set -uo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-DEFAULT_TORCH=(2.4.1 2.6.0 2.9.1 2.11.0 2.13.0 2.14.1 latest)
+DEFAULT_TORCH=(2.1.2 2.2.2 2.3.1 2.4.1 2.5.1 2.6.0 2.7.1 2.8.0 2.9.1 2.10.0 2.11.0 2.12.0 2.13.0 2.14.1 latest)
 DEFAULT_PYTHON=(3.10 3.11 3.12)
 DEFAULT_GPU=(none auto)
 SMOKE_EPOCHS=2
@@ -49,8 +53,8 @@ while [ $# -gt 0 ]; do
     -h|--help) sed -n '2,/^set -uo/{/^set/!p}' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
     -*) die "unknown option '$1' (allowed: --workdir DIR, --keep, --row-timeout MIN)" ;;
     *)
-      [[ "$1" =~ ^(latest|[0-9]+\.[0-9]+\.[0-9]+(\+[a-z0-9]+)?):3\.[0-9]+:(none|nccl|auto)$ ]] \
-        || die "row '$1' is not TORCH:PYTHON:GPU (e.g. 2.4.1:3.10:none; GPU one of none, nccl, auto)"
+      [[ "$1" =~ ^(latest|[0-9]+\.[0-9]+\.[0-9]+(\+[a-z0-9]+)?):3\.[0-9]+:(none|nccl|auto)(:[0-9]+\.[0-9]+\.[0-9]+)?$ ]] \
+        || die "row '$1' is not TORCH:PYTHON:GPU[:LIGHTNING] (e.g. 2.4.1:3.10:none:2.3.3; GPU one of none, nccl, auto)"
       ROWS+=("$1"); shift ;;
   esac
 done
@@ -86,21 +90,23 @@ reason_from() {
     | tail -n 1 | sed 's/^\[[a-z_]*\] //' | cut -c 1-160
 }
 
-print_row() {  # torch python gpu build cached smoke reason
-  printf "%-16s %-7s %-12s %-9s %-10s %-6s %s\n" "$@"
+print_row() {  # torch python gpu build cached smoke reason (LIGHTNING is set by run_row)
+  printf "%-16s %-7s %-12s %-9s %-9s %-10s %-6s %s\n" "$1" "$2" "$3" "${LIGHTNING:-pin}" "$4" "$5" "$6" "$7"
 }
 
 # One row; prints its table line. Runs in a subshell so a failure never stops the matrix.
 run_row() {
-  local spec="$1" torch py gpu name dir venv python_bin t0 build_s cached_s picked reason
-  IFS=: read -r torch py gpu <<<"$spec"
+  local spec="$1" torch py gpu name dir venv python_bin t0 build_s cached_s picked reason cell=()
+  IFS=: read -r torch py gpu LIGHTNING <<<"$spec"
   python_bin=$(find_python "$py") || true
   if [ -z "$python_bin" ]; then print_row "$torch" "$py" "$gpu" - - fail "no python$py on PATH or under pyenv"; return; fi
   if [ "$torch" = latest ]; then
     torch=$(latest_torch "$python_bin")
     [ -n "$torch" ] || { print_row latest "$py" "$gpu" - - fail "could not ask the package index for torch versions"; return; }
   fi
-  name="torch${torch}-py${py}-${gpu}"
+  name="torch${torch}-py${py}-${gpu}${LIGHTNING:+-lightning$LIGHTNING}"
+  [ -n "$LIGHTNING" ] && cell+=("lightning==$LIGHTNING" "pytorch-lightning==$LIGHTNING" requests)
+  [[ "$torch" =~ ^2\.[12]\. ]] && cell+=("numpy<2")
   dir="$WORKDIR/$name"; venv="$dir/venv"
   # 1. environment (Lightning 2.6 from ci/requirements.txt supports torch >= 2.1); a venv kept by
   # --keep with the same torch is reused, without Horovod, to skip the multi-GB download
@@ -117,7 +123,9 @@ run_row() {
         && "$venv/bin/pip" install --quiet --disable-pip-version-check "torch==$torch" \
              setuptools wheel packaging numpy cloudpickle psutil pyyaml cffi \
         && "$venv/bin/pip" install --quiet --disable-pip-version-check -r "$ROOT/ci/requirements.txt" \
-             "torch==$torch"; } > "$dir/env.log" 2>&1; then
+             "torch==$torch" \
+        && { [ ${#cell[@]} -eq 0 ] || "$venv/bin/pip" install --quiet --disable-pip-version-check "${cell[@]}" \
+             "torch==$torch"; }; } > "$dir/env.log" 2>&1; then
     print_row "$torch" "$py" "$gpu" - - fail "environment: $(reason_from "$dir/env.log")"; return
   fi
 
@@ -149,16 +157,25 @@ run_row() {
         --epochs "$SMOKE_EPOCHS" --no-progress-bar --out-dir "$dir/run") > "$dir/smoke.log" 2>&1 \
      && grep -q "validation accuracy:" "$dir/smoke.log"; then
     reason="$(grep -o "validation accuracy: [0-9.]*" "$dir/smoke.log" | tail -n 1)"
-    print_row "$torch" "$py" "$gpu" "$(minutes "$build_s")" "$(minutes "$cached_s")" pass "$reason"
   else
     print_row "$torch" "$py" "$gpu" "$(minutes "$build_s")" "$(minutes "$cached_s")" fail "smoke: $(reason_from "$dir/smoke.log")"
+    return
+  fi
+  # 5. the suite's core multi-process jobs
+  if (cd "$ROOT" && PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" nice -n 19 timeout 1800 \
+        python -m pytest -q -p no:cacheprovider --timeout=900 tests/test_strategy_multiprocess.py tests/test_fabric.py) \
+        > "$dir/core.log" 2>&1; then
+    print_row "$torch" "$py" "$gpu" "$(minutes "$build_s")" "$(minutes "$cached_s")" pass \
+      "$reason; $(tail -n 1 "$dir/core.log" | sed 's/=//g; s/^ *//')"
+  else
+    print_row "$torch" "$py" "$gpu" "$(minutes "$build_s")" "$(minutes "$cached_s")" fail "core jobs: $(reason_from "$dir/core.log")"
   fi
 }
 
 if [ -n "$RUN_ROW" ]; then run_row "$RUN_ROW"; exit 0; fi
 
 log "workdir $WORKDIR, ${#ROWS[@]} row(s), at most $ROW_TIMEOUT_MIN min each"
-HEADER=$(print_row torch python gpu "build min" "cached min" smoke "result / failure reason")
+HEADER=$(LIGHTNING=lightning print_row torch python gpu "build min" "cached min" result "digits accuracy; core jobs / failure reason")
 echo "$HEADER"
 [ -f "$TABLE" ] || echo "$HEADER" > "$TABLE"
 FAILED=0
