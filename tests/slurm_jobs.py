@@ -32,6 +32,7 @@ class Session:
     problem: str | None = None
     folder: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="hvd_slurm_jobs_")))
     jobs: dict[str, int] = field(default_factory=dict)
+    final: dict[str, dict[str, str]] = field(default_factory=dict)  # each job's fields once it ended
     ready: threading.Event = field(default_factory=threading.Event)
     stop: threading.Event = field(default_factory=threading.Event)
 
@@ -84,13 +85,16 @@ def start_requeue_jobs() -> None:
     threading.Thread(target=_submit_and_tend, name="slurm-requeue-jobs", daemon=True).start()
 
 
-def requeue_jobs(timeout: float = 600) -> tuple[OneNodeSlurm, dict[str, int], Path]:
-    """Wait until every requeue job has ended; returns the cluster, the job ids by name, and their folder."""
+def requeue_jobs(timeout: float = 600) -> tuple[dict[str, dict[str, str]], Path]:
+    """Wait until every requeue job has ended; returns each job's last fields by name, and their folder.
+
+    The fields are kept when a job ends: Slurm forgets finished jobs after a while (MinJobAge).
+    """
     if not _session.ready.is_set() and not _session.jobs:
         start_requeue_jobs()  # the test was run without the collection hook (e.g. by node id)
     if not _session.ready.wait(timeout):
         raise TimeoutError(f"the Slurm requeue jobs did not end in {timeout:.0f} s: {_session.jobs}")
-    return cluster(), dict(_session.jobs), _session.folder
+    return dict(_session.final), _session.folder
 
 
 def stop() -> None:
@@ -133,7 +137,10 @@ def _submit_and_tend() -> None:
             if time.monotonic() - running_since > SIGTERM_AFTER_SECONDS:
                 subprocess.run(["scancel", "--signal=TERM", str(_session.jobs["sigterm"])], env=slurm.env, check=False)
                 signalled = True
-        if all(fields.get("JobState") in FINAL for fields in states.values()):
+        for name, fields in states.items():
+            if fields.get("JobState") in FINAL:
+                _session.final.setdefault(name, fields)
+        if len(_session.final) == len(_session.jobs):
             break
         time.sleep(2)
     _session.ready.set()

@@ -74,12 +74,11 @@ def test_time_limit_and_sigterm_checkpoint_requeue_and_resume_to_the_uninterrupt
     slurm: OneNodeSlurm,
 ) -> None:
     """The jobs were submitted when the tests were collected (tests/slurm_jobs.py); here their traces are read."""
-    slurm, jobs, folder = slurm_jobs.requeue_jobs()
-    reference = slurm.job_fields(jobs["reference"])
-    assert reference["JobState"] == "COMPLETED", output(folder / "reference")
+    final, folder = slurm_jobs.requeue_jobs()
+    assert final["reference"]["JobState"] == "COMPLETED", output(folder / "reference")
     (expected,) = {run["digest"] for run in runs(folder / "reference")}
     for name, signal_name in (("time_limit", "SIGUSR1"), ("sigterm", "SIGTERM")):
-        fields = slurm.job_fields(jobs[name])
+        fields = final[name]
         log = output(folder / name)
         assert fields["JobState"] == "COMPLETED" and fields["Restarts"] == "1", f"{name}: {fields}\n{log[-5000:]}"
         first = [run for run in runs(folder / name) if run["restart"] == 0]

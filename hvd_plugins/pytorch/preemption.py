@@ -21,7 +21,12 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from typing_extensions import override
 
 from hvd_plugins.core.backend.module import horovod_torch
-from hvd_plugins.core.faults.preemption import PreemptionNotice, TrainingPreempted, requeue_slurm_job
+from hvd_plugins.core.faults.preemption import (
+    PreemptionNotice,
+    TrainingPreempted,
+    forget_early_warning_signal,
+    requeue_slurm_job,
+)
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +51,8 @@ class RequeueOnPreemption(Callback):
         """Add one to ``trainer`` (replacing an earlier fit's); nothing outside a Slurm job."""
         kept = [callback for callback in trainer.callbacks if not isinstance(callback, cls)]
         trainer.callbacks = kept + ([cls(job_id)] if job_id else [])
+        if not job_id:
+            forget_early_warning_signal()
 
     @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -82,6 +89,7 @@ class RequeueOnPreemption(Callback):
             requeued, outcome = requeue_slurm_job(self.job_id)
             if not requeued:
                 log.error("%s; the checkpoint %s stays for a resubmitted job", outcome, path)
+        trainer.strategy.barrier("requeued")  # no rank exits (which ends the job) before rank 0 has requeued
         where = f"epoch {trainer.current_epoch}, global step {trainer.global_step}"
         raise TrainingPreempted(
             signum, f"{signal.Signals(signum).name} at {where}: checkpoint saved to {path}; {outcome}; stopping."

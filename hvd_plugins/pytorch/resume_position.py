@@ -16,9 +16,9 @@ from collections.abc import Iterator, Sized
 from typing import Any
 
 from lightning.pytorch import Trainer
-from lightning.pytorch.trainer.states import RunningStage
+from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
-from torch.utils.data import BatchSampler, DataLoader
+from torch.utils.data import BatchSampler, DataLoader, IterableDataset
 
 POSITION_KEY = "hvd_plugins_epoch_position"
 
@@ -38,13 +38,16 @@ def batches_to_skip(checkpoint: dict[str, Any]) -> int:
 class _SkipFirst:
     """A sampler that leaves out its first ``skip`` indices once, then gives the batch sampler its sampler back."""
 
-    def __init__(self, batch_sampler: BatchSampler, skip: int) -> None:
+    def __init__(self, batch_sampler: BatchSampler, skip: int, epoch: int) -> None:
         self.batch_sampler = batch_sampler
         self.sampler = batch_sampler.sampler
         self.skip = skip
+        self.epoch = epoch
 
     def __iter__(self) -> Iterator[Any]:
         self.batch_sampler.sampler = self.sampler  # later epochs iterate the original
+        if hasattr(self.sampler, "set_epoch"):  # Lightning may create the iterator before it sets the epoch
+            self.sampler.set_epoch(self.epoch)
         return itertools.islice(iter(self.sampler), self.skip, None)
 
     def __len__(self) -> int:
@@ -52,7 +55,7 @@ class _SkipFirst:
         return len(self.sampler)
 
 
-def skip_resumed_batches(trainer: Trainer | None, dataloader: object, batches: int) -> bool:
+def skip_resumed_batches(trainer: Trainer | None, dataloader: object, batches: int, epoch: int = 0) -> bool:
     """Make the training ``dataloader``'s next pass start ``batches`` batches in; False when it cannot be done.
 
     Only the training loader of a fit counts (the evaluation loaders are prepared later, or while
@@ -61,14 +64,18 @@ def skip_resumed_batches(trainer: Trainer | None, dataloader: object, batches: i
     if batches <= 0 or trainer is None or trainer.state.stage != RunningStage.TRAINING or trainer.sanity_checking:
         return False
     batch_sampler = getattr(dataloader, "batch_sampler", None)
-    if not isinstance(dataloader, DataLoader) or not isinstance(batch_sampler, BatchSampler):
+    plain = type(batch_sampler) is BatchSampler and not isinstance(
+        getattr(dataloader, "dataset", None), IterableDataset
+    )
+    if not isinstance(dataloader, DataLoader) or not plain:
         rank_zero_warn(
             f"Resuming inside an epoch: HorovodStrategy skips the {batches} batches already trained only for a "
-            f"DataLoader with a batch size and a plain batch sampler, not for {type(dataloader).__name__}; this epoch "
-            "restarts from its first batch."
+            f"DataLoader over a map-style dataset with a batch size and a plain batch sampler (this is a "
+            f"{type(dataloader).__name__}); this epoch restarts from its first batch."
         )
         return True
-    batch_sampler.sampler = _SkipFirst(batch_sampler, batches * batch_sampler.batch_size)
+    assert isinstance(batch_sampler, BatchSampler)
+    batch_sampler.sampler = _SkipFirst(batch_sampler, batches * batch_sampler.batch_size, epoch)
     # Lightning's advice for plain DataLoaders ("not resumable ... unreliable results") does not apply now.
     warnings.filterwarnings("ignore", message="You're resuming from a checkpoint that ended before the epoch ended")
     return True
@@ -79,15 +86,20 @@ class ResumePosition:
 
     def __init__(self) -> None:
         self.skip = 0
+        self.epoch = 0
 
     def record(self, trainer: Trainer | None, checkpoint: dict[str, Any]) -> None:
-        if trainer is not None and trainer.training:
+        """While fitting (also from ModelCheckpoint in validation), the position inside the epoch."""
+        if trainer is not None and trainer.state.fn == TrainerFn.FITTING:
             checkpoint[POSITION_KEY] = epoch_position(trainer)
 
-    def restore(self, checkpoint: dict[str, Any]) -> None:
-        self.skip = batches_to_skip(checkpoint)
+    def restore(self, trainer: Trainer | None, checkpoint: dict[str, Any]) -> None:
+        """Only a fit resumes training (validate/test/predict with a checkpoint leave nothing to skip)."""
+        fitting = trainer is not None and trainer.state.fn == TrainerFn.FITTING
+        self.skip = batches_to_skip(checkpoint) if fitting else 0
+        self.epoch = int(checkpoint.get(POSITION_KEY, {}).get("epoch", 0))
 
     def prepare(self, trainer: Trainer | None, dataloader: object) -> object:
-        if skip_resumed_batches(trainer, dataloader, self.skip):
+        if skip_resumed_batches(trainer, dataloader, self.skip, self.epoch):
             self.skip = 0
         return dataloader

@@ -61,7 +61,7 @@ def _slurm_conf(folder: Path, host: str, cpus: int) -> str:
             "ReturnToService=2",
             "JobRequeue=1",
             "KillWait=10",
-            "MinJobAge=600",
+            "MinJobAge=3600",  # finished jobs stay visible to scontrol for an hour
             "InactiveLimit=0",
             f"NodeName={host} CPUs={cpus} RealMemory=1000 State=UNKNOWN",
             "PartitionName=main Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES",

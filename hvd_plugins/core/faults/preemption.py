@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 
+from hvd_plugins.core.backend.launch_env import launched_by_launcher
+
 log = logging.getLogger(__name__)
 
 REQUEUE_SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
@@ -28,13 +30,22 @@ _early: dict[str, int] = {"received": 0}
 
 
 def note_early_warning_signal(environ: Mapping[str, str] = os.environ) -> None:
-    """Inside a Slurm job, note a SIGUSR1 that comes before training starts instead of dying of it.
+    """In a Horovod worker of a Slurm job, note a SIGUSR1 that comes before training starts instead of dying.
 
     Slurm may send ``--signal=USR1@T`` up to a minute early, even while the script is still importing;
-    the noted signal is acted on at the first optimizer step. Left alone when a handler is already set.
+    the noted signal is acted on at the first optimizer step. Only in workers a launcher started for
+    Horovod (srun --mpi, mpirun, horovodrun), so a DDP job keeps Lightning's own handling; left alone
+    when a handler is already set.
     """
-    if slurm_job_id(environ) and signal.getsignal(signal.SIGUSR1) == signal.SIG_DFL:
+    if slurm_job_id(environ) and launched_by_launcher(environ) and signal.getsignal(signal.SIGUSR1) == signal.SIG_DFL:
         signal.signal(signal.SIGUSR1, _note_early)
+
+
+def forget_early_warning_signal() -> None:
+    """Give SIGUSR1 back its default (a fit without ``auto_requeue``); a signal noted so far is dropped."""
+    if signal.getsignal(signal.SIGUSR1) is _note_early:
+        signal.signal(signal.SIGUSR1, signal.SIG_DFL)
+    _early["received"] = 0
 
 
 def _note_early(signum: int, _frame: FrameType | None) -> None:
@@ -77,12 +88,17 @@ class PreemptionNotice:
 
     def __init__(self, signals: tuple[signal.Signals, ...] = REQUEUE_SIGNALS) -> None:
         self.signals = signals
-        self.received = _early["received"]  # a warning that came before training started
+        self.received = 0
         self._previous: dict[signal.Signals, Any] = {}
         self._pending: Any = None  # the handle of the agreement posted at the last boundary
 
     def install(self) -> None:
-        """Replace the handlers of ``signals`` (SIGTERM's included: a save must come before the exit)."""
+        """Replace the handlers of ``signals`` (SIGTERM's included: a save must come before the exit).
+
+        A warning that came before (while importing, restoring, sanity checking) is taken over.
+        """
+        self.received = self.received or _early["received"]
+        _early["received"] = 0
         for signum in self.signals:
             self._previous.setdefault(signum, signal.getsignal(signum))
             signal.signal(signum, self._note)

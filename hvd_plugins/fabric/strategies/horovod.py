@@ -24,7 +24,7 @@ from lightning.fabric.connector import _Connector
 from lightning.fabric.plugins import CheckpointIO
 from lightning.fabric.plugins.precision import Precision
 from lightning.fabric.strategies import ParallelStrategy
-from lightning.fabric.strategies.strategy import TBroadcast, _BackwardSyncControl
+from lightning.fabric.strategies.strategy import _BackwardSyncControl
 from lightning.fabric.utilities.distributed import ReduceOp
 from lightning.fabric.utilities.rank_zero import rank_zero_only
 from lightning.fabric.utilities.types import _PATH
@@ -39,7 +39,6 @@ from hvd_plugins.core.backend import optimizer as horovod_optimizer
 from hvd_plugins.core.backend.module import horovod_torch
 from hvd_plugins.core.backend.runner import local_launch_size
 from hvd_plugins.core.backend.startup import init_horovod
-from hvd_plugins.core.comm import collectives
 from hvd_plugins.core.comm.counters import CommCounters
 from hvd_plugins.core.comm.gradient_sync import GradientSync
 from hvd_plugins.core.config import (
@@ -56,9 +55,9 @@ from hvd_plugins.core.sync_modes import make_gradient_sync
 from hvd_plugins.core.training_state import broadcast_optimizer_state_, wrap_optimizers
 from hvd_plugins.core.worker import prepare_worker
 from hvd_plugins.fabric.plugins.environments.horovod import HorovodEnvironment
-from hvd_plugins.fabric.plugins.io.atomic import AtomicCheckpointIO
 from hvd_plugins.fabric.strategies.cluster_choice import choose_horovod_environment_for
 from hvd_plugins.fabric.strategies.launchers.horovod import HorovodFabricLauncher
+from hvd_plugins.fabric.strategies.shared import HorovodStrategyShared
 
 
 class _HoldAllreduces(_BackwardSyncControl):
@@ -70,12 +69,14 @@ class _HoldAllreduces(_BackwardSyncControl):
     @contextlib.contextmanager
     def no_backward_sync(self, module: Module, enabled: bool = True) -> Generator[None, None, None]:
         # Fabric before 2.4 calls this only to skip, without ``enabled``
-        if enabled:
-            self.strategy.hold_next_backward()
-        yield
+        holding, self.strategy.holding = self.strategy.holding, enabled or self.strategy.holding
+        try:
+            yield
+        finally:
+            self.strategy.holding = holding
 
 
-class HorovodStrategy(ParallelStrategy):
+class HorovodStrategy(HorovodStrategyShared, ParallelStrategy):
     """Data-parallel training over Horovod for Lightning Fabric (Gloo or MPI controller; NCCL on GPUs).
 
     Args:
@@ -142,27 +143,9 @@ class HorovodStrategy(ParallelStrategy):
         self._backward_sync_control = _HoldAllreduces(self)
         self._wrapped: list[Optimizer] = []  # every optimizer set up so far, in order (names opt0, opt1, ...)
         self._averaged: set[int] = set()  # optimizers whose gradients are averaged for the coming step
+        self.holding = False  # inside no_backward_sync: backward only accumulates
 
     # ------------------------------------------------------------------ plumbing
-    @property
-    @override
-    def checkpoint_io(self) -> CheckpointIO:
-        """Atomic writes unless a CheckpointIO was given (here or as a Fabric plugin)."""
-        if self._checkpoint_io is None:
-            self._checkpoint_io = AtomicCheckpointIO()
-        return self._checkpoint_io
-
-    @checkpoint_io.setter
-    def checkpoint_io(self, io: CheckpointIO | None) -> None:
-        self._checkpoint_io = io
-
-    @property
-    @override
-    def root_device(self) -> torch.device:
-        assert self.parallel_devices is not None
-        device = self.parallel_devices[0]
-        return torch.device("cuda", self.local_rank) if device.type == "cuda" else device
-
     @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any] | None:
@@ -234,11 +217,14 @@ class HorovodStrategy(ParallelStrategy):
         return wrapped
 
     # ------------------------------------------------------------------ stepping
-    def hold_next_backward(self) -> None:
-        """The next backward only accumulates (``no_backward_sync``); the step's sync averages the sum."""
-        assert self.gradient_sync is not None, "fabric.setup(model, optimizer) comes before no_backward_sync"
-        for optimizer in self._wrapped:
-            self.gradient_sync.hold_next_backward(optimizer)
+    @override
+    def backward(self, tensor: Tensor, module: Module | None, *args: Any, **kwargs: Any) -> None:
+        """New gradients: each optimizer averages again at its next clip or step; none inside no_backward_sync."""
+        if self.holding and self.gradient_sync is not None:
+            for optimizer in self._wrapped:
+                self.gradient_sync.hold_next_backward(optimizer)  # this backward only accumulates
+        self._averaged.clear()
+        super().backward(tensor, module, *args, **kwargs)
 
     def _average(self, optimizer: Optimizer) -> None:
         """Average ``optimizer``'s gradients over every worker, once per step (at its clip or its step)."""
@@ -304,25 +290,7 @@ class HorovodStrategy(ParallelStrategy):
     def all_reduce(
         self, tensor: Tensor | Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean"
     ) -> Any:
-        if not isinstance(tensor, Tensor) or self.world_size == 1:
-            return tensor
-        collectives.require_whole_world("all_reduce", group)
-        return collectives.reduce_tensor(tensor, reduce_op)
-
-    @override
-    def all_gather(self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor:
-        collectives.require_whole_world("all_gather", group)
-        return tensor.unsqueeze(0) if self.world_size == 1 else collectives.gather_stacked(tensor, sync_grads)
-
-    @override
-    def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
-        return obj if self.world_size == 1 else collectives.broadcast_object(obj, src)
-
-    @override
-    def barrier(self, name: str | None = None) -> None:
-        if self.world_size > 1 and horovod_torch().is_initialized():
-            with self._averaging.waiting(f"barrier {name or ''}".strip()):
-                horovod_torch().barrier()
+        return self._reduce_over_workers("all_reduce", tensor, group, reduce_op)
 
     @override
     def teardown(self) -> None:

@@ -22,7 +22,6 @@ from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.layer_sync import TorchSyncBatchNorm
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy
-from lightning.pytorch.strategies.strategy import TBroadcast
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor
 from torch.nn import Module
@@ -36,7 +35,6 @@ from hvd_plugins.core.backend.agreement import assert_ranks_agree
 from hvd_plugins.core.backend.module import horovod_torch
 from hvd_plugins.core.backend.runner import local_launch_size
 from hvd_plugins.core.backend.startup import init_horovod
-from hvd_plugins.core.comm import collectives
 from hvd_plugins.core.comm.counters import CommCounters
 from hvd_plugins.core.comm.gradient_sync import GradientSync
 from hvd_plugins.core.comm.topology import Topology
@@ -60,7 +58,7 @@ from hvd_plugins.core.sync_modes import make_gradient_sync
 from hvd_plugins.core.training_state import broadcast_optimizer_states_, scale_learning_rates_, wrap_optimizers
 from hvd_plugins.core.worker import prepare_worker
 from hvd_plugins.fabric.plugins.environments.horovod import HorovodEnvironment
-from hvd_plugins.fabric.plugins.io.atomic import AtomicCheckpointIO
+from hvd_plugins.fabric.strategies.shared import HorovodStrategyShared
 from hvd_plugins.pytorch.callbacks.progress import progress_bar_given_to_trainer, use_line_progress_bar
 from hvd_plugins.pytorch.loop_events import TrainingLoopEvents, training_position
 from hvd_plugins.pytorch.plugins.layer_sync import HorovodSyncBatchNorm
@@ -77,7 +75,7 @@ CHECKPOINT_KEY = "hvd_plugins"
 """Where the strategy keeps its gradient sync's state (DASO's schedule, the measured route) in a checkpoint."""
 
 
-class HorovodStrategy(ParallelStrategy):
+class HorovodStrategy(HorovodStrategyShared, ParallelStrategy):
     """Data-parallel training over Horovod (Gloo or MPI controller; NCCL on GPUs).
 
     The arguments become ``self.config``, a frozen ``HorovodConfig`` (same names, more detail), validated at once.
@@ -150,18 +148,6 @@ class HorovodStrategy(ParallelStrategy):
 
     @property
     @override
-    def checkpoint_io(self) -> CheckpointIO:
-        """Atomic writes unless a CheckpointIO was given (here or as a Trainer plugin)."""
-        if self._checkpoint_io is None:
-            self._checkpoint_io = AtomicCheckpointIO()
-        return self._checkpoint_io
-
-    @checkpoint_io.setter
-    def checkpoint_io(self, io: CheckpointIO | None) -> None:
-        self._checkpoint_io = io
-
-    @property
-    @override
     def optimizers(self) -> list[Optimizer]:
         return self._optimizers
 
@@ -181,13 +167,6 @@ class HorovodStrategy(ParallelStrategy):
         return getattr(self.gradient_sync, "route_tuner", None)
 
     # ------------------------------------------------------------------ ranks and devices
-    @property
-    @override
-    def root_device(self) -> torch.device:
-        assert self.parallel_devices is not None
-        device = self.parallel_devices[0]
-        return torch.device("cuda", self.local_rank) if device.type == "cuda" else device
-
     @property
     def is_distributed(self) -> bool:
         """Lightning asks this to add a DistributedSampler and to honour ``sync_dist``."""
@@ -311,7 +290,7 @@ class HorovodStrategy(ParallelStrategy):
         """Hand the gradient sync its state; Lightning restores checkpoints before ``setup`` builds the sync."""
         checkpoint = super().load_checkpoint(checkpoint_path, *args, **kwargs)
         self._restored_sync_state = dict(checkpoint.get(CHECKPOINT_KEY, {}))
-        self._resume_position.restore(checkpoint)
+        self._resume_position.restore(self._trainer, checkpoint)
         if self.gradient_sync is not None:
             self.gradient_sync.load_state_dict(self._restored_sync_state)
         return checkpoint
@@ -328,26 +307,7 @@ class HorovodStrategy(ParallelStrategy):
     # ------------------------------------------------------------------ collectives for Lightning
     @override
     def reduce(self, tensor: Tensor | Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean") -> Any:
-        if not isinstance(tensor, Tensor) or self.world_size == 1:
-            return tensor
-        collectives.require_whole_world("reduce", group)
-        return collectives.reduce_tensor(tensor, reduce_op)
-
-    @override
-    def all_gather(self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor:
-        """Stack ``tensor`` from every worker along a new first dimension."""
-        collectives.require_whole_world("all_gather", group)
-        return tensor.unsqueeze(0) if self.world_size == 1 else collectives.gather_stacked(tensor, sync_grads)
-
-    @override
-    def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
-        return obj if self.world_size == 1 else collectives.broadcast_object(obj, src)
-
-    @override
-    def barrier(self, name: str | None = None) -> None:
-        if self.world_size > 1 and horovod_torch().is_initialized():
-            with self._averaging.waiting(f"barrier {name or ''}".strip()):
-                horovod_torch().barrier()
+        return self._reduce_over_workers("reduce", tensor, group, reduce_op)
 
     # ------------------------------------------------------------------ failures and teardown
     @property

@@ -28,7 +28,9 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             )
         target = Path(path)
         target.parent.mkdir(parents=True, exist_ok=True)
-        handle, temporary = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+        # Not named after the target: Lightning finds hpc_ckpt_<n> versions by the digits after that prefix,
+        # so a temporary file left by a killed save must not carry it.
+        handle, temporary = tempfile.mkstemp(prefix=".partial-checkpoint-", suffix=".tmp", dir=target.parent)
         try:
             with os.fdopen(handle, "wb") as stream:
                 torch.save(checkpoint, stream)

@@ -17,6 +17,8 @@ from hvd_plugins.core.backend.runner import start_local_job_once
 class HorovodFabricLauncher(_Launcher):
     """Starts the workers (once per process) and Horovod, then runs the function ``fabric.launch`` was given."""
 
+    asked_as = "Fabric"  # in the message when Horovod was started too early
+
     def __init__(self, size: int, start_horovod: Callable[[], Any]) -> None:
         self.size = size
         self._start_horovod = start_horovod
@@ -28,5 +30,5 @@ class HorovodFabricLauncher(_Launcher):
 
     @override
     def launch(self, function: Callable, *args: Any, **kwargs: Any) -> Any:
-        start_local_job_once(self.size, self._start_horovod, f"Fabric(devices={self.size})")
+        start_local_job_once(self.size, self._start_horovod, f"{self.asked_as}(devices={self.size})")
         return function(*args, **kwargs)

@@ -1,0 +1,67 @@
+"""What both HorovodStrategy classes, the Trainer's and Fabric's, answer alike: device, checkpoint IO, collectives.
+
+A mixin placed before Lightning's ``ParallelStrategy`` (of either Lightning package) in each class;
+it relies on what that base provides (``world_size``, ``parallel_devices``, ``local_rank``) and on the
+strategy's ``_averaging`` (the watchdog that bounds waits).
+"""
+
+from __future__ import annotations
+
+from typing import Any, TypeVar
+
+import torch
+from lightning.fabric.plugins import CheckpointIO
+from torch import Tensor
+
+from hvd_plugins.core.averaging import GradientAveraging
+from hvd_plugins.core.backend.module import horovod_torch
+from hvd_plugins.core.comm import collectives
+from hvd_plugins.fabric.plugins.io.atomic import AtomicCheckpointIO
+
+T = TypeVar("T")
+
+
+class HorovodStrategyShared:
+    """Device, checkpoint IO and Horovod collectives, the same for the Trainer and for Fabric."""
+
+    _averaging: GradientAveraging
+    _checkpoint_io: CheckpointIO | None
+    world_size: int
+    local_rank: int
+    parallel_devices: list[torch.device] | None
+
+    @property
+    def checkpoint_io(self) -> CheckpointIO:
+        """Atomic writes unless a CheckpointIO was given (here or as a plugin)."""
+        if self._checkpoint_io is None:
+            self._checkpoint_io = AtomicCheckpointIO()
+        return self._checkpoint_io
+
+    @checkpoint_io.setter
+    def checkpoint_io(self, io: CheckpointIO | None) -> None:
+        self._checkpoint_io = io
+
+    @property
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        device = self.parallel_devices[0]
+        return torch.device("cuda", self.local_rank) if device.type == "cuda" else device
+
+    def _reduce_over_workers(self, method: str, tensor: Tensor | Any, group: Any | None, reduce_op: Any) -> Any:
+        if not isinstance(tensor, Tensor) or self.world_size == 1:
+            return tensor
+        collectives.require_whole_world(method, group)
+        return collectives.reduce_tensor(tensor, reduce_op)
+
+    def all_gather(self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor:
+        """Stack ``tensor`` from every worker along a new first dimension."""
+        collectives.require_whole_world("all_gather", group)
+        return tensor.unsqueeze(0) if self.world_size == 1 else collectives.gather_stacked(tensor, sync_grads)
+
+    def broadcast(self, obj: T, src: int = 0) -> T:
+        return obj if self.world_size == 1 else collectives.broadcast_object(obj, src)
+
+    def barrier(self, name: str | None = None) -> None:
+        if self.world_size > 1 and horovod_torch().is_initialized():
+            with self._averaging.waiting(f"barrier {name or ''}".strip()):
+                horovod_torch().barrier()
