@@ -37,7 +37,6 @@ from hvd_plugins.core.averaging import GradientAveraging
 from hvd_plugins.core.backend import capabilities
 from hvd_plugins.core.backend import optimizer as horovod_optimizer
 from hvd_plugins.core.backend.module import horovod_torch
-from hvd_plugins.core.backend.runner import local_launch_size
 from hvd_plugins.core.backend.startup import init_horovod
 from hvd_plugins.core.comm.counters import CommCounters
 from hvd_plugins.core.comm.gradient_sync import GradientSync
@@ -53,7 +52,6 @@ from hvd_plugins.core.config import (
 )
 from hvd_plugins.core.sync_modes import make_gradient_sync
 from hvd_plugins.core.training_state import broadcast_optimizer_state_, wrap_optimizers
-from hvd_plugins.core.worker import prepare_worker
 from hvd_plugins.fabric.plugins.environments.horovod import HorovodEnvironment
 from hvd_plugins.fabric.strategies.cluster_choice import choose_horovod_environment_for
 from hvd_plugins.fabric.strategies.launchers.horovod import HorovodFabricLauncher
@@ -156,10 +154,7 @@ class HorovodStrategy(HorovodStrategyShared, ParallelStrategy):
         return self._num_nodes
 
     def _set_world_ranks(self) -> None:
-        """When Fabric is built: start Horovod (unless this process launches the workers) for rank-zero output."""
-        self._environment.launch_size = local_launch_size(self.parallel_devices or [], self.num_nodes)
-        if not self._environment.launch_size:
-            init_horovod(self.config)
+        self._plan_launch()
         rank_zero_only.rank = self.global_rank
 
     @override
@@ -169,15 +164,7 @@ class HorovodStrategy(HorovodStrategyShared, ParallelStrategy):
 
     @override
     def setup_environment(self) -> None:
-        hvd = init_horovod(self.config)
-        self._averaging.start_watching(hvd.rank(), hvd.size())
-        assert self.parallel_devices is not None
-        on_gpu = self.parallel_devices[0].type == "cuda"
-        devices, local_size = len(self.parallel_devices), hvd.local_size()
-        self._environment.validate_settings(
-            num_devices=local_size if on_gpu and devices >= local_size else devices, num_nodes=self.num_nodes
-        )
-        prepare_worker(self.config, hvd, self.root_device)
+        self._start_worker()
         super().setup_environment()
 
     @override

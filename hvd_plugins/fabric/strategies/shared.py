@@ -1,12 +1,14 @@
-"""What both HorovodStrategy classes, the Trainer's and Fabric's, answer alike: device, checkpoint IO, collectives.
+"""What both HorovodStrategy classes, the Trainer's and Fabric's, do alike: start Horovod, device, checkpoint IO,
+collectives.
 
 A mixin placed before Lightning's ``ParallelStrategy`` (of either Lightning package) in each class;
-it relies on what that base provides (``world_size``, ``parallel_devices``, ``local_rank``) and on the
-strategy's ``_averaging`` (the watchdog that bounds waits).
+it relies on what that base provides (``world_size``, ``parallel_devices``, ``local_rank``, ``num_nodes``)
+and on the strategy's ``config``, ``_environment`` and ``_averaging`` (the watchdog that bounds waits).
 """
 
 from __future__ import annotations
 
+from types import ModuleType
 from typing import Any, TypeVar
 
 import torch
@@ -15,20 +17,48 @@ from torch import Tensor
 
 from hvd_plugins.core.averaging import GradientAveraging
 from hvd_plugins.core.backend.module import horovod_torch
+from hvd_plugins.core.backend.runner import local_launch_size
+from hvd_plugins.core.backend.startup import init_horovod
 from hvd_plugins.core.comm import collectives
+from hvd_plugins.core.config import HorovodConfig
+from hvd_plugins.core.worker import prepare_worker
+from hvd_plugins.fabric.plugins.environments.horovod import HorovodEnvironment
 from hvd_plugins.fabric.plugins.io.atomic import AtomicCheckpointIO
 
 T = TypeVar("T")
 
 
 class HorovodStrategyShared:
-    """Device, checkpoint IO and Horovod collectives, the same for the Trainer and for Fabric."""
+    """Starting Horovod, device, checkpoint IO and Horovod collectives, the same for the Trainer and for Fabric."""
 
+    config: HorovodConfig
+    _environment: HorovodEnvironment
     _averaging: GradientAveraging
     _checkpoint_io: CheckpointIO | None
     world_size: int
     local_rank: int
+    num_nodes: int
     parallel_devices: list[torch.device] | None
+
+    def _plan_launch(self) -> None:
+        """When the Trainer or Fabric is built: start Horovod now (for rank-zero output), unless this process
+        starts the workers itself (``python train.py`` with ``devices=N``), which its launcher does later."""
+        self._environment.launch_size = local_launch_size(self.parallel_devices or [], self.num_nodes)
+        if not self._environment.launch_size:
+            init_horovod(self.config)
+
+    def _start_worker(self) -> ModuleType:
+        """In every worker, before any collective: Horovod running, the watchdog on, devices checked, worker ready."""
+        hvd = init_horovod(self.config)
+        self._averaging.start_watching(hvd.rank(), hvd.size())
+        assert self.parallel_devices is not None
+        devices, local_size = len(self.parallel_devices), hvd.local_size()
+        on_gpu = self.parallel_devices[0].type == "cuda"
+        self._environment.validate_settings(
+            num_devices=local_size if on_gpu and devices >= local_size else devices, num_nodes=self.num_nodes
+        )
+        prepare_worker(self.config, hvd, self.root_device)
+        return hvd
 
     @property
     def checkpoint_io(self) -> CheckpointIO:

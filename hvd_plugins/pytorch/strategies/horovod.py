@@ -33,7 +33,6 @@ from hvd_plugins.core.backend import capabilities
 from hvd_plugins.core.backend import optimizer as horovod_optimizer
 from hvd_plugins.core.backend.agreement import assert_ranks_agree
 from hvd_plugins.core.backend.module import horovod_torch
-from hvd_plugins.core.backend.runner import local_launch_size
 from hvd_plugins.core.backend.startup import init_horovod
 from hvd_plugins.core.comm.counters import CommCounters
 from hvd_plugins.core.comm.gradient_sync import GradientSync
@@ -56,7 +55,6 @@ from hvd_plugins.core.faults.report import report_failure
 from hvd_plugins.core.metrics_sync import attach_horovod_metric_sync
 from hvd_plugins.core.sync_modes import make_gradient_sync
 from hvd_plugins.core.training_state import broadcast_optimizer_states_, scale_learning_rates_, wrap_optimizers
-from hvd_plugins.core.worker import prepare_worker
 from hvd_plugins.fabric.plugins.environments.horovod import HorovodEnvironment
 from hvd_plugins.fabric.strategies.shared import HorovodStrategyShared
 from hvd_plugins.pytorch.callbacks.progress import progress_bar_given_to_trainer, use_line_progress_bar
@@ -184,9 +182,7 @@ class HorovodStrategy(HorovodStrategyShared, ParallelStrategy):
 
     def set_world_ranks(self) -> None:
         """When the Trainer is built: start Horovod (unless this process launches the workers) for rank-zero output."""
-        self._environment.launch_size = local_launch_size(self.parallel_devices or [], self.num_nodes)
-        if not self._environment.launch_size:
-            init_horovod(self.config)
+        self._plan_launch()
         follow_rank(self.global_rank)
         self._progress_bar_given = progress_bar_given_to_trainer()  # before Lightning adds its default bar
 
@@ -197,15 +193,7 @@ class HorovodStrategy(HorovodStrategyShared, ParallelStrategy):
 
     @override
     def setup_environment(self) -> None:
-        hvd = init_horovod(self.config)
-        self._averaging.start_watching(hvd.rank(), hvd.size())
-        assert self.parallel_devices is not None and self.cluster_environment is not None
-        devices, local_size = len(self.parallel_devices), hvd.local_size()
-        on_gpu = self.parallel_devices[0].type == "cuda"
-        self.cluster_environment.validate_settings(
-            num_devices=local_size if on_gpu and devices >= local_size else devices, num_nodes=self.num_nodes
-        )
-        prepare_worker(self.config, hvd, self.root_device)
+        self._start_worker()
         if self.lightning_module is not None:  # before callbacks' setup, so a swapped-in bar is set up too
             require_own_namespace(self.lightning_module.trainer)
             use_line_progress_bar(self.lightning_module.trainer, self._progress_bar_given, self.world_size)
