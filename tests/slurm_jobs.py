@@ -3,7 +3,9 @@
 A job that waits for its time limit spends a minute or two asleep, so the time-limit and SIGTERM
 jobs are submitted when collection ends (only if their test was collected) and run beside the rest
 of the suite; ``tests/test_slurm.py`` then reads what they left. A background thread starts a
-requeued run at once (Slurm would hold it back for about two minutes) and sends the SIGTERM.
+requeued run at once (Slurm would hold it back for about two minutes) and sends the SIGTERM a few
+steps after both ranks began training (a loaded machine may take long to start them; a process
+killed before it imported anything has nothing to save).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "workers" / "slurm_train.py"
 FINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED"}
 SECONDS_PER_STEP = "2.0"  # first runs train 48 steps for 96 s, longer than any moment the signal may come
-SIGTERM_AFTER_SECONDS = 25.0
+SIGTERM_AFTER_TRAINING_SECONDS = 8.0  # a few steps after both ranks of the first run began training
 
 
 @dataclass
@@ -124,7 +126,7 @@ def _submit_and_tend() -> None:
         ),
         "sigterm": slurm.sbatch(worker_job(folder, "sigterm", ["--requeue"], f"--seconds-per-step {SECONDS_PER_STEP}")),
     }
-    running_since: float | None = None
+    training_since: float | None = None
     signalled = False
     while not _session.stop.is_set():
         states = {name: slurm.job_fields(job) for name, job in _session.jobs.items()}
@@ -133,8 +135,9 @@ def _submit_and_tend() -> None:
                 slurm.scontrol("update", f"JobId={_session.jobs[name]}", "StartTime=now", check=False)
         sigterm = states["sigterm"]
         if not signalled and sigterm.get("JobState") == "RUNNING" and sigterm.get("Restarts") == "0":
-            running_since = running_since or time.monotonic()
-            if time.monotonic() - running_since > SIGTERM_AFTER_SECONDS:
+            if len(list((folder / "sigterm").glob("training-restart0-rank*"))) == 2:
+                training_since = training_since or time.monotonic()
+            if training_since is not None and time.monotonic() - training_since > SIGTERM_AFTER_TRAINING_SECONDS:
                 subprocess.run(["scancel", "--signal=TERM", str(_session.jobs["sigterm"])], env=slurm.env, check=False)
                 signalled = True
         for name, fields in states.items():

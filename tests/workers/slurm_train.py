@@ -42,6 +42,8 @@ class Net(pl.LightningModule):
         self.started_at_step = self.trainer.global_step
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        if batch_idx == 0:  # tells whoever sends a signal that this rank is training, not still starting up
+            (args.out / f"training-restart{RESTART}-rank{self.global_rank}").touch()
         if RESTART == 0 and args.seconds_per_step:
             time.sleep(args.seconds_per_step)
         return nn.functional.cross_entropy(self.net(batch[0]), batch[1])
