@@ -220,7 +220,7 @@ def _two_nodes_job(
             )
         job.check()
         assert sorted(job.results) == [0, 1, 2, 3], job.output[-3000:]
-        job.results[0]["route_lines"] = [line for line in job.output.splitlines() if "gradient sync took" in line]
+        job.results[0]["route_lines"] = [line for line in job.output.splitlines() if "training steps took" in line]
         _two_nodes_jobs[(lightning, launch)] = job.results
     return _two_nodes_jobs[(lightning, launch)]
 
@@ -296,11 +296,13 @@ def test_hierarchical_bytes_per_leg_on_two_nodes(two_nodes_comm: dict[int, dict]
 def test_hierarchical_times_both_routes_and_every_rank_keeps_the_same_one(two_nodes: dict[int, dict]) -> None:
     for rank in range(4):
         tuning = value(two_nodes[rank], "route_tuning")
-        assert tuning["timed_steps"] == {"two_level": 5, "flat": 5} and tuning["steps"] > 11
+        timed = tuning["timed_steps"]  # one warm-up step each, then 2 to 5 timed steps each (fewer when clear)
+        assert timed["two_level"] == timed["flat"] and 2 <= timed["flat"] <= 5
+        assert tuning["steps"] > 2 + 2 * timed["flat"]
         assert tuning["choices"] in ([1] * 4, [2] * 4)  # decided, and the same on every rank
         assert tuning["vs_flat"] < 1e-12  # float64: either route gives flat's training
     (line,) = two_nodes[0]["route_lines"]  # printed once, by rank 0
-    assert "large buckets now take the" in line
+    assert "gradients now take" in line
 
 
 def test_strategy_hierarchical_matches_flat_and_counts_bytes(two_nodes: dict[int, dict]) -> None:

@@ -242,25 +242,42 @@ def test_optimizer_parameters_walk_groups_in_order() -> None:
     assert [(g, i) for g, i, _ in indexed_optimizer_parameters(optimizer)] == [(0, 0), (0, 1), (1, 0)]
 
 
-def _run_tuner(two_level_s: float, flat_s: float) -> tuple[RouteTuner, list[str]]:
+def _run_tuner(
+    two_level_s: list[float], flat_s: list[float], untimed: tuple[int, ...] = ()
+) -> tuple[RouteTuner, list[str], list[torch.Tensor]]:
+    """Feeds the tuner the next time of the route it asks for (9 s on the warm-up steps, None on ``untimed``)."""
     agreed: list[torch.Tensor] = []
     tuner = RouteTuner(lambda t: agreed.append(t) or t * 1.0, trials_per_route=3)
+    times = {TWO_LEVEL: iter(two_level_s), FLAT: iter(flat_s)}
     routes = []
-    for _ in range(10):
+    for step in range(12):
         routes.append(tuner.route)
-        tuner.record(9.0 if not routes[:-1] else two_level_s if routes[-1] == TWO_LEVEL else flat_s)
-    assert len(agreed) == 1  # one agreement, after the trials
-    return tuner, routes
+        warm_up = step < 2 and step not in untimed
+        tuner.record(None if step in untimed else 9.0 if warm_up else next(times[routes[-1]], 0.0))
+    return tuner, routes, agreed
 
 
-def test_route_tuner_alternates_then_keeps_the_faster_route() -> None:
-    tuner, routes = _run_tuner(two_level_s=0.3, flat_s=0.1)
-    assert routes[:7] == [TWO_LEVEL, TWO_LEVEL, FLAT, TWO_LEVEL, FLAT, TWO_LEVEL, FLAT]  # the first is untimed
-    assert routes[7:] == [FLAT] * 3 and tuner.choice == FLAT
-    assert tuner.seconds == {TWO_LEVEL: [0.3] * 3, FLAT: [0.1] * 3}  # the untimed 9 s step is not counted
-    assert tuner.measured() == "300.0 ms two_level vs 100.0 ms flat (median of 3 steps each, mean over workers)"
-    tuner, routes = _run_tuner(two_level_s=0.1, flat_s=0.3)
-    assert routes[7:] == [TWO_LEVEL] * 3 and tuner.choice == TWO_LEVEL
+def test_route_tuner_warms_each_route_up_then_alternates_and_keeps_the_faster() -> None:
+    tuner, routes, agreed = _run_tuner(two_level_s=[0.3, 0.1, 0.3], flat_s=[0.2, 0.2, 0.2])
+    assert routes[:8] == [TWO_LEVEL, FLAT, TWO_LEVEL, FLAT, TWO_LEVEL, FLAT, TWO_LEVEL, FLAT]  # 2 untimed first
+    assert routes[8:] == [FLAT] * 4 and tuner.choice == FLAT  # medians 0.3 against 0.2
+    assert len(agreed) == 2  # after 2 trials each (not clear: 0.1 < 0.2 < 0.3), then after the last
+    assert tuner.seconds == {TWO_LEVEL: [0.3, 0.1, 0.3], FLAT: [0.2] * 3}  # the warm-up 9 s steps are not counted
+    assert tuner.measured() == "300.0 ms two_level vs 200.0 ms flat (median of 3 steps each, mean over workers)"
+    tuner, routes, _ = _run_tuner(two_level_s=[0.1, 0.1, 0.1], flat_s=[0.1, 0.1, 0.1])
+    assert tuner.choice == FLAT  # ties keep the flat route
+
+
+def test_route_tuner_stops_early_when_every_step_of_one_route_beats_the_other() -> None:
+    tuner, routes, agreed = _run_tuner(two_level_s=[0.1, 0.12], flat_s=[0.3, 0.25])
+    assert routes[6:] == [TWO_LEVEL] * 6 and tuner.choice == TWO_LEVEL
+    assert len(agreed) == 1 and tuner.seconds == {TWO_LEVEL: [0.1, 0.12], FLAT: [0.3, 0.25]}
+
+
+def test_route_tuner_runs_an_untimed_step_again_on_the_same_route() -> None:
+    tuner, routes, _ = _run_tuner(two_level_s=[0.3, 0.3], flat_s=[0.1, 0.1], untimed=(2, 3))
+    assert routes[:6] == [TWO_LEVEL, FLAT, TWO_LEVEL, TWO_LEVEL, TWO_LEVEL, FLAT]
+    assert tuner.choice == FLAT and tuner.seconds == {TWO_LEVEL: [0.3, 0.3], FLAT: [0.1, 0.1]}
 
 
 def test_route_tuner_refuses_zero_trials() -> None:
@@ -269,7 +286,7 @@ def test_route_tuner_refuses_zero_trials() -> None:
 
 
 def test_route_tuner_state_round_trips_so_a_resumed_run_keeps_the_route() -> None:
-    tuner, _ = _run_tuner(two_level_s=0.1, flat_s=0.3)
+    tuner, _, _ = _run_tuner(two_level_s=[0.1, 0.1], flat_s=[0.3, 0.3])
     restored = RouteTuner.restored(tuner.state_dict())
     assert restored.choice == TWO_LEVEL and restored.route == TWO_LEVEL
     assert restored.agreed_seconds == tuner.agreed_seconds

@@ -5,12 +5,8 @@ from __future__ import annotations
 from hvd_plugins.core.backend.module import horovod_torch
 from hvd_plugins.core.comm.compression import compressor_by_name
 from hvd_plugins.core.comm.counters import CommCounters, Scope
-from hvd_plugins.core.comm.gradient_sync import (
-    AdasumOptimizerSync,
-    GradientSync,
-    HierarchicalGradientSync,
-    HorovodOptimizerSync,
-)
+from hvd_plugins.core.comm.gradient_sync import AdasumOptimizerSync, GradientSync, HorovodOptimizerSync
+from hvd_plugins.core.comm.hierarchical_sync import HierarchicalGradientSync
 from hvd_plugins.core.comm.topology import build_node_groups, discover_topology
 from hvd_plugins.core.config import HorovodConfig
 from hvd_plugins.core.daso.gradient_sync import DasoGradientSync

@@ -32,6 +32,31 @@ def delay_next_allreduce(optimizer: Optimizer) -> None:
         optimizer._allreduce_delay[parameter] += 1
 
 
+HELD_COUNTDOWN = 2**30
+"""A countdown no run of backward passes reaches: the hooks only count, nothing starts."""
+
+
+def hold_gradient_hooks(optimizer: Optimizer) -> None:
+    """Keep a DistributedOptimizer's backward hooks from starting allreduces until ``set_backward_passes``.
+
+    For steps whose gradients another route averages after backward; safe between steps only.
+    """
+    for parameter in getattr(optimizer, "_allreduce_delay", {}):
+        optimizer._allreduce_delay[parameter] = HELD_COUNTDOWN
+
+
+def forget_held_gradients(optimizer: Optimizer) -> None:
+    """Drop the entries held hooks left (no allreduce started), so Horovod's ``synchronize`` sends nothing for them.
+
+    Call once the gradients were averaged another way, before ``set_backward_passes`` or the next hold.
+    """
+    handles = getattr(optimizer, "_handles", {})
+    started = [key for key, (handle, _) in handles.items() if handle is not None]
+    if started:
+        raise RuntimeError(f"{len(started)} allreduces were started by hooks that were held; cannot drop them")
+    handles.clear()
+
+
 def make_zero_grad_wrapper_safe(optimizer: Optimizer) -> None:
     """Give a DistributedOptimizer's class a ``zero_grad`` that also works through a subclassing wrapper.
 

@@ -13,9 +13,6 @@ strategy wires any mode the same way and never asks which one it has.
 from __future__ import annotations
 
 import contextlib
-import logging
-import sys
-import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
@@ -27,16 +24,11 @@ from torch.optim import Optimizer
 from hvd_plugins.core.backend.module import horovod_torch
 from hvd_plugins.core.backend.optimizer import delay_next_allreduce, drop_gradient_hooks, set_backward_passes
 from hvd_plugins.core.backend.waits import wait_for_pending_allreduces
-from hvd_plugins.core.comm.buckets import bucket_tensors, flatten, unflatten_into
 from hvd_plugins.core.comm.compression import Compressor, CountingCompressor
 from hvd_plugins.core.comm.counters import CommCounters, Scope
-from hvd_plugins.core.comm.hierarchical import hierarchical_allreduce_
 from hvd_plugins.core.comm.parameters import optimizer_parameters
-from hvd_plugins.core.comm.route_tuning import FLAT, RouteTuner
-from hvd_plugins.core.comm.topology import NodeGroups, Topology
-from hvd_plugins.core.comm.wire import horovod_op, nbytes
-
-log = logging.getLogger(__name__)
+from hvd_plugins.core.comm.topology import Topology
+from hvd_plugins.core.comm.wire import horovod_op
 
 
 class TrainingLoopHooks:
@@ -192,98 +184,6 @@ class AdasumOptimizerSync(HorovodOptimizerSync):
                 "op='adasum' cannot clip gradients (gradient_clip_val is set): Horovod's Adasum optimizer has "
                 "stepped by the time Lightning clips. Drop gradient_clip_val, or use op='average'."
             )
-
-
-class HierarchicalGradientSync(GradientSync):
-    """Two-level allreduce of bucketed gradients after backward (see ``comm.hierarchical``).
-
-    Buckets under ``flat_below_bytes`` take one flat allreduce instead of the three legs. With
-    ``tune_route`` the larger ones try both routes on the first steps and keep the faster
-    (``comm.route_tuning``); the choice is printed once by rank 0 and kept in ``route_tuner``.
-    """
-
-    def __init__(
-        self,
-        groups: NodeGroups,
-        compressor: Compressor,
-        op: str,
-        counters: CommCounters,
-        compress_node_local: bool = False,
-        bucket_bytes: int = 32 * 2**20,
-        flat_below_bytes: int = 0,
-        tune_route: bool = False,
-    ) -> None:
-        if op not in ("average", "sum"):
-            raise ValueError(f"op={op!r} is not supported with sync='hierarchical'; choose 'average' or 'sum'")
-        self.tune_route = tune_route
-        self.route_tuner: RouteTuner | None = None
-        self.groups = groups
-        self.topology = groups.topology
-        self.compressor = compressor
-        self.average = op == "average"
-        self.counters = counters
-        self.compress_node_local = compress_node_local
-        self.bucket_bytes = bucket_bytes
-        self.flat_below_bytes = flat_below_bytes
-        self._names: dict[int, str] = {}  # by optimizer, in wrap order: equal on every rank
-
-    def wrap(self, optimizer: Optimizer, named_parameters: list[tuple[str, torch.nn.Parameter]]) -> Optimizer:
-        self._names[id(optimizer)] = f"grad.opt{len(self._names)}"
-        return optimizer
-
-    def synchronize(self, optimizer: Optimizer) -> None:
-        grads = gradients_of(optimizer)
-        buckets = bucket_tensors(grads, self.bucket_bytes)
-        flats = [flatten(bucket) for bucket in buckets]
-        tuner = self._tuner_for(flats)
-        began = time.perf_counter()
-        hierarchical_allreduce_(
-            flats,
-            self.groups,
-            average=self.average,
-            compression=self.compressor,
-            compress_node_local=self.compress_node_local,
-            counters=self.counters,
-            name=self._names[id(optimizer)],
-            flat_below_bytes=sys.maxsize if tuner is not None and tuner.route == FLAT else self.flat_below_bytes,
-        )
-        if tuner is not None and tuner.choice is None:
-            tuner.record(time.perf_counter() - began)
-            if tuner.choice is not None and self.groups.topology.rank == 0:
-                kept = "the flat allreduce" if tuner.choice == FLAT else "the two-level legs"
-                log.info(
-                    f"sync='hierarchical': gradient sync took {tuner.measured()}; large buckets now "
-                    f"take {kept}. Pass flat_below_mb=<MiB> to fix the route instead."
-                )
-        for flat, bucket in zip(flats, buckets, strict=True):
-            unflatten_into(flat, bucket)
-
-    def state_dict(self) -> dict[str, Any]:
-        """The measured route, once chosen: a resumed run keeps it instead of timing again."""
-        tuner = self.route_tuner
-        return {"route": tuner.state_dict()} if tuner is not None and tuner.choice is not None else {}
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        if state.get("route") is not None:
-            self.route_tuner = RouteTuner.restored(state["route"])
-
-    def teardown(self, optimizers: Sequence[Optimizer]) -> None:
-        self._names.clear()
-
-    def _tuner_for(self, flats: Sequence[torch.Tensor]) -> RouteTuner | None:
-        """The tuner when there is a choice to make: two-level legs exist and some bucket would take them.
-
-        Bucket sizes and the layout are equal on every worker, so every worker decides alike.
-        """
-        groups = self.groups
-        if not self.tune_route or groups.local is None or groups.cross is None:
-            return None
-        if not any(nbytes(flat) >= self.flat_below_bytes for flat in flats):
-            return None
-        if self.route_tuner is None:
-            hvd = horovod_torch()
-            self.route_tuner = RouteTuner(lambda t: hvd.allreduce(t, op=hvd.Average, name="hvd_plugins.route"))
-        return self.route_tuner
 
 
 def gradients_of(optimizer: Optimizer) -> Sequence[torch.Tensor]:

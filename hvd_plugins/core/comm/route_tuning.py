@@ -1,11 +1,12 @@
-"""Pick the two-level or the flat route for large gradient buckets by timing both on the first steps.
+"""Pick the two-level or the flat route for gradients by timing training steps on both, on the first steps.
 
 Which route is faster depends on the link between nodes, not on the model: on a slow link the
 two-level allreduce sends half the cross-node bytes of a flat one (2 workers per node) and wins;
 on a fast link its three collective rounds lose to flat's one (docs/measurements.rst). Nobody
-should have to know which case they are in, so
-``sync="hierarchical"`` times both and keeps the faster. Both routes produce the same sums (up to
-float rounding), so the trial steps train as usual.
+should have to know which case they are in, so ``sync="hierarchical"`` times both and keeps the
+faster. The flat route is Horovod's own: per-gradient allreduces started by backward hooks, which
+overlap backward, so whole steps are timed (from one sync's end to the next), not the sync alone.
+Both routes produce the same sums (up to float rounding), so the trial steps train as usual.
 """
 
 from __future__ import annotations
@@ -18,7 +19,9 @@ import torch
 
 TWO_LEVEL, FLAT = "two_level", "flat"
 TRIAL_STEPS_PER_ROUTE = 5
-"""Timed steps per route before choosing, after one untimed step (Horovod sizes its buffers then)."""
+"""Most timed steps per route before choosing, after one untimed step of each (Horovod sizes its buffers then)."""
+MIN_TRIAL_STEPS_PER_ROUTE = 2
+"""Fewest timed steps per route: enough when every worker saw every step of one route beat every step of the other."""
 
 Agree = Callable[[torch.Tensor], torch.Tensor]
 """Averages a small float64 tensor over every worker (``hvd.allreduce``), so all choose alike."""
@@ -28,8 +31,11 @@ class RouteTuner:
     """Alternates two routes for the first steps, then keeps the one with the lower step time.
 
     Every worker times its own steps; the choice compares the mean over workers of each route's
-    median, agreed in one small allreduce, so every worker keeps the same route. Every worker
-    must call ``record`` once per sync, as the sync itself is collective. ``routes[1]`` wins ties.
+    median, agreed in one small allreduce, so every worker keeps the same route. The trials stop
+    early, after ``MIN_TRIAL_STEPS_PER_ROUTE`` each, once every worker's samples of one route all
+    beat those of the other. Every worker must call ``record`` once per sync, as the agreement is
+    collective; a step that could not be timed (``None``) is run again on the same route.
+    ``routes[1]`` wins ties.
     """
 
     def __init__(
@@ -39,7 +45,8 @@ class RouteTuner:
             raise ValueError(f"trials_per_route={trials_per_route!r} must be >= 1")
         self._agree = agree
         self.routes = routes
-        self._plan = [routes[0]] + [routes[0], routes[1]] * trials_per_route
+        self._plan = [*routes] + [*routes] * trials_per_route
+        self._min_trials = min(MIN_TRIAL_STEPS_PER_ROUTE, trials_per_route)
         self._step = 0
         self.seconds: dict[str, list[float]] = {route: [] for route in routes}
         self.choice: str | None = None
@@ -51,18 +58,29 @@ class RouteTuner:
         """The route of the next sync."""
         return self.choice or self._plan[self._step]
 
-    def record(self, seconds: float) -> None:
-        """Time of the sync that just ran on ``route``; after the last trial, choose."""
+    def record(self, seconds: float | None) -> None:
+        """Time of the step that just ran on ``route`` (``None``: not timed); after enough trials, choose."""
         if self.choice is not None:
             return
-        if self._step > 0:
+        warm_up = self._step < len(self.routes)
+        if not warm_up:
+            if seconds is None:
+                return
             self.seconds[self._plan[self._step]].append(seconds)
         self._step += 1
-        if self._step == len(self._plan):
-            medians = [statistics.median(self.seconds[route]) for route in self.routes]
-            agreed = [float(v) for v in self._agree(torch.tensor(medians, dtype=torch.float64))]
-            self.agreed_seconds = dict(zip(self.routes, agreed, strict=True))
-            self.choice = self.routes[1] if agreed[1] <= agreed[0] else self.routes[0]
+        first, second = (self.seconds[route] for route in self.routes)
+        if not warm_up and len(first) == len(second) >= self._min_trials:
+            self._choose_if_clear(last=self._step == len(self._plan))
+
+    def _choose_if_clear(self, last: bool) -> None:
+        first, second = (self.seconds[route] for route in self.routes)
+        medians = [statistics.median(first), statistics.median(second)]
+        summary = [*medians, max(first) < min(second), max(second) < min(first)]
+        agreed = [float(v) for v in self._agree(torch.tensor(summary, dtype=torch.float64))]
+        if not (last or agreed[2] == 1.0 or agreed[3] == 1.0):
+            return
+        self.agreed_seconds = dict(zip(self.routes, agreed[:2], strict=True))
+        self.choice = self.routes[1] if agreed[1] <= agreed[0] else self.routes[0]
 
     def state_dict(self) -> dict[str, Any]:
         """The choice, for checkpoints: a resumed run keeps the route instead of timing both again."""
