@@ -11,7 +11,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import slurm_jobs  # noqa: E402
-from hvd_launch import LIGHTNING_PACKAGES, horovodrun_path, run_job  # noqa: E402
+from hvd_launch import LIGHTNING_PACKAGES, TWO_NODES, horovodrun_path, run_job, run_on_mpi_nodes  # noqa: E402
 
 from hvd_plugins.testing.launch import mpi_launch_problem  # noqa: E402
 from hvd_plugins.testing.netns_cluster import ClusterUnavailable, NamespaceCluster  # noqa: E402
@@ -65,6 +65,43 @@ def two_worker_reports(
         assert sorted(job.results) == [0, 1], job.output[-3000:]
         _two_worker_reports[key] = job.results
     return _two_worker_reports[key]
+
+
+_two_node_reports: dict[str, dict[int, dict]] = {}
+
+
+def two_node_reports(
+    launch: str, tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
+) -> dict[int, dict]:
+    """Every rank's report of the one job on two nodes of two workers (tests/workers/hierarchical_checks.py),
+    launched by ``launch``: "gloo" (horovodrun on two emulated nodes) or "mpi" (mpirun on two network
+    namespaces); run once per launch.
+
+    The two-level allreduce checks, the node-aware strategy checks and DASO's two-by-two checks
+    (under the key "daso_two_by_two") share it: four workers take long to start on a small host.
+    """
+    if launch not in _two_node_reports:
+        out = tmp_path_factory.mktemp(f"two_nodes_{launch}")
+        case = ("--case", ",".join(TWO_NODE_CHECKS))
+        if launch == "mpi":
+            job = run_on_mpi_nodes(
+                request.getfixturevalue("mpi_nodes"), "hierarchical_checks.py", *case, out_dir=out, timeout=900
+            )
+        else:
+            job = run_job("hierarchical_checks.py", *case, np=4, hosts=TWO_NODES, out_dir=out, timeout=900)
+        job.check()
+        assert sorted(job.results) == [0, 1, 2, 3], job.output[-3000:]
+        job.results[0]["route_lines"] = [line for line in job.output.splitlines() if "training steps took" in line]
+        _two_node_reports[launch] = job.results
+    return _two_node_reports[launch]
+
+
+TWO_NODE_CHECKS = (
+    *("fp64_integers", "fp64_random", "fp32_random", "fp32_fp16_wire", "fp32_mixed", "fp64_two_round_groups"),
+    *("topology", "startup", "strategy_modes", "compress_node_local", "route_tuning", "after_training"),
+    "daso_two_by_two",
+)
+"""The checks of the two-node job, in the order they run."""
 
 
 @pytest.fixture(scope="session", params=TWO_WORKER_VARIANTS, ids=lambda variant: "-".join(variant))

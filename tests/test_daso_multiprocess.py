@@ -7,36 +7,31 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from hvd_launch import LIGHTNING_PACKAGES, TWO_NODES, JobResult, run_job, run_on_mpi_nodes
+from conftest import two_node_reports
+from hvd_launch import LIGHTNING_PACKAGES, run_job
 
 pytestmark = pytest.mark.multiprocess
 
 TWO_BY_ONE = "localhost:1,127.0.0.1:1"
 
 
-def check(job: JobResult, name: str, rank: int) -> Any:
+def check(reports: dict[int, dict], name: str, rank: int) -> Any:
     """The value of check ``name`` on ``rank``; fails with that check's error only."""
-    result = job.results[rank]["checks"][name]
+    result = reports[rank]["checks"][name]
     assert result["ok"], result["error"] + "\n" + result["trace"]
     return result["value"]
 
 
 @pytest.fixture(scope="module", params=["gloo", "mpi"])
-def two_by_two(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> JobResult:
-    """DASO's checks on two nodes of two workers: horovodrun --gloo on emulated nodes, and mpirun on MPI nodes."""
-    out: Path = tmp_path_factory.mktemp("daso_two_by_two")
-    case = ("--case", "two_by_two")
-    if request.param == "mpi":
-        job = run_on_mpi_nodes(request.getfixturevalue("mpi_nodes"), "daso_checks.py", *case, out_dir=out, timeout=900)
-    else:
-        job = run_job("daso_checks.py", *case, np=4, hosts=TWO_NODES, out_dir=out, timeout=900)
-    job.check()
-    assert sorted(job.results) == [0, 1, 2, 3]
-    return job
+def two_by_two(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict]:
+    """DASO's checks on two nodes of two workers (horovodrun --gloo on emulated nodes, mpirun on MPI nodes),
+    run at the end of the shared two-node job (tests/conftest.py)."""
+    reports = two_node_reports(request.param, tmp_path_factory, request)
+    return {rank: report["daso_two_by_two"] for rank, report in reports.items()}
 
 
 @pytest.fixture(scope="module", params=LIGHTNING_PACKAGES)
-def two_by_one(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> JobResult:
+def two_by_one(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict]:
     """DASO's checks on two nodes of one worker (resume included), with each Lightning package."""
     out: Path = tmp_path_factory.mktemp("daso_two_by_one")
     job = run_job(
@@ -50,7 +45,7 @@ def two_by_one(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPath
         lightning=request.param,
     ).check()
     assert sorted(job.results) == [0, 1]
-    return job
+    return job.results
 
 
 def assert_consistent(daso: dict[str, Any], cycling_steps: bool = True) -> None:
@@ -78,13 +73,13 @@ def assert_one_global_round_per_synchronous_step(daso: dict[str, Any], rounds: i
 
 # ---------------------------------------------------------------------------------------------- 2 x 2
 def test_two_by_two_synchronous_steps_and_epoch_ends_identical_and_nodes_drift_while_cycling(
-    two_by_two: JobResult,
+    two_by_two: dict[int, dict],
 ) -> None:
     for rank in range(4):
         assert_consistent(check(two_by_two, "daso_adam_fp16", rank))
 
 
-def test_two_by_two_warmup_is_one_global_fp16_round_per_step(two_by_two: JobResult) -> None:
+def test_two_by_two_warmup_is_one_global_fp16_round_per_step(two_by_two: dict[int, dict]) -> None:
     for rank in range(4):
         daso = check(two_by_two, "daso_adam_fp16", rank)
         assert_one_global_round_per_synchronous_step(daso)
@@ -100,7 +95,7 @@ def test_two_by_two_warmup_is_one_global_fp16_round_per_step(two_by_two: JobResu
         assert daso["blocking_syncs_after_epoch"] == [0, 1, 2, 3, 3]  # one closing sync per cycling epoch
 
 
-def test_schedule_is_fed_the_all_rank_loss_and_logged(two_by_two: JobResult) -> None:
+def test_schedule_is_fed_the_all_rank_loss_and_logged(two_by_two: dict[int, dict]) -> None:
     histories = [check(two_by_two, "daso_adam_fp16", rank)["history"] for rank in range(4)]
     assert all(history == histories[0] for history in histories)  # same loss, same decisions everywhere
     phases = [epoch["phase"] for epoch in histories[0]]
@@ -112,14 +107,14 @@ def test_schedule_is_fed_the_all_rank_loss_and_logged(two_by_two: JobResult) -> 
     assert logged["daso/epoch_loss"] == pytest.approx(histories[0][-1]["loss"])
 
 
-def test_daso_reaches_the_loss_of_flat_allreduce(two_by_two: JobResult) -> None:
+def test_daso_reaches_the_loss_of_flat_allreduce(two_by_two: dict[int, dict]) -> None:
     daso_run = check(two_by_two, "daso_adam_fp16", 0)
     daso, flat = daso_run["final_loss"], check(two_by_two, "allreduce_adam", 0)["final_loss"]
     assert daso < 0.8 * daso_run["history"][0]["loss"]  # it learned
     assert daso == pytest.approx(flat, rel=0.10)
 
 
-def test_cycling_epoch_sends_at_most_one_global_skip_share_and_fp16_halves_it(two_by_two: JobResult) -> None:
+def test_cycling_epoch_sends_at_most_one_global_skip_share_and_fp16_halves_it(two_by_two: dict[int, dict]) -> None:
     for rank in range(4):
         cycling = 1  # warmup_epochs=1, so the second epoch cycles with global_skips=4
         fp16 = check(two_by_two, "daso_sgd_fp16", rank)["bytes_per_epoch"][cycling]["cross_node_bytes"]
@@ -131,7 +126,7 @@ def test_cycling_epoch_sends_at_most_one_global_skip_share_and_fp16_halves_it(tw
         assert fp16 == fp32 / 2  # SGD without momentum: only parameters cross the nodes
 
 
-def assert_merge_weight_exact(job: JobResult, ranks: int) -> None:
+def assert_merge_weight_exact(job: dict[int, dict], ranks: int) -> None:
     """The non-blocking merge equals ``(2B * p_local + S) / (2B + N)`` for B = 1 and 2 (see check_merge_weight)."""
     for rank in range(ranks):
         result = check(job, "merge_weight", rank)
@@ -149,16 +144,16 @@ def assert_merge_weight_exact(job: JobResult, ranks: int) -> None:
         assert cases[1]["error_if_weight_b_plus_1"] > 0.05
 
 
-def test_merge_weight_is_exact_on_two_nodes_of_two(two_by_two: JobResult) -> None:
+def test_merge_weight_is_exact_on_two_nodes_of_two(two_by_two: dict[int, dict]) -> None:
     assert_merge_weight_exact(two_by_two, ranks=4)
 
 
 # ---------------------------------------------------------------------------------------------- 2 x 1
-def test_merge_weight_is_exact_with_one_worker_per_node(two_by_one: JobResult) -> None:
+def test_merge_weight_is_exact_with_one_worker_per_node(two_by_one: dict[int, dict]) -> None:
     assert_merge_weight_exact(two_by_one, ranks=2)
 
 
-def test_one_worker_per_node_with_a_layer_one_node_never_uses_and_accumulation(two_by_one: JobResult) -> None:
+def test_one_worker_per_node_with_a_layer_one_node_never_uses_and_accumulation(two_by_one: dict[int, dict]) -> None:
     """Zero-filled gradients give node 1 Adam state for node 0's layer, so the blocking syncs match."""
     for rank in range(2):
         daso = check(two_by_one, "daso", rank)
@@ -168,14 +163,14 @@ def test_one_worker_per_node_with_a_layer_one_node_never_uses_and_accumulation(t
         assert [calls[0] for calls in warmup[:4]] == [0, 1, 0, 1]  # two micro-batches, one average
 
 
-def test_two_optimizers_each_average_once_per_step(two_by_one: JobResult) -> None:
+def test_two_optimizers_each_average_once_per_step(two_by_one: dict[int, dict]) -> None:
     for rank in range(2):
         daso = check(two_by_one, "two_optimizers", rank)
         assert_consistent(daso)
         assert_one_global_round_per_synchronous_step(daso, rounds=2)
 
 
-def test_parameters_unfrozen_between_epochs_join_the_cross_node_sync(two_by_one: JobResult) -> None:
+def test_parameters_unfrozen_between_epochs_join_the_cross_node_sync(two_by_one: dict[int, dict]) -> None:
     for rank in range(2):
         daso = check(two_by_one, "unfreeze", rank)
         assert_consistent(daso)  # the unfrozen layer trains while cycling, and still ends every epoch equal
@@ -184,14 +179,14 @@ def test_parameters_unfrozen_between_epochs_join_the_cross_node_sync(two_by_one:
         assert daso["history"][2]["phase"] == "cycling"
 
 
-def test_iterable_dataset_without_length_is_refused_on_every_rank(two_by_one: JobResult) -> None:
+def test_iterable_dataset_without_length_is_refused_on_every_rank(two_by_one: dict[int, dict]) -> None:
     for rank in range(2):
         error = check(two_by_one, "iterable_without_length", rank)
         assert "sync='daso' needs to know how many training batches" in error
         assert "(Stream)" in error and "__len__" in error and "limit_train_batches" in error
 
 
-def test_resume_mid_cycling_continues_like_an_uninterrupted_run(two_by_one: JobResult) -> None:
+def test_resume_mid_cycling_continues_like_an_uninterrupted_run(two_by_one: dict[int, dict]) -> None:
     for rank in range(2):
         resume = check(two_by_one, "resume", rank)
         whole, interrupted = resume["whole_history"], resume["interrupted_history"]

@@ -6,7 +6,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from hvd_launch import LIGHTNING_PACKAGES, TWO_NODES, run_job, run_on_mpi_nodes, run_single
+from conftest import two_node_reports
+from hvd_launch import run_job, run_single
 
 pytestmark = pytest.mark.multiprocess
 
@@ -194,48 +195,16 @@ def test_accumulation_change_inside_an_epoch_is_refused_clearly(features: dict[i
         assert "accumulate_grad_batches changed to 3 in the middle of epoch 0 (was 1)" in result["error"]
 
 
-COMM_CHECKS = ("fp64_integers", "fp64_random", "fp32_random", "fp32_fp16_wire", "fp32_mixed", "fp64_two_round_groups")
-"""Checks of tests/workers/hierarchical_checks.py that use no Lightning: run once, not per Lightning package."""
-STRATEGY_CHECKS = ("topology", "startup", "strategy_modes", "compress_node_local", "route_tuning", "after_training")
-_two_nodes_jobs: dict[tuple[str, str], dict[int, dict]] = {}
-TWO_NODE_LAUNCHES = [(package, "gloo") for package in LIGHTNING_PACKAGES] + [("lightning.pytorch", "mpi")]
-"""horovodrun --gloo on two emulated nodes (host names localhost and 127.0.0.1), with each Lightning package;
-and mpirun on two MPI nodes (network namespaces)."""
-
-
-def _two_nodes_job(
-    lightning: str, tmp_path_factory: pytest.TempPathFactory, launch: str = "gloo", request: Any = None
-) -> dict[int, dict]:
-    """hierarchical_checks.py on two nodes of two workers, as written for ``lightning``, launched by ``launch``."""
-    if (lightning, launch) not in _two_nodes_jobs:
-        out = tmp_path_factory.mktemp("two_nodes")
-        checks = COMM_CHECKS + STRATEGY_CHECKS if lightning == "lightning.pytorch" else STRATEGY_CHECKS
-        case = ("--case", ",".join(checks))
-        if launch == "mpi":
-            cluster = request.getfixturevalue("mpi_nodes")
-            job = run_on_mpi_nodes(cluster, "hierarchical_checks.py", *case, out_dir=out, timeout=900)
-        else:
-            job = run_job(
-                "hierarchical_checks.py", *case, np=4, hosts=TWO_NODES, out_dir=out, timeout=900, lightning=lightning
-            )
-        job.check()
-        assert sorted(job.results) == [0, 1, 2, 3], job.output[-3000:]
-        job.results[0]["route_lines"] = [line for line in job.output.splitlines() if "training steps took" in line]
-        _two_nodes_jobs[(lightning, launch)] = job.results
-    return _two_nodes_jobs[(lightning, launch)]
-
-
-@pytest.fixture(scope="module", params=TWO_NODE_LAUNCHES, ids=lambda launch: "-".join(launch))
+@pytest.fixture(scope="module", params=["gloo", "mpi"], ids=["lightning.pytorch-gloo", "lightning.pytorch-mpi"])
 def two_nodes(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict]:
-    """The strategy-level hierarchical checks on two nodes of two workers, with each Lightning package and MPI."""
-    lightning, launch = request.param
-    return _two_nodes_job(lightning, tmp_path_factory, launch, request)
+    """The strategy-level hierarchical checks on two nodes of two workers, under horovodrun --gloo and mpirun."""
+    return two_node_reports(request.param, tmp_path_factory, request)
 
 
 @pytest.fixture(scope="module", params=["gloo", "mpi"])
 def two_nodes_comm(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict]:
     """The same job's checks of the two-level allreduce itself (no Lightning involved)."""
-    return _two_nodes_job("lightning.pytorch", tmp_path_factory, request.param, request)
+    return two_node_reports(request.param, tmp_path_factory, request)
 
 
 def test_two_emulated_nodes_have_the_expected_topology(two_nodes: dict[int, dict]) -> None:

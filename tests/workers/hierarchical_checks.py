@@ -1,6 +1,8 @@
 """Two-level allreduce and the node-aware strategy modes, on whatever topology horovodrun gives.
 
 Run under ``-np 4 -H localhost:2,127.0.0.1:2`` (two emulated nodes) and ``-np 2`` (one node).
+``--case ...,daso_two_by_two`` runs DASO's checks of two nodes of two workers (daso_checks.py) afterwards,
+in the same launch.
 The script starts Horovod itself with a plain ``hvd.init()``, as Horovod's docs do; the
 node-aware syncs must keep that start (no restart, no process set beyond the global one).
 """
@@ -256,4 +258,8 @@ if __name__ == "__main__":
     }
     selected = ARGS.case.split(",") if ARGS.case else list(checks)
     report = run_checks({name: checks[name] for name in checks if name in selected})
+    if "daso_two_by_two" in selected:  # DASO's checks of this topology share the launch (workers start slowly)
+        from daso_checks import two_by_two_checks
+
+        report["daso_two_by_two"] = {"checks": run_checks(two_by_two_checks()), "cross_rank": hvd.cross_rank()}
     write_result(OUT, hvd.rank(), report)
