@@ -59,8 +59,9 @@ def two_worker_reports(
     key = (lightning, controller)
     if key not in _two_worker_reports:
         out = tmp_path_factory.mktemp(f"two_worker_checks_{lightning.replace('.', '_')}_{controller}")
+        adasum = ("--adasum",) if controller == "mpi" else ()  # Adasum needs MPI; its checks share this launch
         job = run_job(
-            "strategy_features.py", np=2, out_dir=out, timeout=900, lightning=lightning, controller=controller
+            "strategy_features.py", *adasum, np=2, out_dir=out, timeout=900, lightning=lightning, controller=controller
         ).check()
         assert sorted(job.results) == [0, 1], job.output[-3000:]
         _two_worker_reports[key] = job.results
@@ -82,7 +83,7 @@ def two_node_reports(
     """
     if launch not in _two_node_reports:
         out = tmp_path_factory.mktemp(f"two_nodes_{launch}")
-        case = ("--case", ",".join(TWO_NODE_CHECKS))
+        case = ("--case", ",".join(TWO_NODE_CHECKS + (("adasum",) if launch == "mpi" else ())))
         if launch == "mpi":
             job = run_on_mpi_nodes(
                 request.getfixturevalue("mpi_nodes"), "hierarchical_checks.py", *case, out_dir=out, timeout=900
@@ -101,7 +102,7 @@ TWO_NODE_CHECKS = (
     *("topology", "startup", "strategy_modes", "compress_node_local", "route_tuning", "after_training"),
     "daso_two_by_two",
 )
-"""The checks of the two-node job, in the order they run."""
+"""The checks of the two-node job, in the order they run; the MPI launch adds Adasum's ("adasum")."""
 
 
 @pytest.fixture(scope="session", params=TWO_WORKER_VARIANTS, ids=lambda variant: "-".join(variant))

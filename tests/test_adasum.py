@@ -1,16 +1,16 @@
 """op="adasum" under the MPI controller: the reduction is Adasum's, training works, impossible settings are refused.
 
-Adasum needs Horovod's MPI controller, so these jobs run under ``horovodrun --mpi`` and are skipped,
-with the reason, where OpenMPI or an MPI build of Horovod is missing.
+Adasum needs Horovod's MPI controller, so these checks run inside the suite's MPI jobs (two workers under
+``horovodrun --mpi``, and two MPI nodes of two workers under mpirun) and are skipped, with the reason,
+where OpenMPI or an MPI build of Horovod is missing.
 """
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import pytest
-from hvd_launch import run_job
+from conftest import two_node_reports, two_worker_reports
 
 from hvd_plugins.testing.launch import mpi_launch_problem
 
@@ -19,13 +19,17 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.mpi]
 
 @pytest.fixture(scope="module", params=[2, 4], ids=["2_workers", "4_workers"])
 def adasum(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict]:
+    """Every rank's Adasum report, from the MPI jobs that run these checks with their own (tests/conftest.py):
+    two workers on one node, and two MPI nodes of two workers."""
     problem = mpi_launch_problem()
     if problem is not None:
         pytest.skip(f"op='adasum' needs horovodrun --mpi: {problem}")
-    out: Path = tmp_path_factory.mktemp(f"adasum_{request.param}")
-    job = run_job("adasum_checks.py", np=request.param, out_dir=out, timeout=420, controller="mpi").check()
-    assert sorted(job.results) == list(range(request.param)), job.output[-3000:]
-    return job.results
+    if request.param == 2:
+        reports = two_worker_reports("lightning.pytorch", tmp_path_factory, controller="mpi")
+    else:
+        reports = two_node_reports("mpi", tmp_path_factory, request)
+    assert sorted(reports) == list(range(request.param))
+    return {rank: value(report, "adasum") for rank, report in reports.items()}
 
 
 def value(report: dict[str, Any], check: str) -> Any:

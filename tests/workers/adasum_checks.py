@@ -1,7 +1,9 @@
 """Adasum under ``horovodrun --mpi``: Horovod's reduction against Adasum's definition, and training with it.
 
 Adasum of two vectors a, b: (1 - a.b / 2|a|^2) a + (1 - a.b / 2|b|^2) b, applied recursively to pairs
-of workers (0+1, 2+3, then the two results). Every rank runs every check and writes its report.
+of workers (0+1, 2+3, then the two results). Every rank runs every check and writes its report. The
+suite runs ``adasum_report`` inside its MPI jobs of two workers (strategy_features.py) and of two nodes
+of two workers (hierarchical_checks.py) rather than launching this script.
 """
 
 from __future__ import annotations
@@ -106,14 +108,17 @@ def refused(**kwargs: Any) -> str | None:
     return None
 
 
+def adasum_report() -> dict[str, Any]:
+    """Every check's report, and how Horovod runs; a job of other checks runs it as one more check."""
+    checks = {
+        "definition": check_definition,
+        "training": check_training,
+        "accumulation_refused": lambda: refused(accumulate_grad_batches=2),
+        "clipping_refused": lambda: refused(gradient_clip_val=1.0),
+    }
+    return {**run_checks(checks), "mpi_enabled": bool(hvd.mpi_enabled()), "size": hvd.size()}
+
+
 if __name__ == "__main__":
     hvd.init()
-    report = run_checks(
-        {
-            "definition": check_definition,
-            "training": check_training,
-            "accumulation_refused": lambda: refused(accumulate_grad_batches=2),
-            "clipping_refused": lambda: refused(gradient_clip_val=1.0),
-        }
-    )
-    write_result(OUT, hvd.rank(), {**report, "mpi_enabled": bool(hvd.mpi_enabled()), "size": hvd.size()})
+    write_result(OUT, hvd.rank(), adasum_report())

@@ -2,7 +2,7 @@
 
 Run under ``-np 4 -H localhost:2,127.0.0.1:2`` (two emulated nodes) and ``-np 2`` (one node).
 ``--case ...,daso_two_by_two`` runs DASO's checks of two nodes of two workers (daso_checks.py) afterwards,
-in the same launch.
+in the same launch, and ``adasum`` (MPI only) Adasum's checks (adasum_checks.py) last.
 The script starts Horovod itself with a plain ``hvd.init()``, as Horovod's docs do; the
 node-aware syncs must keep that start (no restart, no process set beyond the global one).
 """
@@ -262,4 +262,8 @@ if __name__ == "__main__":
         from daso_checks import two_by_two_checks
 
         report["daso_two_by_two"] = {"checks": run_checks(two_by_two_checks()), "cross_rank": hvd.cross_rank()}
+    if "adasum" in selected:  # Adasum's checks on four workers (MPI only), last
+        from adasum_checks import adasum_report
+
+        report["adasum"] = {"ok": True, "value": adasum_report()}
     write_result(OUT, hvd.rank(), report)

@@ -3,6 +3,7 @@
 The one job of two workers on one node that the checks of tests/test_strategy_multiprocess.py and
 tests/test_faults.py share (``faults_checks.CHECKS`` run here too), under ``horovodrun -np 2``.
 Every rank runs every check in the same order and writes its report to ``--out/rank<r>.json``.
+With ``--adasum`` (under the MPI controller) Adasum's checks (adasum_checks.py) run in it too.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +20,7 @@ import lightning.pytorch as pl
 import torch
 import torchmetrics
 from _common import parse_out, run_checks, write_result
+from adasum_checks import adasum_report
 from faults_checks import CHECKS as FAULT_CHECKS
 from lightning.pytorch.callbacks import Callback, GradientAccumulationScheduler, ModelCheckpoint
 from torch import nn
@@ -658,6 +661,7 @@ if __name__ == "__main__":
         "float16_sum": check_float16_sum,
         "reduce_ops": check_reduce_ops,
         **FAULT_CHECKS,
+        **({"adasum": adasum_report} if "--adasum" in sys.argv else {}),  # needs the MPI controller
         # Last, and bounded: if it hangs, the checks above are still reported and only this one fails.
         "uneven_sync_batchnorm": check_uneven_sync_batchnorm,
     }
