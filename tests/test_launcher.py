@@ -12,7 +12,7 @@ import torch
 from conftest import skip_without_mpi
 from hvd_launch import LIGHTNING_PACKAGES, run_job, run_mpirun, run_single
 from lightning.pytorch import Trainer
-from test_readme import SNIPPETS
+from test_docs import snippet_marked
 
 from hvd_plugins import HorovodEnvironment, HorovodStrategy
 from hvd_plugins.core.backend.runner import local_launch_size
@@ -139,8 +139,8 @@ def test_killing_rank_0_takes_its_workers_with_it(tmp_path: Path) -> None:
 
 
 @pytest.mark.multiprocess
-def test_the_readme_script_runs_two_workers_with_plain_python(tmp_path: Path) -> None:
-    (snippet,) = [s for s in SNIPPETS if s.first_line.startswith("# needs its own script")]
+def test_the_documented_script_runs_two_workers_with_plain_python(tmp_path: Path) -> None:
+    snippet = snippet_marked("# needs its own script")  # docs/strategy.rst, "Without horovodrun"
     script = tmp_path / "train.py"
     script.write_text(snippet.source)
     job = run_bounded([sys.executable, str(script)], 300, cwd=tmp_path, drop_launcher_env=True)

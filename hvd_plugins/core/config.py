@@ -40,7 +40,7 @@ A two-level allreduce takes three collective rounds where a flat one takes one; 
 the rounds, not the bytes, decide. What the two extra rounds buy is cross-node bytes: each worker
 sends a share of a bucket across instead of all of it. Where that pays depends on the link, which
 is why the default, ``flat_below_mb="auto"``, times both routes for the larger buckets
-(``comm.route_tuning``); the measurements behind this size are in the benchmarks documentation.
+(``comm.route_tuning``); the measurements behind this size are in docs/measurements.rst.
 """
 
 
@@ -55,9 +55,9 @@ class HorovodConfig:
     """What HorovodStrategy was asked to do; see HorovodStrategy for each argument's meaning."""
 
     compression: CompressionName = "none"
-    """Name of the gradient wire format: ``"none"`` or ``"fp16"``."""
+    """Name of the gradient wire format, ``"none"`` or ``"fp16"``."""
     op: GradientOp = "average"
-    """How gradients combine across workers: ``"average"``, ``"sum"`` or ``"adasum"``."""
+    """How gradients combine across workers, ``"average"``, ``"sum"`` or ``"adasum"``."""
     gradient_predivide_factor: float = 1.0
     """Divide gradients by this before the sum and by ``size / factor`` after (average only)."""
     scale_lr: bool = False
@@ -65,7 +65,7 @@ class HorovodConfig:
     sync: SyncMode = "allreduce"
     """One of SYNC_MODES."""
     hierarchical_impl: HierarchicalImpl = "portable"
-    """``"portable"`` (every build) or ``"native"`` (Horovod's own: MPI controller + NCCL)."""
+    """``"portable"`` (every build) or ``"native"`` (Horovod's own, with the MPI controller and NCCL)."""
     compress_node_local: bool = False
     """With ``sync="hierarchical"``, compress the node-local legs as well as the cross-node one."""
     daso: DasoConfig | None = None
@@ -82,9 +82,9 @@ class HorovodConfig:
     check_finite_gradients: bool = False
     """Stop every rank at the first step whose gradients hold NaN/Inf."""
     auto_requeue: bool = True
-    """Inside a Slurm job: at SIGUSR1 (``--signal=USR1@T``) or SIGTERM, save ``hpc_ckpt_<n>.ckpt``, requeue, stop."""
+    """Inside a Slurm job, at SIGUSR1 (``--signal=USR1@T``) or SIGTERM, save ``hpc_ckpt_<n>.ckpt``, requeue, stop."""
     cpu_threads: CpuThreads = "auto"
-    """torch's intra-op threads per worker: ``"auto"`` shares the host's cores among its workers unless
+    """torch's intra-op threads per worker. ``"auto"`` shares the host's cores among its workers unless
     ``OMP_NUM_THREADS`` is set, a number sets it, None leaves torch's default (see ``cpu_threads``)."""
 
     def __post_init__(self) -> None:

@@ -20,7 +20,7 @@ class DasoConfig:
     """Settings of the DASO schedule and its cross-node parameter sync."""
 
     warmup_epochs: int = 4
-    """Epochs at the start run as synchronous data parallelism: gradients averaged over all workers."""
+    """Epochs at the start run as synchronous data parallelism, gradients averaged over all workers."""
     cooldown_epochs: int = 4
     """Epochs at the end run as synchronous data parallelism, like warmup."""
     stability_level: float = 0.05
@@ -32,13 +32,14 @@ class DasoConfig:
     local_skip_factor: int = 4
     """batches_to_wait on a reset is max_global_skips // local_skip_factor."""
     stable_epochs: int = 2
-    """Patience of the plateau detector (heat's): the skips shrink on the ``stable_epochs + 1``-th
+    """Patience of the plateau detector (heat's). The skips shrink on the ``stable_epochs + 1``-th
     consecutive cycling epoch without improvement; 0 shrinks on every non-improving epoch."""
     sending_chunk_size: int = 10_000_000
     """Largest number of elements in one cross-node message."""
     downcast: Downcast = "fp16"
-    """Wire type of the cross-node parameters: 'fp16' (our default, see the module docstring), 'bf16'
-    (emulated in float32: bf16 rounding, fp32 bytes) or 'fp32'. The gradients of warmup and cooldown
+    """Wire type of the cross-node parameters, 'fp16' (the default here, half the bytes; the drift
+    since the last sync is what is sent, so its rounding stays small), 'bf16' (the reference's choice,
+    emulated in float32: bf16 rounding, fp32 bytes) or 'fp32'. The gradients of warmup and cooldown
     travel as fp16 with 'fp16' and as exact fp32 otherwise."""
     verbose: bool = False
     """Print schedule changes on rank 0."""

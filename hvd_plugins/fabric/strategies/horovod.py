@@ -88,7 +88,12 @@ class HorovodStrategy(HorovodStrategyShared, ParallelStrategy):
         flat_below_mb: with ``sync="hierarchical"``, buckets under this many MiB take one flat allreduce.
         stall_timeout_seconds: a worker waiting this long in a gradient allreduce or barrier ends the job.
         cpu_threads: torch's threads per worker; ``"auto"``: the host's cores shared among its workers.
+        accelerator: Lightning's; Fabric sets it from ``Fabric(accelerator=...)``.
+        parallel_devices: Lightning's; Fabric sets it from ``Fabric(devices=...)``.
+        checkpoint_io: how checkpoints are written; ``None``: ``AtomicCheckpointIO`` (temporary file, fsync, rename).
+        precision: Lightning's precision plugin; Fabric sets it from ``Fabric(precision=...)``.
 
+    ``sync="daso"`` raises ``ValueError``: DASO's schedule follows epochs, which only the Trainer knows.
     The same names mean the same as in the Trainer's ``HorovodStrategy`` (see ``HorovodConfig``).
     """
 

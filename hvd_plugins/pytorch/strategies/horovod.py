@@ -96,6 +96,10 @@ class HorovodStrategy(HorovodStrategyShared, ParallelStrategy):
         check_finite_gradients: stop every rank at the first NaN/Inf gradient (one small allreduce per step).
         auto_requeue: in a Slurm job, save, requeue and stop at SIGUSR1 or SIGTERM (``RequeueOnPreemption``).
         cpu_threads: torch's threads per worker; ``"auto"``: the host's cores shared among its workers.
+        accelerator: Lightning's; the Trainer sets it from ``Trainer(accelerator=...)``.
+        parallel_devices: Lightning's; the Trainer sets it from ``Trainer(devices=...)``.
+        checkpoint_io: how checkpoints are written; ``None``: ``AtomicCheckpointIO`` (temporary file, fsync, rename).
+        precision_plugin: Lightning's; the Trainer sets it from ``Trainer(precision=...)``.
 
     Synchronized BatchNorm: ``Trainer(sync_batchnorm=True)`` (or ``plugins=[HorovodSyncBatchNorm()]``).
 
@@ -156,12 +160,12 @@ class HorovodStrategy(HorovodStrategyShared, ParallelStrategy):
 
     @property
     def daso_sync(self) -> Any:
-        """With ``sync="daso"``: the running fit's DasoSync (its ``schedule`` has phase and history)."""
+        """The running fit's DasoSync with ``sync="daso"`` (its ``schedule`` has phase and history), else None."""
         return getattr(self.gradient_sync, "daso", None)
 
     @property
     def route_tuner(self) -> Any:
-        """With ``sync="hierarchical"``: the route its large buckets took and what was measured."""
+        """With ``sync="hierarchical"``, the route its large buckets took and what was measured; else None."""
         return getattr(self.gradient_sync, "route_tuner", None)
 
     # ------------------------------------------------------------------ ranks and devices

@@ -1,13 +1,13 @@
-"""Run README.rst's Python snippets in ONE plain python process, each as a fresh script would run.
+"""Run the Python snippets of README.rst and docs/*.rst in ONE plain python process, each as a fresh script would run.
 
-    python tests/workers/readme_snippets.py SNIPPETS.json --out DIR
+    python tests/workers/doc_snippets.py SNIPPETS.json --out DIR
 
-SNIPPETS.json is a list of ``{"source": str, "continues": bool}`` written by tests/test_readme.py.
-The process works in DIR (Lightning's logs, timeline files). Before a snippet that does not
-continue the one before it, Horovod is shut down and the environment restored, so every snippet
-starts as a new script would: some set Horovod variables that only count before ``hvd.init()``.
-Writes ``DIR/rank0.json``: one entry per snippet, ``ok`` and the global step after each
-``Trainer.fit`` it called, or the error with its traceback.
+SNIPPETS.json is a list of ``{"name": str, "source": str, "continues": bool}`` written by
+tests/test_docs.py, in page order. The process works in DIR (Lightning's logs, timeline files).
+Before a snippet that does not continue the one before it, Horovod is shut down and the environment
+restored, so every snippet starts as a new script would: some set Horovod variables that only count
+before ``hvd.init()``. Writes ``DIR/rank0.json``: one entry per snippet, ``ok`` and the global step
+after each ``Trainer.fit`` it called, or the error with its traceback.
 """
 
 from __future__ import annotations
@@ -42,10 +42,10 @@ def fresh_start(environment: dict[str, str]) -> None:
     os.environ.update(environment)
 
 
-def run(source: str, index: int, namespace: dict[str, Any]) -> dict[str, Any]:
+def run(source: str, name: str, namespace: dict[str, Any]) -> dict[str, Any]:
     FIT_STEPS.clear()
     try:
-        exec(compile(source, f"<README.rst python snippet {index}>", "exec"), namespace)
+        exec(compile(source, f"<python snippet {name}>", "exec"), namespace)
     except Exception as error:
         return {"ok": False, "error": f"{type(error).__name__}: {error}", "trace": traceback.format_exc()}
     return {"ok": True, "fit_steps": list(FIT_STEPS)}
@@ -67,11 +67,11 @@ def main() -> None:
     record_fits()
     report: dict[str, Any] = {}
     namespace: dict[str, Any] = {}
-    for index, snippet in enumerate(snippets):
+    for snippet in snippets:
         if not snippet["continues"]:
             fresh_start(environment)
             namespace = {"__name__": "__main__"}
-        report[str(index)] = run(snippet["source"], index, namespace)
+        report[snippet["name"]] = run(snippet["source"], snippet["name"], namespace)
         (args.out / "rank0.json").write_text(json.dumps(report))  # after each, in case one hangs
 
 
