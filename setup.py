@@ -22,8 +22,9 @@ setup(
         # Not horovod: pip would build it from its sdist in an isolated environment without torch, which
         # gives a Horovod without PyTorch support. `hvd-build-horovod` (installed with this package) builds
         # it for the torch installed here; using the strategy without it raises an error naming that command.
-        # The range the suite has passed in (README, "Versions verified"): torch 2.1 with Lightning 2.1 at the
-        # floor, torch 2.13 with Lightning 2.6 in CI; torch 2.14 builds and trains. torch 2.1 and 2.2 need numpy < 2.
+        # The range the suite has passed in (docs/install.rst, "Versions verified"): torch 2.1 with Lightning
+        # 2.1 at the floor, torch 2.13 with Lightning 2.6 in CI; torch 2.14 builds and trains. torch 2.1 and
+        # 2.2 need numpy < 2.
         "torch>=2.1,<2.15",
         "lightning>=2.1,<2.7",
         "numpy",

@@ -5,5 +5,5 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 # shellcheck disable=SC1091
 source ci/setup_env.sh
-ruff check hvd_plugins tests examples benchmarks setup.py
+ruff check hvd_plugins tests examples benchmarks docs setup.py
 python -m pytest -q -p no:cacheprovider --timeout=900 --durations=15 "$@"
