@@ -1,4 +1,6 @@
-"""Bytes per epoch on each link, read from ``strategy.comm_counters``, next to the analytic count.
+"""How many bytes does each sync mode hand to each link per epoch, and do the counters equal the analytic count?
+
+Bytes per epoch on each link are read from ``strategy.comm_counters`` and set next to the formulas below.
 
 Four workers on two emulated nodes (``horovodrun -np 4 -H localhost:2,127.0.0.1:2``), one launch
 that fits the same MLP once per (sync, compression) pair. Counts are per worker and per epoch and
@@ -31,14 +33,17 @@ import argparse
 import math
 import sys
 import tempfile
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import common  # noqa: E402
+from hvd_plugins.core.tables import format_table
+from hvd_plugins.testing import benchmarking as bench
+from hvd_plugins.testing.launch import write_rank_file
+from hvd_plugins.testing.reports import docs_dir, write_report
 
 SYNCS = ("allreduce", "hierarchical", "daso")
 FIT_ORDER = ("daso", "hierarchical", "allreduce")
@@ -57,7 +62,8 @@ class Setup:
 
 
 FULL = Setup(features=512, hidden=(1024, 1024), classes=10, batch_size=16, steps=12)
-SMOKE = Setup(features=32, hidden=(64,), classes=4, batch_size=8, steps=4)
+SMOKE = Setup(features=32, hidden=(64,), classes=4, batch_size=8, steps=6)
+"""Six steps: DASO sends once and merges once before the closing sync, as in the full run."""
 
 
 def expected_bytes(sync: str, compression: str, params: int, local_size: int, steps: int) -> dict[str, int]:
@@ -93,29 +99,29 @@ def _fit_once(setup: Setup, sync: str, compression: str) -> dict[str, Any]:
             self.window = trainer.strategy.comm_counters.since(self.start)
             self.steps = trainer.global_step - self.steps_at_start
 
-    daso = common.daso_settings(compression, warmup_epochs=0, cooldown_epochs=0) if sync == "daso" else None
+    daso = bench.daso_settings(compression, warmup_epochs=0, cooldown_epochs=0) if sync == "daso" else None
     # Every bucket takes the two-level path (flat_below_mb=0), whose legs the analytic table counts.
     two_level = {"flat_below_mb": 0.0} if sync == "hierarchical" else {}
     strategy = HorovodStrategy(sync=sync, compression=compression, daso=daso, **two_level)
     strategy.set_world_ranks()
     meter = EpochBytes()
-    trainer = common.cpu_trainer(strategy, [meter])
+    trainer = bench.cpu_trainer(strategy, [meter])
     samples = setup.batch_size * setup.steps * strategy.world_size
-    dataset = common.random_classification(samples, setup.features, setup.classes)
-    module = common.Classifier(setup.features, setup.hidden, setup.classes, lr=0.01)
+    dataset = bench.random_classification(samples, setup.features, setup.classes)
+    module = bench.Classifier(setup.features, setup.hidden, setup.classes, lr=0.01)
     trainer.fit(module, torch.utils.data.DataLoader(dataset, batch_size=setup.batch_size, shuffle=True))
     return {
         "node_local": meter.window.node_local_bytes,
         "cross_node": meter.window.cross_node_bytes,
         "steps": meter.steps,
-        "params": common.parameter_count(module),
+        "params": bench.parameter_count(module),
     }
 
 
 def worker_main(args: argparse.Namespace) -> None:
     import horovod.torch as hvd
 
-    common.one_thread_per_worker()
+    bench.one_thread_per_worker()
     setup = FULL if args.size == "full" else SMOKE
     hvd.init()
     results: dict[str, Any] = {"local_size": hvd.local_size(), "cross_size": hvd.cross_size(), "runs": {}}
@@ -124,17 +130,17 @@ def worker_main(args: argparse.Namespace) -> None:
             results["runs"][f"{sync}/{compression}"] = _fit_once(setup, sync, compression)
             if hvd.rank() == 0:
                 print(f"comm_volume: fitted sync={sync} compression={compression}", flush=True)
-    common.write_rank_file(args.out, hvd.rank(), results)
+    write_rank_file(args.out, hvd.rank(), results)
 
 
 # ------------------------------------------------------------------------------------------ driver
 def measure(size: str, syncs: list[str], workdir: Path, timeout: float) -> dict[int, dict[str, Any]]:
     script = [str(Path(__file__).resolve()), "--worker", f"--size={size}", f"--syncs={','.join(syncs)}"]
-    outcome = common.horovodrun(
+    outcome = bench.horovodrun(
         script,
         workdir,
         np=4,
-        hosts=common.TWO_EMULATED_NODES,
+        hosts=bench.TWO_EMULATED_NODES,
         timeout=timeout,
         env={"HOROVOD_GLOO_TIMEOUT_SECONDS": "120"},
     )
@@ -164,10 +170,10 @@ def report(setup: Setup, ranks: dict[int, dict[str, Any]]) -> tuple[str, bool]:
                 [
                     sync,
                     compression,
-                    _mib(run["node_local"]),
-                    _mib(expected["node_local"]),
-                    _mib(run["cross_node"]),
-                    _mib(expected["cross_node"]),
+                    run["node_local"],
+                    expected["node_local"],
+                    run["cross_node"],
+                    expected["cross_node"],
                     "yes (all ranks)" if match else "NO",
                 ]
             )
@@ -177,27 +183,27 @@ def report(setup: Setup, ranks: dict[int, dict[str, Any]]) -> tuple[str, bool]:
         f"MLP {setup.features}-{'-'.join(map(str, setup.hidden))}-{setup.classes}, P = {any_run['params']:,} "
         f"parameters; {any_run['steps']} optimizer steps per epoch; bytes per worker per epoch"
     )
-    table = common.format_table(
+    table = format_table(
         ["sync", "compression", "node-local", "expected", "cross-node", "expected", "exact match"], rows
     )
     return f"{header}\n\n{table}", all_match
 
 
-def _mib(nbytes: int) -> str:
-    return f"{nbytes:,}"
-
-
-def main() -> None:
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--smoke", action="store_true", help="tiny model, a few steps")
+    parser.add_argument("--smoke", action="store_true", help="tiny model, a few steps; writes no report")
+    parser.add_argument(
+        "--report", type=Path, help="write the table here (default: docs/benchmarks/comm_volume.txt; none with --smoke)"
+    )
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--size", choices=("full", "smoke"), default="full", help=argparse.SUPPRESS)
     parser.add_argument("--syncs", default=",".join(SYNCS), help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.worker:
         worker_main(args)
-        return
+        return 0
     setup = SMOKE if args.smoke else FULL
     with tempfile.TemporaryDirectory(prefix="hvd_comm_volume_") as tmp:
         size, timeout = ("smoke", 300) if args.smoke else ("full", 600)
@@ -205,11 +211,11 @@ def main() -> None:
     text, all_match = report(setup, ranks)
     text += "\n\nall measured counts equal the analytic expectation" if all_match else "\n\nSOME COUNTS DIFFER (see NO)"
     print(text)
-    if not args.smoke:
-        print(f"saved to {common.save_report('comm_volume', text)}")
-    if not all_match:
-        sys.exit(1)
+    report_path = args.report or (None if args.smoke else docs_dir(__file__) / "comm_volume.txt")
+    if report_path is not None:
+        print(f"saved to {write_report(report_path, text, __file__, argv)}")
+    return 0 if all_match else 1
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -1,4 +1,4 @@
-"""Why cross-node pairs relay: one Gloo connection used both ways at once over a slow link.
+"""Why do cross-node pairs relay? One Gloo connection used both ways at once over a slow link, against one way.
 
 On 2 emulated nodes x 2 workers (network namespaces, ``tc tbf`` between them, as in
 ``emulated_cluster.py``) every worker holds ``--mb`` MB of float32; each measurement is the
@@ -17,8 +17,8 @@ slowest rank's time (max over ranks) of one collective, ``--trials`` times after
     python benchmarks/duplex.py                        # 50 Mbit/s and unshaped, 3.2 MB, 10 trials
     python benchmarks/duplex.py --link-mbit 50,200 --mb 8
 
-Needs root (namespaces); about 2 minutes per link. Prints a table (median, spread, MB/s through one
-node's link) and writes ``docs/benchmarks/duplex.txt`` unless ``--no-save``.
+Needs root (namespaces). Prints a table (median, spread, MB/s through one node's link) and writes
+it to ``--report`` (default ``docs/benchmarks/duplex.txt``) unless ``--no-save``.
 """
 
 from __future__ import annotations
@@ -29,17 +29,20 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from common import format_table, save_report  # noqa: E402
-from emulated_cluster import SKIP_EXIT_CODE, parse_link, run_on_cluster  # noqa: E402
-
-from hvd_plugins.testing.netns_cluster import ClusterUnavailable, NamespaceCluster, shaping_for  # noqa: E402
+from hvd_plugins.core.tables import format_table
+from hvd_plugins.testing.netns_cluster import (
+    SKIP_EXIT_CODE,
+    ClusterUnavailable,
+    NamespaceCluster,
+    parse_link,
+    run_on_cluster,
+    shaping_for,
+)
+from hvd_plugins.testing.reports import docs_dir, write_report
 
 OPS = ("flat", "exchange", "relay", "one_way", "two_level")
 
@@ -116,20 +119,25 @@ def rows_of(link: str, times: dict[str, list[float]], buffer_bytes: float) -> li
     return rows
 
 
-def main() -> None:
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--link-mbit", default="50,unshaped", help="comma-separated rates in Mbit/s or 'unshaped'")
     parser.add_argument("--mb", type=float, default=3.2, help="float32 megabytes per worker (default 3.2)")
     parser.add_argument("--trials", type=int, default=10, help="timed trials per collective (default 10)")
-    parser.add_argument("--no-save", action="store_true", help="print only; do not write docs/benchmarks/duplex.txt")
+    parser.add_argument("--report", type=Path, help="write the table here (default: docs/benchmarks/duplex.txt)")
+    parser.add_argument("--no-save", action="store_true", help="print only; write no report")
     parser.add_argument("--worker", nargs=3, help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.worker:
         worker(Path(args.worker[0]), int(args.worker[1]), int(args.worker[2]))
-        return
+        return 0
     if args.trials < 1 or args.mb <= 0:
         parser.error(f"--trials={args.trials} must be >= 1 and --mb={args.mb} must be > 0")
-    links = [parse_link(text) for text in args.link_mbit.split(",")]
+    try:
+        links = [parse_link(text) for text in args.link_mbit.split(",")]
+    except ValueError as error:
+        parser.error(str(error))
     rows: list[list[Any]] = []
     with tempfile.TemporaryDirectory(prefix="duplex_") as workdir:
         for link in links:
@@ -137,7 +145,7 @@ def main() -> None:
                 times = measure(link, args.mb, args.trials, Path(workdir))
             except ClusterUnavailable as reason:
                 print(f"duplex: skipped, {reason}")
-                raise SystemExit(SKIP_EXIT_CODE) from None
+                return SKIP_EXIT_CODE
             rows += rows_of("unshaped" if link is None else f"{link:g} Mbit/s", times, args.mb * 1e6)
     headers = ["link", "collective", "median ms", "min-max ms", "MB/s through a node's link"]
     text = (
@@ -146,8 +154,9 @@ def main() -> None:
     )
     print(text)
     if not args.no_save:
-        print(f"written: {save_report('duplex', text)}")
+        print(f"written: {write_report(args.report or docs_dir(__file__) / 'duplex.txt', text, __file__, argv)}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

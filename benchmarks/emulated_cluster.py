@@ -17,12 +17,11 @@ time, loss, DASO phase, the strategy's ``comm_counters``) for ``scaling_model.py
 
     python benchmarks/emulated_cluster.py --sweep    # the grid -> docs/benchmarks/emulated_sweep.{txt,json,csv,png}
     python benchmarks/emulated_cluster.py --link-mbit 50 --topology 2x2 --model large --modes daso/fp16
-    python benchmarks/emulated_cluster.py --smoke    # tiny model, 2x1 and 2x2 at 50 Mbit/s: checks that it works
+    python benchmarks/emulated_cluster.py --smoke    # tiny model, 2x1 at 50 Mbit/s: checks that it works
 
-The sweep (35 runs) takes about 20 minutes on a quiet 2-core machine, a third of it starting jobs;
-``--smoke`` 1-2 minutes. Needs root (namespaces, veth, bridge, tc); exits with code 77 and a
-message where they cannot be made. Every run is bounded in time, and the namespaces, bridge and
-links are removed at the end, also after an error or Ctrl-C.
+Needs root (namespaces, veth, bridge, tc); exits with code 77 and a message where they cannot be
+made. Every run is bounded in time, and the namespaces, bridge and links are removed at the end,
+also after an error or Ctrl-C.
 """
 
 from __future__ import annotations
@@ -30,16 +29,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import csv
+import datetime
 import itertools
 import json
 import math
-import os
-import shlex
-import signal
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
@@ -49,10 +44,20 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import common  # noqa: E402
-
-from hvd_plugins.testing.netns_cluster import ClusterUnavailable, NamespaceCluster, shaping_for  # noqa: E402
+from hvd_plugins.core.tables import format_table
+from hvd_plugins.testing import benchmarking as bench
+from hvd_plugins.testing import reports
+from hvd_plugins.testing.launch import read_rank_files, write_rank_file
+from hvd_plugins.testing.netns_cluster import (
+    SKIP_EXIT_CODE,
+    UNSHAPED,
+    ClusterUnavailable,
+    NamespaceCluster,
+    link_label,
+    parse_link,
+    run_on_cluster,
+    shaping_for,
+)
 
 MODES = ("allreduce/none", "allreduce/fp16", "hierarchical/none", "hierarchical/fp16", "daso/none", "daso/fp16")
 BASELINE = "allreduce/none"
@@ -62,8 +67,6 @@ TARGET_FRACTION = 0.75
 LOSS_WINDOW = 8
 STARTUP_ALLOWANCE_S = 120.0
 """Added to a run's training budget for its hard limit: process start, imports, rendezvous, validation."""
-SKIP_EXIT_CODE = 77
-UNSHAPED = "unshaped"
 
 
 # ------------------------------------------------------------------------------------------ what runs
@@ -91,8 +94,8 @@ MODELS = {
     # 4.8 k parameters (19 KB): a step's few collective rounds cost more than its bytes, even at 50 Mbit/s.
     "small": Model("small", features=64, hidden=(64,), classes=10, train_samples=2048, val_samples=1024,
                    global_batch=128, lr=0.05, epochs=6),
-    # 0.8 M parameters (3.2 MB of fp32 gradients): at 50 Mbit/s a flat allreduce takes ~0.5-0.8 s, 20-40x
-    # the step's compute, so bytes on the slow link dominate.
+    # 0.8 M parameters (3.2 MB of fp32 gradients): on a slow link a flat allreduce takes many times the
+    # step's compute, so bytes on the link dominate.
     "large": Model("large", features=256, hidden=(1024, 512), classes=10, train_samples=2048, val_samples=1024,
                    global_batch=128, lr=0.02, epochs=6),
 }  # fmt: skip
@@ -121,23 +124,6 @@ class Topology:
         if len(parts) != 2 or not all(part.isdigit() for part in parts) or int(parts[0]) < 2 or int(parts[1]) < 1:
             raise ValueError(f"--topology {text!r} must be NODESxWORKERS with NODES >= 2, WORKERS >= 1 (e.g. 2x1, 2x2)")
         return Topology(int(parts[0]), int(parts[1]))
-
-
-def parse_link(text: str) -> float | None:
-    """``"50"`` -> 50.0 Mbit/s; ``"unshaped"`` -> None."""
-    if text.strip().lower() == UNSHAPED:
-        return None
-    try:
-        rate = float(text)
-    except ValueError:
-        raise ValueError(f"--link-mbit {text!r} must be a rate in Mbit/s (e.g. 50) or {UNSHAPED!r}") from None
-    if not rate > 0:
-        raise ValueError(f"--link-mbit {text!r} must be > 0 Mbit/s or {UNSHAPED!r}")
-    return rate
-
-
-def link_label(link_mbit: float | None) -> str:
-    return UNSHAPED if link_mbit is None else f"{link_mbit:g}"
 
 
 @dataclass(frozen=True)
@@ -260,30 +246,30 @@ class StopAtTarget(pl.Callback):
 def worker_main(spec: Path, out: Path) -> None:
     from hvd_plugins import HorovodStrategy
 
-    common.one_thread_per_worker()
+    bench.one_thread_per_worker()
     run = Run.from_dict(json.loads(spec.read_text()))
     train, val = load_data(run.model, Path(run.data_path))
     sync, compression = run.mode.split("/")
-    daso = common.daso_settings(compression, run.daso_warmup, run.daso_cooldown) if sync == "daso" else None
+    daso = bench.daso_settings(compression, run.daso_warmup, run.daso_cooldown) if sync == "daso" else None
     strategy = HorovodStrategy(sync=sync, compression=compression, daso=daso)
     recorder = StepRecorder()
     stopper = StopAtTarget(recorder, run.target_loss, run.budget_s)
-    trainer = common.cpu_trainer(strategy, [recorder, stopper], max_epochs=run.epochs)
-    module = common.Classifier(run.model.features, run.model.hidden, run.model.classes, lr=run.model.lr, momentum=0.9)
+    trainer = bench.cpu_trainer(strategy, [recorder, stopper], max_epochs=run.epochs)
+    module = bench.Classifier(run.model.features, run.model.hidden, run.model.classes, lr=run.model.lr, momentum=0.9)
     loader = torch.utils.data.DataLoader(train, batch_size=run.per_worker_batch, shuffle=True, drop_last=True)
     trainer.fit(module, loader)
     module.eval()
     with torch.no_grad():
         inputs, labels = val.tensors
         accuracy = float((module.net(inputs).argmax(dim=1) == labels).float().mean())
-    common.write_rank_file(
+    write_rank_file(
         out,
         trainer.global_rank,
         recorder.as_dict()
         | {
             "train_seconds": recorder.elapsed(),
             "val_accuracy": accuracy,
-            "params": common.parameter_count(module),
+            "params": bench.parameter_count(module),
             "epochs_run": trainer.current_epoch,
             "stop_reason": stopper.reason,
         },
@@ -298,67 +284,6 @@ def launch_on_cluster(cluster: NamespaceCluster, run: Run, out: Path) -> None:
     spec.write_text(json.dumps(asdict(run)))
     command = [sys.executable, str(Path(__file__).resolve()), "--worker", "--spec", str(spec), "--out", str(out)]
     run_on_cluster(cluster, command, run.topology.workers_per_node, out / "logs", run.budget_s + STARTUP_ALLOWANCE_S)
-
-
-def run_on_cluster(
-    cluster: NamespaceCluster, command: list[str], workers_per_node: int, logs: Path, limit_s: float
-) -> None:
-    """Run ``command`` as ``workers_per_node`` Horovod workers in every namespace, each rank's output in ``logs``.
-
-    Every worker is killed once ``limit_s`` has passed or another rank failed (a rank that failed
-    leaves the others waiting in a collective); raises with the logs' tails if any rank failed.
-    """
-    from horovod.runner.common.util.settings import Settings
-    from horovod.runner.gloo_run import launch_gloo
-
-    venv_bin = str(Path(sys.executable).parent)
-    env = {
-        "PATH": f"{venv_bin}:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
-        "HOME": os.environ.get("HOME", "/root"),
-        "VIRTUAL_ENV": os.environ.get("VIRTUAL_ENV", str(Path(venv_bin).parent)),
-        "PYTHONUNBUFFERED": "1",
-        "PYTHONWARNINGS": "ignore",
-        "OMP_NUM_THREADS": "1",
-        "HOROVOD_GLOO_TIMEOUT_SECONDS": "120",  # process-set rendezvous waits for the slowest worker
-    }
-    hosts = ",".join(f"{cluster.host_name(n)}:{workers_per_node}" for n in range(cluster.nodes))
-    settings = Settings(hosts=hosts, num_proc=workers_per_node * cluster.nodes, verbose=0)
-    deadline = time.monotonic() + limit_s
-    logs.mkdir(parents=True, exist_ok=True)
-    stopped_by: set[str] = set()  # "signal" (Ctrl-C, SIGTERM), "deadline" or "failure" (another rank failed)
-
-    def exec_command(command: str, slot_info: Any, events: list[threading.Event]) -> tuple[int, float]:
-        node = int(slot_info.hostname.removeprefix("node"))
-        wrapped = cluster.worker_command(node, f"cd {shlex.quote(str(common.REPO))} && {command}")
-        with open(logs / f"rank{slot_info.rank}.log", "w") as log:
-            process = subprocess.Popen(wrapped, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-            while process.poll() is None:
-                interrupted = any(event.is_set() for event in events)  # launch_gloo sets them on a signal
-                if interrupted or time.monotonic() > deadline or "failure" in stopped_by:
-                    # A rank that failed leaves the others waiting in a collective: stop them now.
-                    stopped_by.add("signal" if interrupted else "failure" if "failure" in stopped_by else "deadline")
-                    os.killpg(process.pid, signal.SIGKILL)
-                    process.wait()
-                    return 124, time.time()
-                time.sleep(0.2)
-        if process.returncode != 0:
-            stopped_by.add("failure")
-        return process.returncode, time.time()
-
-    previous = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        launch_gloo(command, exec_command, settings, nics={"eth0"}, env=env, server_ip=cluster.bridge_ip)
-    except RuntimeError as error:
-        if "signal" in stopped_by:  # stop the whole sweep; the caller's context removes the namespaces
-            raise KeyboardInterrupt from None
-        limit = f"killed after {limit_s:.0f} s\n" if "deadline" in stopped_by else ""
-        tails = "\n".join(f"--- {p.name}\n{p.read_text()[-1500:]}" for p in sorted(logs.glob("*.log")))
-        raise RuntimeError(f"{limit}{error}\n{tails}") from None
-    finally:
-        for signum, handler in previous.items():  # launch_gloo replaces them with its own
-            signal.signal(signum, handler)
-    if "signal" in stopped_by:
-        raise KeyboardInterrupt
 
 
 # ------------------------------------------------------------------------------------------ reading results
@@ -489,7 +414,7 @@ def _run_group(
             out = workdir / f"{model.name}_{topology.label}_{link_label(link)}_{mode.replace('/', '_')}"
             try:
                 launch_on_cluster(cluster, run, out)
-                rank0 = common.read_rank_files(out).get(0)
+                rank0 = read_rank_files(out).get(0)
                 if rank0 is None:
                     raise RuntimeError("rank 0 wrote no result")
             except RuntimeError as error:
@@ -543,13 +468,17 @@ def report(rows: list[dict[str, Any]], grid: Grid) -> str:
     )
     headers = ["model", "topo", "link Mbit/s", "mode", "steps to target", "s to target", "step ms",
                "cross KB/step", "val acc %", "speedup", "acc diff (pts)"]  # fmt: skip
-    return f"{header}\n\n{common.format_table(headers, table_rows)}"
+    return f"{header}\n\n{format_table(headers, table_rows)}"
 
 
-def write_records(rows: list[dict[str, Any]], json_path: Path, csv_path: Path) -> None:
-    """All of each run's numbers as JSON (read by scaling_model.py), and one CSV row per run and phase."""
-    json_path.write_text(json.dumps({"loss_window": LOSS_WINDOW, "target_fraction": TARGET_FRACTION, "runs": rows},
-                                    indent=1) + "\n")  # fmt: skip
+def write_records(rows: list[dict[str, Any]], measured: dict[str, str], json_path: Path, csv_path: Path) -> None:
+    """All of each run's numbers as JSON (read by scaling_model.py), and one CSV row per run and phase.
+
+    ``measured`` (date, machine, command) travels in the JSON, so the model fitted to it can say whose numbers
+    it fitted.
+    """
+    records = {"measured": measured, "loss_window": LOSS_WINDOW, "target_fraction": TARGET_FRACTION, "runs": rows}
+    json_path.write_text(json.dumps(records, indent=1) + "\n")
     flat_keys = [k for k in rows[0] if k != "phases"] if rows else []
     phase_keys = sorted({k for r in rows for p in r["phases"].values() for k in p})
     with open(csv_path, "w", newline="") as handle:
@@ -611,7 +540,7 @@ def build_grid(args: argparse.Namespace) -> Grid:
     sweep_modes = ",".join(SWEEP_MODES)
     if args.smoke:
         smoke_modes = "allreduce/none,hierarchical/none,daso/fp16"
-        defaults = {"model": "smoke", "topology": "2x1,2x2", "link_mbit": "50", "modes": smoke_modes}
+        defaults = {"model": "smoke", "topology": "2x1", "link_mbit": "50", "modes": smoke_modes}
     elif args.sweep:
         defaults = {"model": "small,large", "topology": "2x1,2x2", "link_mbit": "unshaped,200,50", "modes": sweep_modes}
     else:
@@ -652,7 +581,8 @@ def build_grid(args: argparse.Namespace) -> Grid:
     )
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line; ``build_grid`` turns what it parses into the runs."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument(
         "--sweep",
@@ -660,7 +590,11 @@ def main() -> None:
         help="the grid: models small,large x topologies 2x1,2x2 x links unshaped,200,50 x the 4 "
         "sweep modes (the small model at unshaped and 50 only); writes emulated_sweep.*",
     )
-    parser.add_argument("--smoke", action="store_true", help="tiny model, 3 epochs, 2x1 and 2x2 at 50 Mbit/s")
+    parser.add_argument(
+        "--smoke",
+        action="store_true",
+        help="tiny model, 3 epochs, 2x1 at 50 Mbit/s (with --topology 2x2 also the two-level allreduce)",
+    )
     parser.add_argument(
         "--link-mbit",
         help="comma-separated link rates between nodes in Mbit/s, or 'unshaped' "
@@ -693,10 +627,16 @@ def main() -> None:
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--spec", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     if args.worker:
         worker_main(args.spec, args.out)
-        return
+        return 0
     try:
         grid = build_grid(args)
     except ValueError as error:
@@ -706,7 +646,7 @@ def main() -> None:
         grids = [replace(grid, models=(small,), links=(None, 50.0)), replace(grid, models=(MODELS["large"],))]
     else:
         grids = [grid]
-    results_dir = args.results_dir or (common.RESULTS_DIR if args.sweep else None)
+    results_dir = args.results_dir or (reports.docs_dir(__file__) if args.sweep else None)
     started = time.monotonic()
     rows: list[dict[str, Any]] = []
     keep = contextlib.nullcontext(str(args.logs_dir)) if args.logs_dir else None
@@ -717,21 +657,27 @@ def main() -> None:
                 rows += run_grid(part, Path(tmp) / f"grid{index}", log=lambda line: print(line, flush=True))
         except ClusterUnavailable as reason:
             print(f"SKIPPED: the emulated cluster cannot be built here: {reason}")
-            sys.exit(SKIP_EXIT_CODE)
+            return SKIP_EXIT_CODE
         except KeyboardInterrupt:
             print("interrupted: workers stopped, namespaces, bridge and links removed", flush=True)
-            sys.exit(130)
+            return 130
     if not rows:
-        sys.exit("no run finished; see the errors above")
+        print("no run finished; see the errors above", file=sys.stderr)
+        return 1
     text = report(rows, replace(grid, models=tuple(dict.fromkeys(m for g in grids for m in g.models))))
     print(f"\n{text}\n\nsweep wall time: {time.monotonic() - started:.0f} s")
     if results_dir is not None:
-        results_dir.mkdir(parents=True, exist_ok=True)
-        (results_dir / "emulated_sweep.txt").write_text(text + "\n")
-        write_records(rows, results_dir / "emulated_sweep.json", results_dir / "emulated_sweep.csv")
+        reports.write_report(results_dir / "emulated_sweep.txt", text, __file__, argv)
+        measured = {
+            "date": datetime.date.today().isoformat(),
+            "machine": reports.machine(),
+            "command": reports.command_line(__file__, argv),
+        }
+        write_records(rows, measured, results_dir / "emulated_sweep.json", results_dir / "emulated_sweep.csv")
         plot(rows, results_dir / "emulated_sweep.png")
         print(f"written: {results_dir}/emulated_sweep.{{txt,json,csv,png}}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -1,4 +1,4 @@
-"""Steps per second: hand-written Horovod loop vs HorovodStrategy vs Lightning's DDP on Gloo.
+"""Does HorovodStrategy cost steps per second against a hand-written Horovod loop, and against Lightning's DDP?
 
 Same MLP, same synthetic data, same batch size, 2 workers on CPU, one thread each. Each repeat
 launches the three variants one after the other (order rotated between repeats, so drift in the
@@ -23,6 +23,7 @@ import pstats
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -30,8 +31,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import common  # noqa: E402
+from hvd_plugins.core.tables import format_table
+from hvd_plugins.testing import benchmarking as bench
+from hvd_plugins.testing.launch import write_rank_file
+from hvd_plugins.testing.reports import docs_dir, write_report
 
 VARIANTS = ("horovod_loop", "horovod_strategy", "lightning_ddp")
 TARGET_VS_FLOOR = 0.95
@@ -49,6 +52,8 @@ class Setup:
     steps: int
     warmup_steps: int
     repeats: int
+    shared_job: bool = False
+    """Run the two horovodrun variants in one job (the smoke: what it checks is that each runs, not their rates)."""
 
     def as_args(self) -> list[str]:
         return [
@@ -62,7 +67,9 @@ class Setup:
 
 
 FULL = Setup(features=1024, hidden=(2048, 2048), classes=10, batch_size=32, steps=70, warmup_steps=10, repeats=5)
-SMOKE = Setup(features=64, hidden=(128,), classes=4, batch_size=16, steps=12, warmup_steps=3, repeats=1)
+SMOKE = Setup(
+    features=64, hidden=(128,), classes=4, batch_size=16, steps=12, warmup_steps=3, repeats=1, shared_job=True
+)
 
 
 # ------------------------------------------------------------------------------------------ workers
@@ -70,10 +77,10 @@ LR, MOMENTUM = 0.01, 0.9
 
 
 def _dataset(setup: Setup, world: int) -> torch.utils.data.TensorDataset:
-    return common.random_classification(setup.batch_size * setup.steps * world, setup.features, setup.classes)
+    return bench.random_classification(setup.batch_size * setup.steps * world, setup.features, setup.classes)
 
 
-def run_horovod_loop(setup: Setup, out: Path) -> None:
+def run_horovod_loop(setup: Setup) -> tuple[list[float], int]:
     """The floor: what a user would write by hand with Horovod and no framework."""
     import horovod.torch as hvd
 
@@ -81,7 +88,7 @@ def run_horovod_loop(setup: Setup, out: Path) -> None:
     dataset = _dataset(setup, hvd.size())
     sampler = torch.utils.data.distributed.DistributedSampler(dataset, num_replicas=hvd.size(), rank=hvd.rank())
     loader = torch.utils.data.DataLoader(dataset, batch_size=setup.batch_size, sampler=sampler)
-    model = common.mlp(setup.features, setup.hidden, setup.classes)
+    model = bench.mlp(setup.features, setup.hidden, setup.classes)
     optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
     optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
@@ -92,13 +99,13 @@ def run_horovod_loop(setup: Setup, out: Path) -> None:
         loss.backward()
         optimizer.step()  # waits for the gradient allreduces started by the backward hooks
         step_ends.append(time.perf_counter())
-    common.write_rank_file(out, hvd.rank(), {"step_ends": step_ends})
+    return step_ends, hvd.rank()
 
 
 def _fit(setup: Setup, strategy: Any, devices: int, world: int, profile_to: Path | None) -> tuple[list[float], int]:
-    clock = common.StepClock()
-    trainer = common.cpu_trainer(strategy, [clock], devices=devices)
-    module = common.Classifier(setup.features, setup.hidden, setup.classes, lr=LR, momentum=MOMENTUM)
+    clock = bench.StepClock()
+    trainer = bench.cpu_trainer(strategy, [clock], devices=devices)
+    module = bench.Classifier(setup.features, setup.hidden, setup.classes, lr=LR, momentum=MOMENTUM)
     loader = torch.utils.data.DataLoader(_dataset(setup, world), batch_size=setup.batch_size, shuffle=True)
     profiler = cProfile.Profile() if profile_to is not None else None
     if profiler is not None:
@@ -112,31 +119,31 @@ def _fit(setup: Setup, strategy: Any, devices: int, world: int, profile_to: Path
     return clock.times, trainer.global_rank
 
 
-def run_horovod_strategy(setup: Setup, out: Path, profile: bool) -> None:
+def run_horovod_strategy(setup: Setup, out: Path, profile: bool) -> tuple[list[float], int]:
     import horovod.torch as hvd
 
     from hvd_plugins import HorovodStrategy
 
     strategy = HorovodStrategy()
-    strategy.set_world_ranks()  # starts Horovod, so the world size is known for the dataset
-    step_ends, rank = _fit(setup, strategy, 1, hvd.size(), out / "profile_strategy.txt" if profile else None)
-    common.write_rank_file(out, rank, {"step_ends": step_ends})
+    strategy.set_world_ranks()  # starts Horovod (unless the loop before it did), so the world size is known
+    return _fit(setup, strategy, 1, hvd.size(), out / "profile_strategy.txt" if profile else None)
 
 
-def run_lightning_ddp(setup: Setup, out: Path, profile: bool) -> None:
+def run_lightning_ddp(setup: Setup, out: Path, profile: bool) -> tuple[list[float], int]:
     from lightning.pytorch.strategies import DDPStrategy
 
     strategy = DDPStrategy(process_group_backend="gloo")
-    step_ends, rank = _fit(setup, strategy, 2, 2, out / "profile_ddp.txt" if profile else None)
-    common.write_rank_file(out, rank, {"step_ends": step_ends})
+    result = _fit(setup, strategy, 2, 2, out / "profile_ddp.txt" if profile else None)
     # Left to interpreter exit, torch's Gloo process group can abort the worker ("terminate called
     # without an active exception", SIGABRT) after the run finished; end it explicitly.
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
+    return result
 
 
 def worker_main(args: argparse.Namespace) -> None:
-    common.one_thread_per_worker()
+    """Run each variant of ``--worker`` (comma-separated) in turn; one rank file holds every variant's steps."""
+    bench.one_thread_per_worker()
     setup = Setup(
         features=args.features,
         hidden=tuple(int(h) for h in args.hidden.split(",")),
@@ -146,63 +153,81 @@ def worker_main(args: argparse.Namespace) -> None:
         warmup_steps=args.warmup_steps,
         repeats=1,
     )
-    if args.worker == "horovod_loop":
-        run_horovod_loop(setup, args.out)
-    elif args.worker == "horovod_strategy":
-        run_horovod_strategy(setup, args.out, args.profile)
-    else:
-        run_lightning_ddp(setup, args.out, args.profile)
+    steps: dict[str, list[float]] = {}
+    rank = 0
+    for variant in args.worker.split(","):
+        if variant == "horovod_loop":
+            steps[variant], rank = run_horovod_loop(setup)
+        elif variant == "horovod_strategy":
+            steps[variant], rank = run_horovod_strategy(setup, args.out, args.profile)
+        else:
+            steps[variant], rank = run_lightning_ddp(setup, args.out, args.profile)
+    write_rank_file(args.out, rank, {"step_ends": steps})
 
 
 # ------------------------------------------------------------------------------------------ driver
-def launch(variant: str, setup: Setup, out: Path, profile: bool = False, timeout: float = 300) -> float:
-    """Run one variant once; return rank 0's steps per second after warmup."""
-    script = [str(Path(__file__).resolve()), f"--worker={variant}", *setup.as_args()]
+def launch(
+    variants: Sequence[str], setup: Setup, out: Path, profile: bool = False, timeout: float = 300
+) -> dict[str, float]:
+    """Run ``variants`` in one job (all under horovodrun, or ``lightning_ddp`` alone under torchrun).
+
+    Returns rank 0's steps per second after warmup, per variant.
+    """
+    script = [str(Path(__file__).resolve()), f"--worker={','.join(variants)}", *setup.as_args()]
     if profile:
         script.append("--profile")
-    if variant == "lightning_ddp":
-        outcome = common.torchrun(script, out, nproc=2, timeout=timeout)
+    what = f"{' + '.join(variants)} run"
+    if "lightning_ddp" in variants:
+        if len(variants) > 1:
+            raise ValueError("lightning_ddp runs under torchrun, alone in its job")
+        outcome = bench.torchrun(script, out, nproc=2, timeout=timeout)
     else:
-        outcome = common.horovodrun(script, out, np=2, timeout=timeout)
-    outcome.check(f"{variant} run")
+        outcome = bench.horovodrun(script, out, np=2, timeout=timeout)
+    outcome.check(what)
     if 0 not in outcome.results:
-        raise RuntimeError(f"{variant} run wrote no result for rank 0:\n{outcome.output[-3000:]}")
-    return common.steps_per_second(outcome.results[0]["step_ends"], setup.warmup_steps)
+        raise RuntimeError(f"{what} wrote no result for rank 0:\n{outcome.output[-3000:]}")
+    step_ends = outcome.results[0]["step_ends"]
+    return {variant: bench.steps_per_second(step_ends[variant], setup.warmup_steps) for variant in variants}
+
+
+def jobs_of(setup: Setup, repeat: int) -> list[tuple[str, ...]]:
+    """The jobs of one repeat, in order: one per variant, rotated by the repeat; or the shared smoke jobs."""
+    if setup.shared_job:
+        return [("horovod_loop", "horovod_strategy"), ("lightning_ddp",)]
+    order = VARIANTS[repeat % 3 :] + VARIANTS[: repeat % 3]
+    return [(variant,) for variant in order]
 
 
 def measure(setup: Setup, workdir: Path) -> dict[str, list[float]]:
     rates: dict[str, list[float]] = {variant: [] for variant in VARIANTS}
     for repeat in range(setup.repeats):
-        order = VARIANTS[repeat % 3 :] + VARIANTS[: repeat % 3]
-        for variant in order:
-            rate = launch(variant, setup, workdir / f"r{repeat}_{variant}")
-            rates[variant].append(rate)
-            print(f"  repeat {repeat + 1}/{setup.repeats}  {variant:<17} {rate:6.2f} steps/s", flush=True)
+        for variants in jobs_of(setup, repeat):
+            for variant, rate in launch(variants, setup, workdir / f"r{repeat}_{'_'.join(variants)}").items():
+                rates[variant].append(rate)
+                print(f"  repeat {repeat + 1}/{setup.repeats}  {variant:<17} {rate:6.2f} steps/s", flush=True)
     return rates
 
 
 def report(setup: Setup, rates: dict[str, list[float]]) -> str:
-    params = common.parameter_count(common.mlp(setup.features, setup.hidden, setup.classes))
-    med = {variant: common.median(values) for variant, values in rates.items()}
-    rows = [
-        [variant, common.median(values), min(values), max(values), len(values)] for variant, values in rates.items()
-    ]
+    params = bench.parameter_count(bench.mlp(setup.features, setup.hidden, setup.classes))
+    med = {variant: bench.median(values) for variant, values in rates.items()}
+    rows = [[variant, bench.median(values), min(values), max(values), len(values)] for variant, values in rates.items()]
     per_repeat_floor = [b / a for a, b in zip(rates["horovod_loop"], rates["horovod_strategy"], strict=True)]
     per_repeat_ddp = [b / c for b, c in zip(rates["horovod_strategy"], rates["lightning_ddp"], strict=True)]
-    vs_floor = common.median(per_repeat_floor)
-    vs_ddp = common.median(per_repeat_ddp)
+    vs_floor = bench.median(per_repeat_floor)
+    vs_ddp = bench.median(per_repeat_ddp)
     ratio_rows = [
         [
             "b/a strategy vs hand-written Horovod",
             vs_floor,
             f">= {TARGET_VS_FLOOR}",
-            common.target_verdict(vs_floor, TARGET_VS_FLOOR),
+            bench.target_verdict(vs_floor, TARGET_VS_FLOOR),
         ],
         [
             "b/c strategy vs Lightning DDP (Gloo)",
             vs_ddp,
             f">= {TARGET_VS_DDP}",
-            common.target_verdict(vs_ddp, TARGET_VS_DDP),
+            bench.target_verdict(vs_ddp, TARGET_VS_DDP),
         ],
     ]
     lines = [
@@ -211,47 +236,55 @@ def report(setup: Setup, rates: dict[str, list[float]]) -> str:
         f"batch {setup.batch_size} per worker; {setup.steps} steps per run, first {setup.warmup_steps} not timed; "
         f"{setup.repeats} repeats",
         "",
-        common.format_table(["variant", "median steps/s", "min", "max", "runs"], rows),
+        format_table(["variant", "median steps/s", "min", "max", "runs"], rows),
         "",
-        common.format_table(["ratio (median of per-repeat ratios)", "measured", "target", "verdict"], ratio_rows),
+        format_table(["ratio (median of per-repeat ratios)", "measured", "target", "verdict"], ratio_rows),
         "",
         "median rates: " + "  ".join(f"{v}={med[v]:.2f}" for v in VARIANTS) + " steps/s",
     ]
     return "\n".join(lines)
 
 
-def main() -> None:
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--smoke", action="store_true", help="tiny model, one short repeat")
+    parser.add_argument("--smoke", action="store_true", help="tiny model, one short repeat; writes no report")
+    parser.add_argument(
+        "--report", type=Path, help="write the table here (default: docs/benchmarks/overhead.txt; none with --smoke)"
+    )
     parser.add_argument("--repeats", type=int, default=None, help="override the number of repeats")
     parser.add_argument("--profile", action="store_true", help="also profile rank 0 of (b) and (c) once")
-    parser.add_argument("--worker", choices=VARIANTS, help=argparse.SUPPRESS)
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
     for name, kind in (("features", int), ("hidden", str), ("classes", int), ("batch-size", int)):
         parser.add_argument(f"--{name}", type=kind, help=argparse.SUPPRESS)
     parser.add_argument("--steps", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--warmup-steps", type=int, help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.worker:
+        if not set(args.worker.split(",")) <= set(VARIANTS):
+            parser.error(f"--worker {args.worker!r}: comma-separated from {list(VARIANTS)}")
         worker_main(args)
-        return
+        return 0
     setup = SMOKE if args.smoke else FULL
     if args.repeats is not None:
         if args.repeats < 1:
             raise ValueError(f"--repeats={args.repeats} must be >= 1")
         setup = Setup(**{**asdict(setup), "repeats": args.repeats})
+    report_path = args.report or (None if args.smoke else docs_dir(__file__) / "overhead.txt")
     with tempfile.TemporaryDirectory(prefix="hvd_overhead_") as tmp:
         rates = measure(setup, Path(tmp))
         text = report(setup, rates)
         print(text)
-        if not args.smoke:
-            print(f"saved to {common.save_report('overhead', text)}")
+        if report_path is not None:
+            print(f"saved to {write_report(report_path, text, __file__, argv)}")
         if args.profile:
             for variant in ("horovod_strategy", "lightning_ddp"):
-                launch(variant, setup, Path(tmp) / f"profile_{variant}", profile=True)
+                launch((variant,), setup, Path(tmp) / f"profile_{variant}", profile=True)
             for path in sorted(Path(tmp).glob("profile_*/profile_*.txt")):
                 print(f"\n=== {path.name} (rank 0, sorted by own time) ===\n{path.read_text()}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -1,8 +1,8 @@
-"""An alpha-beta cost model of one training step for flat, fp16, two-level and DASO gradient sync.
+"""What would flat, fp16, two-level and DASO gradient sync cost on clusters too big to run here?
 
-What it is for: the emulated cluster has 2 nodes and CPUs; users run 2-64 nodes of 8 GPUs. The
-model is fitted to the emulated sweep (``emulated_cluster.py --sweep`` writes
-``docs/benchmarks/emulated_sweep.json``), checked against every row of it, and then used to
+An alpha-beta cost model of one training step: the emulated cluster has 2 nodes and CPUs; users
+run 2-64 nodes of 8 GPUs. The model is fitted to the emulated sweep (``emulated_cluster.py --sweep``
+writes ``docs/benchmarks/emulated_sweep.json``), checked against every row of it, and then used to
 project step time and speedup over flat fp32 allreduce for clusters we cannot run.
 
 The model. A step costs ``compute + sum over its collective legs of the exposed leg time``; a leg
@@ -39,8 +39,8 @@ inside a node, seconds per byte across nodes for each link rate, and seconds per
 the sweep gives one equation: its mean measured step time = the model's step time. They are
 solved by non-negative least squares weighted by 1 / measured time (relative errors count), so
 one machine's sweep gives that machine's constants; rerun the sweep to calibrate another. The
-wire hop latencies are folded into the round costs (Horovod's negotiation, ~10 ms a round on
-2 cores, dwarfs them). Overlap is left out of the fit: on 2 shared cores Gloo's threads and the
+wire hop latencies are folded into the round costs (Horovod's negotiation of each round dwarfs
+them). Overlap is left out of the fit: on 2 shared cores Gloo's threads and the
 training compete for the same CPU.
 
     python benchmarks/scaling_model.py                         # fit docs/benchmarks/emulated_sweep.json, check, project
@@ -52,6 +52,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 import textwrap
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
@@ -60,21 +61,15 @@ from typing import Any
 
 import numpy as np
 
-RESULTS_DIR = Path(__file__).resolve().parents[1] / "docs" / "benchmarks"
+from hvd_plugins.core.tables import format_table
+from hvd_plugins.testing.reports import docs_dir, write_report
+
+RESULTS_DIR = docs_dir(__file__)
 
 FP32_BYTES, FP16_BYTES = 4, 2
 INTER, INTRA = "inter", "intra"
 ROUNDS_FOR_FUSION_BYTES = 64 * 2**20
 """Flat allreduce: one round per this many bytes of fused gradients (a Horovod-like fusion buffer)."""
-
-
-def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
-    """Right-aligned plain-text columns (as the other benchmarks print them; this script imports no torch)."""
-    cells = [[str(h) for h in headers]] + [[str(value) for value in row] for row in rows]
-    widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
-    lines = ["  ".join(cell.rjust(width) for cell, width in zip(row, widths, strict=True)) for row in cells]
-    lines.insert(1, "  ".join("-" * width for width in widths))
-    return "\n".join(lines)
 
 
 # ------------------------------------------------------------------------------------------ the model
@@ -645,7 +640,8 @@ def assumptions() -> str:
 
 
 # ------------------------------------------------------------------------------------------ command line
-def main() -> None:
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument(
         "--records",
@@ -659,7 +655,7 @@ def main() -> None:
         default=RESULTS_DIR,
         help="where scaling_calibration.txt and scaling_projection.{txt,png} go",
     )
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if not args.records.exists():
         parser.error(
             f"--records {args.records} does not exist; run `python benchmarks/emulated_cluster.py --sweep` first"
@@ -668,8 +664,10 @@ def main() -> None:
     observations = observations_from(records)
     calibration = calibrate(observations)
     check, worst = check_against_sweep(records, calibration)
+    measured = records.get("measured")
+    source = f" (measured {measured['date']}: {measured['command']})" if measured else ""
     fitted = (
-        f"Calibrated on {args.records.name}: {len(observations)} (run, phase) step times, "
+        f"Calibrated on {args.records.name}{source}: {len(observations)} (run, phase) step times, "
         f"{len(calibration.values)} unknowns (NNLS, weights 1 / step time)\n{describe(calibration)}"
     )
     calibration_text = (
@@ -679,13 +677,13 @@ def main() -> None:
     rows = projection()
     projection_text = f"{assumptions()}\n\n{projection_table(rows)}\n\n{anchors()}"
     print(f"{calibration_text}\n\n{projection_text}")
-    args.results_dir.mkdir(parents=True, exist_ok=True)
-    (args.results_dir / "scaling_calibration.txt").write_text(calibration_text + "\n")
-    (args.results_dir / "scaling_projection.txt").write_text(projection_text + "\n")
+    write_report(args.results_dir / "scaling_calibration.txt", calibration_text, __file__, argv, verb="computed")
+    write_report(args.results_dir / "scaling_projection.txt", projection_text, __file__, argv, verb="computed")
     (args.results_dir / "scaling_projection.json").write_text(json.dumps(rows, indent=1) + "\n")
     plot_projection(rows, args.results_dir / "scaling_projection.png")
     print(f"written: {args.results_dir}/scaling_calibration.txt, scaling_projection.{{txt,json,png}}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -19,8 +19,8 @@ reduce-scatter ``rs``, cross-node allreduce ``xr``, node-local allgather ``ag``)
 two-level allreduce ``two_level`` and the flat global allreduce ``global`` under that start-up.
 Each configuration runs ``--repeats`` times as separate jobs, round-robin over transports; the
 table shows the median over jobs of each job's median, the spread (min-max of the job medians)
-and how many jobs failed or timed out. Run ``python benchmarks/transport.py`` (about 40 minutes
-here) or ``--smoke``.
+and how many jobs failed or timed out. Run ``python benchmarks/transport.py`` or ``--smoke``
+(one job, both transports in turn).
 """
 
 from __future__ import annotations
@@ -35,18 +35,10 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from common import (  # noqa: E402
-    RESULTS_DIR,
-    format_table,
-    horovodrun,
-    median,
-    read_rank_files,
-    save_report,
-    write_rank_file,
-)
+from hvd_plugins.core.tables import format_table
+from hvd_plugins.testing.benchmarking import horovodrun, median
+from hvd_plugins.testing.launch import read_rank_files, write_rank_file
+from hvd_plugins.testing.reports import docs_dir, write_report
 
 TRANSPORTS = ("flat", "dynamic", "static_env", "static", "alltoall")
 DEFAULT_TRANSPORTS = ("dynamic", "static_env", "static", "alltoall")  # alltoall's global column is plain init's
@@ -170,24 +162,24 @@ STEP_BATCH, STEP_BATCHES, STEP_WARMUP = 64, 25, 5
 
 def step_worker(sync: str, out: Path) -> None:
     """Train each STEP_MODELS model one epoch with ``sync``; record the median seconds per step."""
-    import common
     import torch
 
     from hvd_plugins import HorovodStrategy
+    from hvd_plugins.testing import benchmarking as bench
 
-    common.one_thread_per_worker()
+    bench.one_thread_per_worker()
     result: dict[str, Any] = {}
     for label, (features, hidden, classes) in STEP_MODELS.items():
-        clock = common.StepClock()
-        trainer = common.cpu_trainer(HorovodStrategy(sync=sync), [clock])
-        module = common.Classifier(features, hidden, classes, lr=0.01)
+        clock = bench.StepClock()
+        trainer = bench.cpu_trainer(HorovodStrategy(sync=sync), [clock])
+        module = bench.Classifier(features, hidden, classes, lr=0.01)
         world = trainer.world_size
-        data = common.random_classification(STEP_BATCH * STEP_BATCHES * world, features, classes)
+        data = bench.random_classification(STEP_BATCH * STEP_BATCHES * world, features, classes)
         trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=STEP_BATCH))
         intervals = [b - a for a, b in zip(clock.times[STEP_WARMUP:], clock.times[STEP_WARMUP + 1 :], strict=False)]
         result[label] = statistics.median(intervals) * 1e3
         result[f"{label}.wait"] = trainer.strategy.comm_counters.wait_seconds * 1e3 / max(1, trainer.global_step)
-        result[f"{label}.parameters"] = common.parameter_count(module)
+        result[f"{label}.parameters"] = bench.parameter_count(module)
         rank = trainer.global_rank
     write_rank_file(out, rank, result)
 
@@ -239,10 +231,22 @@ def timed(op: Callable[[], Any], rounds: int) -> float:
     return statistics.median(times)
 
 
-def worker(transport: str, sizes: Sequence[str], out: Path) -> None:
+def worker(transports: Sequence[str], sizes: Sequence[str], out: Path) -> None:
+    """Measure under each transport in turn (Horovod shut down between them); one rank file holds them all."""
     import torch
 
     torch.set_num_threads(1)
+    results: dict[str, Any] = {}
+    rank = 0
+    for transport in transports:
+        rank, results[transport] = measure_transport(transport, sizes)
+    write_rank_file(out, rank, results)
+
+
+def measure_transport(transport: str, sizes: Sequence[str]) -> tuple[int, dict[str, Any]]:
+    """This rank and its timings under ``transport`` (see the module docstring), Horovod shut down after."""
+    import torch
+
     hvd, groups = start(transport)
     topology = groups["topology"]
     legs = alltoall_legs(hvd, groups) if transport == "alltoall" else set_legs(hvd, groups)
@@ -269,27 +273,30 @@ def worker(transport: str, sizes: Sequence[str], out: Path) -> None:
             result[f"{label}.two_level"] = timed(two_level, rounds)
             reference = hvd.allreduce(buffer, op=hvd.Sum, name="check")
             result[f"{label}.correct"] = bool(torch.allclose(two_level(), reference, rtol=1e-4, atol=1e-3))
-    write_rank_file(out, hvd.rank(), result)
+    rank = hvd.rank()
     hvd.shutdown()
+    os.environ.pop("HOROVOD_DYNAMIC_PROCESS_SETS", None)  # the next transport of the job starts plainly
+    return rank, result
 
 
 # ---------------------------------------------------------------------------------------- driver
-def run_job(layout: str, transport: str, sizes: Sequence[str], outcome: dict[str, Any]) -> None:
-    """One job of one layout and transport; adds rank 0's numbers, or the failure, to ``outcome``."""
+def run_job(layout: str, transports: Sequence[str], sizes: Sequence[str], outcomes: dict[str, Any]) -> None:
+    """One job of one layout, ``transports`` in turn; adds rank 0's numbers, or the failure, to each outcome."""
     np, hosts = LAYOUTS[layout]
     with tempfile.TemporaryDirectory() as out:
-        script = [str(Path(__file__).resolve()), "--worker", "--transport", transport, "--sizes", *sizes]
+        script = [str(Path(__file__).resolve()), "--worker", "--transport", *transports, "--sizes", *sizes]
         job = horovodrun(
-            script, Path(out), np=np, hosts=hosts, timeout=JOB_TIMEOUT_S,
+            script, Path(out), np=np, hosts=hosts, timeout=JOB_TIMEOUT_S * len(transports),
             env={"HOROVOD_GLOO_TIMEOUT_SECONDS": GLOO_TIMEOUT_S},
         )  # fmt: skip
         results = read_rank_files(Path(out))
-    if job.timed_out:
-        outcome["failures"].append("timeout")
-    elif job.returncode != 0 or sorted(results) != list(range(np)):
-        outcome["failures"].append(_failure_reason(job.output))
-    else:
-        outcome["jobs"].append(results[0])
+    for transport in transports:
+        if job.timed_out:
+            outcomes[transport]["failures"].append("timeout")
+        elif job.returncode != 0 or sorted(results) != list(range(np)):
+            outcomes[transport]["failures"].append(_failure_reason(job.output))
+        else:
+            outcomes[transport]["jobs"].append(results[0][transport])
 
 
 def _failure_reason(output: str) -> str:
@@ -319,41 +326,54 @@ def rows_of(layout: str, transport: str, outcome: dict[str, Any], sizes: Sequenc
     return rows
 
 
-def main() -> None:
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
-    parser.add_argument("--transport", choices=TRANSPORTS)
+    parser.add_argument("--transport", nargs="+", choices=TRANSPORTS, help=argparse.SUPPRESS)
     parser.add_argument("--sizes", nargs="+", choices=list(SIZES), default=list(SIZES))
     parser.add_argument("--repeats", type=int, default=5, help="separate jobs per configuration")
     parser.add_argument("--layouts", nargs="+", choices=list(LAYOUTS), default=list(LAYOUTS))
     parser.add_argument("--transports", nargs="+", choices=TRANSPORTS, default=list(DEFAULT_TRANSPORTS))
-    parser.add_argument("--append", action="store_true", help="add to docs/benchmarks/transport.txt, not replace")
-    parser.add_argument("--smoke", action="store_true", help="2x1, 1k, one job of static and alltoall; writes no file")
-    parser.add_argument("--step-times", action="store_true", help="only time training steps, flat vs hierarchical")
+    parser.add_argument(
+        "--report", type=Path, help="write the table here (default: docs/benchmarks/transport.txt; none with --smoke)"
+    )
+    parser.add_argument("--append", action="store_true", help="add to the report, not replace it")
+    parser.add_argument(
+        "--smoke", action="store_true", help="2x1, 1k, static and alltoall in turn in one job; writes no report"
+    )
+    parser.add_argument(
+        "--step-times", action="store_true", help="only time training steps, flat vs hierarchical (report: --report)"
+    )
     parser.add_argument("--step-worker", choices=STEP_SYNCS, help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.worker:
         worker(args.transport, args.sizes, args.out)
-        return
+        return 0
     if args.step_worker:
         step_worker(args.step_worker, args.out)
-        return
+        return 0
     if args.step_times:
-        print(step_times(args.repeats))
-        return
+        text = step_times(args.repeats)
+        print(text)
+        if args.report is not None:
+            print(f"written to {write_report(args.report, text, __file__, argv, append=args.append)}")
+        return 0
     if args.smoke:  # the package's transport and one with process sets, unless others are asked for
         args.layouts, args.sizes, args.repeats = ["2x1"], ["1k"], 1
         if args.transports == list(DEFAULT_TRANSPORTS):
             args.transports = ["static", "alltoall"]
+    # Round-robin over transports, one job each, so a change in the machine's load hits every transport
+    # alike; the smoke runs them in turn in one job (it checks that each works, not what it costs).
+    jobs = [args.transports] if args.smoke else [[transport] for transport in args.transports]
     begin = time.monotonic()
     rows = []
     for layout in args.layouts:
-        # Round-robin over transports, so a change in the machine's load hits every transport alike.
         outcomes: dict[str, dict[str, Any]] = {t: {"jobs": [], "failures": []} for t in args.transports}
         for repeat in range(args.repeats):
-            for transport in args.transports:
-                run_job(layout, transport, args.sizes, outcomes[transport])
+            for transports in jobs:
+                run_job(layout, transports, args.sizes, outcomes)
             print(f"{layout} repeat {repeat + 1}/{args.repeats} done", flush=True)
         for transport, outcome in outcomes.items():
             rows += rows_of(layout, transport, outcome, args.sizes)
@@ -361,7 +381,7 @@ def main() -> None:
     text = "\n".join(
         [
             "Milliseconds per collective, rank 0: median over jobs of each job's median (min-max of the job medians).",
-            f"{args.repeats} job(s) per row; float32 buffers; 2-core machine, emulated nodes on loopback (noisy).",
+            f"{args.repeats} job(s) per row; float32 buffers; emulated nodes on loopback (noisy).",
             "alltoall starts Horovod plainly (no process sets): its global column is plain hvd.init()'s allreduce.",
             "global = flat allreduce under that start-up; rs/xr/ag = node-local reduce-scatter, cross-node",
             "allreduce of a 1/L shard, node-local allgather; two_level = the three legs in a row.",
@@ -372,10 +392,11 @@ def main() -> None:
         ]
     )
     print(text)
-    if not args.smoke:
-        earlier = (RESULTS_DIR / "transport.txt").read_text() + "\n" if args.append else ""
-        print(f"written to {save_report('transport', earlier + text)}")
+    report_path = args.report or (None if args.smoke else docs_dir(__file__) / "transport.txt")
+    if report_path is not None:
+        print(f"written to {write_report(report_path, text, __file__, argv, append=args.append)}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -1,96 +1,166 @@
-"""The benchmark scripts run end to end in their --smoke mode and print sane numbers.
+"""The benchmark scripts run end to end in their smoke sizes and print sane numbers.
 
-These check that each benchmark works and that what it prints is self-consistent (positive
-rates, byte counts equal to the analytic expectation, tables present), never how fast anything is.
+These check that each benchmark works and that what it prints is self-consistent (positive rates,
+byte counts equal to the analytic expectation, tables and dated reports present), never how fast
+anything is. Drivers run in this process as ``benchmarks.<name>.main(argv)`` (what ``python -m
+benchmarks.<name>`` runs), which spares each one the seconds of importing torch and Lightning
+again; their workers are real jobs started as ``python benchmarks/<name>.py``, so both command
+forms stay working.
 """
 
 from __future__ import annotations
 
+import argparse
+import ast
 import json
-import os
+import math
 import re
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-BENCHMARKS = REPO / "benchmarks"
-SKIP_EXIT_CODE = 77  # emulated_cluster.py: namespaces cannot be made here
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))  # `benchmarks` is a package of the checkout, not of the installed project
+
+from benchmarks import comm_volume, duplex, emulated_cluster, overhead, transport  # noqa: E402
+from hvd_plugins.testing.netns_cluster import SKIP_EXIT_CODE, NamespaceCluster  # noqa: E402
 
 pytestmark = pytest.mark.multiprocess
 
-
-def run_benchmark(script: str, *args: str, timeout: float) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONWARNINGS": "ignore"}
-    return subprocess.run(
-        [sys.executable, str(BENCHMARKS / script), *args],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+SCRIPTS = sorted(path for path in (REPO / "benchmarks").glob("*.py") if path.name != "__init__.py")
 
 
-def run_smoke(script: str, timeout: float) -> subprocess.CompletedProcess[str]:
-    return run_benchmark(script, "--smoke", timeout=timeout)
+def run_main(module: ModuleType, argv: Sequence[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
+    """A script's ``main(argv)`` in this process: its exit code and what it printed."""
+    try:
+        code = module.main(list(argv))
+    except SystemExit as stop:
+        code = stop.code if isinstance(stop.code, int) else 1
+    printed = capsys.readouterr()
+    return code, printed.out + printed.err
 
 
-def skip_without_namespaces(result: subprocess.CompletedProcess[str]) -> None:
-    """The emulated-cluster scripts exit with SKIP_EXIT_CODE where namespaces cannot be made."""
-    if result.returncode == SKIP_EXIT_CODE:
-        pytest.skip(result.stdout.strip().splitlines()[-1])
+def skip_without_namespaces(code: int, printed: str) -> None:
+    """The emulated-cluster scripts return SKIP_EXIT_CODE where namespaces cannot be made."""
+    if code == SKIP_EXIT_CODE:
+        pytest.skip(printed.strip().splitlines()[-1])
 
 
 def assert_no_namespaces_left() -> None:
-    leftovers = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-    assert "-node0" not in leftovers and "-node1" not in leftovers, f"namespaces left behind: {leftovers}"
+    """The drivers ran in this process, so their namespaces carry its tag (others' running jobs may have theirs)."""
+    tag = NamespaceCluster().tag  # names only; nothing is built
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.splitlines()
+    leftovers = [line for line in listed if line.startswith(f"{tag}-node")]
+    assert not leftovers, f"namespaces left behind: {leftovers}"
 
 
-def test_overhead_smoke_prints_positive_rates_and_verdicts() -> None:
-    result = run_smoke("overhead.py", timeout=420)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    rates = dict(re.findall(r"(horovod_loop|horovod_strategy|lightning_ddp)=([0-9.]+)", result.stdout))
-    assert set(rates) == {"horovod_loop", "horovod_strategy", "lightning_ddp"}, result.stdout
+def assert_dated_report(path: Path, script: str, argv: Sequence[str], verb: str = "measured") -> str:
+    """The report opens with the date, the machine and the command; returns what follows the header."""
+    text = path.read_text()
+    first, second, blank, body = text.split("\n", 3)
+    assert re.fullmatch(rf"{verb}: \d{{4}}-\d\d-\d\d on \d+ cores \(.*\), Python [\d.]+, torch .+, Horovod .+", first)
+    assert second == "command: " + " ".join(["python", f"benchmarks/{script}", *argv]) and blank == "", text[:500]
+    return body
+
+
+# ------------------------------------------------------------------------------------------ every script
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda path: path.stem)
+def test_a_script_imports_no_sibling_and_runs_as_file_or_module(script: Path) -> None:
+    """No ``sys.path`` edits and no imports of another script: ``python benchmarks/<name>.py`` needs none."""
+    nodes = list(ast.walk(ast.parse(script.read_text())))
+    siblings = {path.stem for path in SCRIPTS} | {"benchmarks", "common"}
+    imported = {alias.name.split(".")[0] for node in nodes if isinstance(node, ast.Import) for alias in node.names}
+    imported |= {(node.module or "").split(".")[0] for node in nodes if isinstance(node, ast.ImportFrom)}
+    assert not imported & siblings, sorted(imported & siblings)
+    assert not any(isinstance(node, ast.ImportFrom) and node.level for node in nodes), "relative import"
+    assert "sys.path" not in script.read_text()
+    assert script.read_text().rstrip().endswith('if __name__ == "__main__":\n    sys.exit(main())')
+
+
+# ------------------------------------------------------------------------------------------ overhead
+def test_overhead_smoke_prints_positive_rates_and_verdicts(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["--smoke", "--report", str(tmp_path / "overhead.txt")]
+    code, printed = run_main(overhead, argv, capsys)
+    assert code == 0, printed[-3000:]
+    rates = dict(re.findall(r"(horovod_loop|horovod_strategy|lightning_ddp)=([0-9.]+)", printed))
+    assert set(rates) == {"horovod_loop", "horovod_strategy", "lightning_ddp"}, printed
     assert all(float(rate) > 0 for rate in rates.values()), rates
-    ratio_lines = [line for line in result.stdout.splitlines() if line.lstrip().startswith(("b/a", "b/c"))]
-    assert len(ratio_lines) == 2, result.stdout
+    ratio_lines = [line for line in printed.splitlines() if line.lstrip().startswith(("b/a", "b/c"))]
+    assert len(ratio_lines) == 2, printed
     for line in ratio_lines:
         measured = re.search(r"\s([0-9.]+)\s+>=", line)
         assert measured is not None and float(measured.group(1)) > 0, line
         assert line.rstrip().endswith(("met", "not met")), line
+    body = assert_dated_report(tmp_path / "overhead.txt", "overhead.py", argv)
+    assert body.startswith("overhead: 2 workers on CPU") and "median rates:" in body
 
 
-def test_comm_volume_smoke_counts_equal_the_analytic_expectation() -> None:
-    result = run_smoke("comm_volume.py", timeout=420)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert "all measured counts equal the analytic expectation" in result.stdout, result.stdout
-    rows = {tuple(line.split()[:2]): line for line in result.stdout.splitlines() if line.split()[:1] in (
+# ------------------------------------------------------------------------------------------ comm_volume
+def test_comm_volume_smoke_counts_equal_the_analytic_expectation(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The script checks its counters against its formulas; here a few counts are also worked out by hand."""
+    argv = ["--smoke", "--report", str(tmp_path / "comm_volume.txt")]
+    code, printed = run_main(comm_volume, argv, capsys)
+    assert code == 0, printed[-3000:]
+    assert "all measured counts equal the analytic expectation" in printed, printed
+    header = re.search(r"cross_size 2\); .* P = ([\d,]+) parameters; (\d+) optimizer steps", printed)
+    assert header is not None, printed
+    params, steps = int(header.group(1).replace(",", "")), int(header.group(2))
+    assert steps == 6, "DASO sends and merges once only from 6 steps on"
+    rows = {tuple(line.split()[:2]): line.split() for line in printed.splitlines() if line.split()[:1] in (
         ["allreduce"], ["hierarchical"], ["daso"])}  # fmt: skip
+    cross = {key: int(cells[4].replace(",", "")) for key, cells in rows.items()}
     for sync in ("allreduce", "hierarchical", "daso"):
         for compression in ("none", "fp16"):
-            assert rows[(sync, compression)].rstrip().endswith("yes (all ranks)"), rows
-        cross = {c: int(rows[(sync, c)].split()[4].replace(",", "")) for c in ("none", "fp16")}
-        assert cross["none"] > 0 and cross["fp16"] * 2 == cross["none"], (sync, cross)
+            assert " ".join(rows[(sync, compression)][-3:]) == "yes (all ranks)", rows
+        assert cross[(sync, "none")] > 0 and cross[(sync, "fp16")] * 2 == cross[(sync, "none")], (sync, cross)
+    shard = math.ceil(params / 2)  # each of a node's 2 workers carries half the parameters across
+    assert cross[("allreduce", "none")] == params * 4 * steps
+    assert cross[("hierarchical", "none")] == shard * 4 * steps
+    assert cross[("daso", "none")] == shard * 4 * 1 + params * 4  # one cycling send, then the closing average
+    body = assert_dated_report(tmp_path / "comm_volume.txt", "comm_volume.py", argv)
+    assert body.rstrip().endswith("all measured counts equal the analytic expectation")
 
 
-def test_emulated_cluster_smoke_sweeps_both_topologies_and_writes_records(tmp_path: Path) -> None:
-    result = run_benchmark("emulated_cluster.py", "--smoke", "--results-dir", str(tmp_path), timeout=900)
-    skip_without_namespaces(result)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    table = {tuple(line.split()[1:4]): line.split() for line in result.stdout.splitlines() if line.startswith("smoke ")}
-    expected = {("2x1", "50", "allreduce/none"), ("2x1", "50", "daso/fp16"), ("2x2", "50", "allreduce/none"),
-                ("2x2", "50", "hierarchical/none"), ("2x2", "50", "daso/fp16")}  # fmt: skip
-    assert set(table) == expected, result.stdout  # no two-level allreduce where a node has one worker
+# ------------------------------------------------------------------------------------------ emulated_cluster
+def test_the_two_level_allreduce_runs_only_where_a_node_has_two_workers() -> None:
+    grid = emulated_cluster.build_grid(emulated_cluster_args("--smoke", "--topology", "2x1,2x2"))
+    by_topology = {topology.label: grid.modes_for(topology) for topology in grid.topologies}
+    assert by_topology == {
+        "2x1": ["allreduce/none", "daso/fp16"],
+        "2x2": ["allreduce/none", "hierarchical/none", "daso/fp16"],
+    }
+    assert [t.label for t in emulated_cluster.build_grid(emulated_cluster_args("--smoke")).topologies] == ["2x1"]
+
+
+def emulated_cluster_args(*argv: str) -> argparse.Namespace:
+    return emulated_cluster.build_parser().parse_args(list(argv))
+
+
+def test_emulated_cluster_smoke_runs_flat_and_daso_and_writes_records(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["--smoke", "--results-dir", str(tmp_path)]
+    code, printed = run_main(emulated_cluster, argv, capsys)
+    skip_without_namespaces(code, printed)
+    assert code == 0, printed[-3000:]
+    table = {tuple(line.split()[1:4]): line.split() for line in printed.splitlines() if line.startswith("smoke ")}
+    expected = {("2x1", "50", "allreduce/none"), ("2x1", "50", "daso/fp16")}
+    assert set(table) == expected, printed
     for key, cells in table.items():
         step_ms, cross_kb, accuracy = float(cells[6]), float(cells[7]), float(cells[8])
         assert step_ms > 0 and cross_kb > 0 and 0 <= accuracy <= 100, cells
         assert (cells[9] == "(baseline)") == (key[2] == "allreduce/none"), cells
-    records = json.loads((tmp_path / "emulated_sweep.json").read_text())["runs"]
-    assert len(records) == len(expected)
-    for run in records:
+    records = json.loads((tmp_path / "emulated_sweep.json").read_text())
+    assert records["measured"]["command"] == "python benchmarks/emulated_cluster.py " + " ".join(argv)
+    assert len(records["runs"]) == len(expected)
+    for run in records["runs"]:
         assert run["steps"] >= 2 and run["mean_step_s"] > 0, run
         phases = set(run["phases"])
         if run["mode"].startswith("daso"):  # the smoke run may stop at its target before the cooldown epoch
@@ -98,29 +168,40 @@ def test_emulated_cluster_smoke_sweeps_both_topologies_and_writes_records(tmp_pa
         else:
             assert phases == {"sync"}, phases
         assert run["phases"].get("sync", run["phases"].get("warmup"))["cross_node_bytes_per_step"] > 0, run
-    for name in ("emulated_sweep.txt", "emulated_sweep.csv", "emulated_sweep.png"):
+    for name in ("emulated_sweep.csv", "emulated_sweep.png"):
         assert (tmp_path / name).stat().st_size > 0, name
+    assert assert_dated_report(tmp_path / "emulated_sweep.txt", "emulated_cluster.py", argv).startswith(
+        "emulated_cluster sweep:"
+    )
     assert_no_namespaces_left()
 
 
-def test_transport_smoke_runs_the_packages_and_a_process_set_transport_and_checks_the_sums() -> None:
-    result = run_smoke("transport.py", timeout=600)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    rows = {line.split()[1]: line for line in result.stdout.splitlines() if line.split()[:3:2] == ["2x1", "1k"]}
-    assert set(rows) == {"static", "alltoall"}, result.stdout
-    for transport, line in rows.items():
-        assert re.search(r"\syes\s+0/1$", line.rstrip()), (transport, line)  # two-level sum correct, no failure
+# ------------------------------------------------------------------------------------------ transport
+def test_transport_smoke_runs_the_packages_and_a_process_set_transport_and_checks_the_sums(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    code, printed = run_main(transport, ["--smoke"], capsys)
+    assert code == 0, printed[-3000:]
+    rows = {line.split()[1]: line for line in printed.splitlines() if line.split()[:3:2] == ["2x1", "1k"]}
+    assert set(rows) == {"static", "alltoall"}, printed
+    for name, line in rows.items():
+        assert re.search(r"\syes\s+0/1$", line.rstrip()), (name, line)  # two-level sum correct, no failure
         global_ms, two_level_ms = re.findall(r"\s([0-9.]+) \(", line)[0], re.findall(r"\s([0-9.]+) \(", line)[-1]
         assert float(global_ms) > 0 and float(two_level_ms) > 0, line
 
 
-def test_duplex_times_every_collective_on_two_emulated_nodes() -> None:
-    args = ("--link-mbit", "unshaped", "--mb", "0.2", "--trials", "2", "--no-save")
-    result = run_benchmark("duplex.py", *args, timeout=300)
-    skip_without_namespaces(result)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    rows = {line.split()[1]: line.split() for line in result.stdout.splitlines() if line.split()[:1] == ["unshaped"]}
-    assert set(rows) == {"flat", "exchange", "relay", "one_way", "two_level"}, result.stdout
+# ------------------------------------------------------------------------------------------ duplex
+def test_duplex_times_every_collective_on_two_emulated_nodes(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["--link-mbit", "unshaped", "--mb", "0.1", "--trials", "1", "--report", str(tmp_path / "duplex.txt")]
+    code, printed = run_main(duplex, argv, capsys)
+    skip_without_namespaces(code, printed)
+    assert code == 0, printed[-3000:]
+    rows = {line.split()[1]: line.split() for line in printed.splitlines() if line.split()[:1] == ["unshaped"]}
+    assert set(rows) == {"flat", "exchange", "relay", "one_way", "two_level"}, printed
     for cells in rows.values():
         assert float(cells[2]) > 0 and float(cells[4]) > 0, cells
+    body = assert_dated_report(tmp_path / "duplex.txt", "duplex.py", argv)
+    assert body.startswith("duplex: 2 nodes x 2 workers, 0.1 MB")
     assert_no_namespaces_left()

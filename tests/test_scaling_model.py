@@ -1,4 +1,5 @@
-"""The alpha-beta model of benchmarks/scaling_model.py: its algebra on cases computed by hand, and its calibration.
+"""The alpha-beta model of benchmarks/scaling_model.py: its algebra on cases computed by hand, its calibration,
+and its reports against the ones in docs/benchmarks.
 
 Pure arithmetic (numpy only): no workers are launched.
 """
@@ -6,6 +7,7 @@ Pure arithmetic (numpy only): no workers are launched.
 from __future__ import annotations
 
 import math
+import re
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -13,8 +15,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-import scaling_model as sm  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))  # `benchmarks` is a package of the checkout, not of the installed project
+
+from benchmarks import scaling_model as sm  # noqa: E402
+
+DOCS = REPO / "docs" / "benchmarks"
 
 
 def cluster(nodes: int, local: int, inter: float = 1.0, intra: float = 1.0, round_s: float = 0.0) -> sm.Cluster:
@@ -131,3 +138,26 @@ def test_projection_speedups_are_relative_to_flat_fp32() -> None:
         assert 0 < r["efficiency"] <= 1 and math.isfinite(r["step_s"])
     # fp16 halves the bytes: on a slow link it is faster than fp32, never slower.
     assert all(r["speedup"] > 1 for r in rows if r["mode"] == "allreduce/fp16")
+
+
+def _body(path: Path) -> str:
+    """A report without its two header lines (date, machine, command) and the blank line after them."""
+    header, body = path.read_text().split("\n\n", 1)
+    assert re.fullmatch(r"computed: \d{4}-\d\d-\d\d on .+\ncommand: python benchmarks/scaling_model\.py.*", header)
+    return body
+
+
+def test_the_script_refits_the_committed_sweep_and_reproduces_the_committed_projection(tmp_path: Path) -> None:
+    """The reports in docs/benchmarks are what the script makes of the sweep there: a changed assumption
+    without regenerated reports fails here (``python benchmarks/scaling_model.py`` regenerates them)."""
+    assert sm.main(["--results-dir", str(tmp_path)]) == 0
+    assert _body(tmp_path / "scaling_projection.txt") == _body(DOCS / "scaling_projection.txt")
+    assert (tmp_path / "scaling_projection.json").read_text() == (DOCS / "scaling_projection.json").read_text()
+    assert (tmp_path / "scaling_projection.png").stat().st_size > 0
+    calibration = _body(tmp_path / "scaling_calibration.txt")
+    committed = _body(DOCS / "scaling_calibration.txt")
+    assert calibration.splitlines()[0] == committed.splitlines()[0]  # same records, run count and unknowns
+    worst = re.findall(r"worst error (\d+) %", calibration + "\n" + committed)
+    assert len(worst) == 2 and worst[0] == worst[1], worst
+    rows = [sum(line.startswith(("small ", "large ")) for line in t.splitlines()) for t in (calibration, committed)]
+    assert rows == [35, 35]  # one per run of the sweep

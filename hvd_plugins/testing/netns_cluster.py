@@ -8,7 +8,8 @@ which is idempotent; ``NamespaceCluster`` also registers it with ``atexit`` and 
 
 MPI reaches the nodes as it reaches hosts of a real cluster, through a remote-shell agent:
 ``mpirun_args()`` names an agent that runs OpenMPI's daemon inside the node's namespace, under the
-node's host name, so OpenMPI sees one host per node (``local_size`` is the node's workers).
+node's host name, so OpenMPI sees one host per node (``local_size`` is the node's workers). Gloo
+jobs start without ssh: ``run_on_cluster`` hands Horovod's launcher a command that enters the node.
 """
 
 from __future__ import annotations
@@ -16,14 +17,23 @@ from __future__ import annotations
 import atexit
 import ipaddress
 import os
+import shlex
 import shutil
 import signal
 import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
+from typing import Any
 
 SHAPING = "tbf rate 200mbit burst 256kb latency 50ms"
+UNSHAPED = "unshaped"
+SKIP_EXIT_CODE = 77
+"""Exit code of a script that needs the cluster where it cannot be built (the test suite then skips)."""
 
 
 def shaping_for(link_mbit: float | None) -> str:
@@ -33,6 +43,24 @@ def shaping_for(link_mbit: float | None) -> str:
     if link_mbit <= 0:
         raise ValueError(f"link rate {link_mbit!r} Mbit/s must be > 0 (or None for an unshaped link)")
     return f"tbf rate {link_mbit:g}mbit burst 256kb latency 50ms"
+
+
+def parse_link(text: str) -> float | None:
+    """A link rate as given on a command line: ``"50"`` -> 50.0 Mbit/s; ``"unshaped"`` -> None."""
+    if text.strip().lower() == UNSHAPED:
+        return None
+    try:
+        rate = float(text)
+    except ValueError:
+        raise ValueError(f"--link-mbit {text!r} must be a rate in Mbit/s (e.g. 50) or {UNSHAPED!r}") from None
+    if not rate > 0:
+        raise ValueError(f"--link-mbit {text!r} must be > 0 Mbit/s or {UNSHAPED!r}")
+    return rate
+
+
+def link_label(link_mbit: float | None) -> str:
+    """How tables and records name a link: its rate in Mbit/s, or ``unshaped``."""
+    return UNSHAPED if link_mbit is None else f"{link_mbit:g}"
 
 
 SUBNET_CANDIDATES = [ipaddress.ip_network(f"10.213.{third}.0/24") for third in range(100, 200)]
@@ -236,3 +264,72 @@ class NamespaceCluster:
             "-c",
             f"hostname {self.host_name(node)}; {command}",
         ]
+
+
+def run_on_cluster(
+    cluster: NamespaceCluster,
+    command: Sequence[str],
+    workers_per_node: int,
+    logs: Path,
+    limit_s: float,
+    cwd: Path | None = None,
+) -> None:
+    """Run ``command`` as ``workers_per_node`` Horovod workers in every node, each rank's output in ``logs``.
+
+    Horovod's Gloo launcher (``launch_gloo``) starts each worker through a command that enters its
+    node, so no ssh is needed. Every worker is killed once ``limit_s`` has passed or another rank
+    failed (a rank that failed leaves the others waiting in a collective); raises RuntimeError with
+    the logs' tails if any rank failed, KeyboardInterrupt on Ctrl-C or SIGTERM.
+    """
+    from horovod.runner.common.util.settings import Settings
+    from horovod.runner.gloo_run import launch_gloo
+
+    venv_bin = str(Path(sys.executable).parent)
+    env = {
+        "PATH": f"{venv_bin}:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+        "HOME": os.environ.get("HOME", "/root"),
+        "VIRTUAL_ENV": os.environ.get("VIRTUAL_ENV", str(Path(venv_bin).parent)),
+        "PYTHONUNBUFFERED": "1",
+        "PYTHONWARNINGS": "ignore",
+        "OMP_NUM_THREADS": "1",
+        "HOROVOD_GLOO_TIMEOUT_SECONDS": "120",  # process-set rendezvous waits for the slowest worker
+    }
+    hosts = ",".join(f"{cluster.host_name(n)}:{workers_per_node}" for n in range(cluster.nodes))
+    settings = Settings(hosts=hosts, num_proc=workers_per_node * cluster.nodes, verbose=0)
+    deadline = time.monotonic() + limit_s
+    logs.mkdir(parents=True, exist_ok=True)
+    enter = f"cd {shlex.quote(str(cwd))} && " if cwd is not None else ""
+    stopped_by: set[str] = set()  # "signal" (Ctrl-C, SIGTERM), "deadline" or "failure" (another rank failed)
+
+    def exec_command(command: str, slot_info: Any, events: list[threading.Event]) -> tuple[int, float]:
+        node = int(slot_info.hostname.removeprefix("node"))
+        wrapped = cluster.worker_command(node, enter + command)
+        with open(logs / f"rank{slot_info.rank}.log", "w") as log:
+            process = subprocess.Popen(wrapped, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            while process.poll() is None:
+                interrupted = any(event.is_set() for event in events)  # launch_gloo sets them on a signal
+                if interrupted or time.monotonic() > deadline or "failure" in stopped_by:
+                    # A rank that failed leaves the others waiting in a collective: stop them now.
+                    stopped_by.add("signal" if interrupted else "failure" if "failure" in stopped_by else "deadline")
+                    os.killpg(process.pid, signal.SIGKILL)
+                    process.wait()
+                    return 124, time.time()
+                time.sleep(0.2)
+        if process.returncode != 0:
+            stopped_by.add("failure")
+        return process.returncode, time.time()
+
+    previous = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        launch_gloo(list(command), exec_command, settings, nics={"eth0"}, env=env, server_ip=cluster.bridge_ip)
+    except RuntimeError as error:
+        if "signal" in stopped_by:  # stop the whole run; the caller's context removes the namespaces
+            raise KeyboardInterrupt from None
+        limit = f"killed after {limit_s:.0f} s\n" if "deadline" in stopped_by else ""
+        tails = "\n".join(f"--- {p.name}\n{p.read_text()[-1500:]}" for p in sorted(logs.glob("*.log")))
+        raise RuntimeError(f"{limit}{error}\n{tails}") from None
+    finally:
+        for signum, handler in previous.items():  # launch_gloo replaces them with its own
+            signal.signal(signum, handler)
+    if "signal" in stopped_by:
+        raise KeyboardInterrupt

@@ -7,6 +7,8 @@ from collections.abc import Sequence
 import torch
 from lightning.pytorch import Trainer
 
+from hvd_plugins.core import tables
+
 
 def gather_rows(trainer: Trainer, values: Sequence[float]) -> list[list[float]]:
     """Every worker's ``values`` (same length on all workers), in rank order; a collective.
@@ -30,16 +32,5 @@ def log_to_loggers(trainer: Trainer, metrics: dict[str, float]) -> None:
 
 
 def format_table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
-    """A plain fixed-width text table (numbers right-aligned)."""
-
-    def cell(value: object) -> str:
-        if isinstance(value, float):
-            return f"{value:,.2f}"
-        return str(value)
-
-    cells = [[cell(value) for value in row] for row in rows]
-    widths = [max(len(str(title)), *(len(row[i]) for row in cells)) for i, title in enumerate(header)]
-    lines = ["  ".join(str(title).rjust(width) for title, width in zip(header, widths, strict=True))]
-    lines.append("  ".join("-" * width for width in widths))
-    lines += ["  ".join(value.rjust(width) for value, width in zip(row, widths, strict=True)) for row in cells]
-    return "\n".join(lines)
+    """The repository's table layout with two decimals: the callbacks' columns (MiB, seconds) read side by side."""
+    return tables.format_table(header, rows, decimals=2)

@@ -1,8 +1,10 @@
-"""Plumbing shared by the benchmark scripts: launching jobs, medians, tables, targets, the model and data.
+"""What the benchmark scripts share: launching their jobs, small statistics, the model, data and Trainer.
 
 Every benchmark is one script that plays two roles: run without ``--worker`` it is the driver
 (it launches jobs, gathers what each rank wrote and prints tables); run with ``--worker`` it is
 one training process. Workers write ``rank<N>.json`` into the ``--out`` folder they are given.
+The scripts import only this package, so each runs as ``python benchmarks/<name>.py`` and as
+``python -m benchmarks.<name>`` alike.
 """
 
 from __future__ import annotations
@@ -21,12 +23,9 @@ from torch import nn
 
 from hvd_plugins.testing import launch
 from hvd_plugins.testing.launch import JobResult
-from hvd_plugins.testing.launch import read_rank_files as read_rank_files  # for the benchmark scripts
-from hvd_plugins.testing.launch import write_rank_file as write_rank_file
 
-REPO = Path(__file__).resolve().parents[1]
-RESULTS_DIR = REPO / "docs" / "benchmarks"
 TWO_EMULATED_NODES = "localhost:2,127.0.0.1:2"
+"""Two hosts that name this machine twice: Horovod sees 2 nodes of 2 workers."""
 
 
 # ---------------------------------------------------------------------------------------- launching
@@ -38,9 +37,9 @@ def horovodrun(
     timeout: float = 300,
     env: dict[str, str] | None = None,
 ) -> JobResult:
-    """``horovodrun -np N -H hosts --gloo python <script_args> --out out_dir``, from the repository root."""
+    """``horovodrun -np N -H hosts --gloo python <script_args> --out out_dir``."""
     return launch.horovodrun(
-        [sys.executable, *script_args], np=np, hosts=hosts, out_dir=out_dir, timeout=timeout, env=env, cwd=REPO
+        [sys.executable, *script_args], np=np, hosts=hosts, out_dir=out_dir, timeout=timeout, env=env
     )
 
 
@@ -48,7 +47,7 @@ def torchrun(script_args: Sequence[str], out_dir: Path, nproc: int = 2, timeout:
     """``python -m torch.distributed.run --nproc_per_node N <script_args> --out out_dir`` (one node)."""
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
     command += [*script_args, "--out", str(out_dir)]
-    return launch.run_bounded(command, timeout, cwd=REPO, out_dir=out_dir)
+    return launch.run_bounded(command, timeout, out_dir=out_dir)
 
 
 def daso_settings(compression: str, warmup_epochs: int, cooldown_epochs: int) -> dict[str, Any]:
@@ -62,6 +61,7 @@ def daso_settings(compression: str, warmup_epochs: int, cooldown_epochs: int) ->
 
 # ---------------------------------------------------------------------------------------- numbers
 def median(values: Sequence[float]) -> float:
+    """The median as a float; raises on no values (a benchmark row without a measurement is a bug)."""
     if not values:
         raise ValueError("median of no values")
     return float(statistics.median(values))
@@ -76,34 +76,9 @@ def steps_per_second(step_end_times: Sequence[float], warmup_steps: int) -> floa
 
 
 def target_verdict(measured: float, target: float, higher_is_better: bool = True) -> str:
+    """``met`` or ``not met``: the word a report prints next to a target."""
     met = measured >= target if higher_is_better else measured <= target
     return "met" if met else "not met"
-
-
-# ---------------------------------------------------------------------------------------- tables
-def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
-    """A plain-text table with right-aligned columns, readable in a terminal and in a .txt file."""
-    cells = [[str(h) for h in headers]] + [[_cell(value) for value in row] for row in rows]
-    widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
-    lines = ["  ".join(cell.rjust(width) for cell, width in zip(row, widths, strict=True)) for row in cells]
-    lines.insert(1, "  ".join("-" * width for width in widths))
-    return "\n".join(lines)
-
-
-def _cell(value: Any) -> str:
-    if isinstance(value, float):
-        return f"{value:.3g}" if abs(value) < 1000 else f"{value:,.0f}"
-    if isinstance(value, int):
-        return f"{value:,}"
-    return str(value)
-
-
-def save_report(name: str, text: str) -> Path:
-    """Write a benchmark's printed report to docs/benchmarks/<name>.txt."""
-    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
-    path = RESULTS_DIR / f"{name}.txt"
-    path.write_text(text if text.endswith("\n") else text + "\n")
-    return path
 
 
 # ---------------------------------------------------------------------------------------- models and data
@@ -177,6 +152,7 @@ def cpu_trainer(strategy: Any, callbacks: Sequence[pl.Callback], devices: int = 
 
 
 def parameter_count(model: nn.Module) -> int:
+    """Trainable parameters: what a gradient sync moves."""
     return sum(p.numel() for p in model.parameters() if p.requires_grad)
 
 
