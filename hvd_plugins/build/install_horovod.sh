@@ -29,7 +29,7 @@
 set -euo pipefail
 
 HOROVOD_VERSION="0.28.1"
-PATCH_LEVEL="p2"   # bump when the source patches below change
+PATCH_LEVEL="p3"   # bump when the source patches below change
 PYTHON="${PYTHON:-python}"
 CACHE_DIR="${HVD_WHEEL_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/hvd_plugins/wheels}"
 
@@ -172,6 +172,29 @@ for path, anchor, addition in edits:
     if text.count(anchor) != 1:
         sys.exit(f"{path.name} does not look as expected; cannot turn on Gloo's F16C float16 sum")
     path.write_text(text.replace(anchor, anchor + addition))
+PY
+
+    # An in-place allreduce of one tensor (what DistributedOptimizer's hooks send when a gradient
+    # fills the fusion buffer alone) copied the tensor onto itself before reducing: one extra pass
+    # over every byte, and memcpy's undefined behaviour for overlapping memory. Copy only when the
+    # output is another tensor.
+    "$PYTHON" - "$SRC/horovod/common/ops/gloo_operations.cc" <<'PY'
+import pathlib, sys
+path = pathlib.Path(sys.argv[1])
+text = path.read_text()
+old = """    buffer_data = (void*)first_entry.output->data();
+    std::memcpy(buffer_data, first_entry.tensor->data(),
+                (size_t)first_entry.tensor->size());
+    fused_input_data = buffer_data;"""
+new = """    buffer_data = (void*)first_entry.output->data();
+    if (buffer_data != first_entry.tensor->data()) {
+      std::memcpy(buffer_data, first_entry.tensor->data(),
+                  (size_t)first_entry.tensor->size());
+    }
+    fused_input_data = buffer_data;"""
+if text.count(old) != 1:
+    sys.exit("gloo_operations.cc does not look as expected; cannot skip the in-place self-copy")
+path.write_text(text.replace(old, new))
 PY
 
     # GCC 13's standard headers no longer include <string> and <stdexcept> on the side; two
