@@ -1,7 +1,10 @@
 """The digits example through LightningCLI: the strategy is chosen and configured in YAML or flags.
 
     horovodrun -np 2 -H localhost:2 --gloo python examples/cli.py fit --config examples/config.yaml
+    python examples/cli.py fit --config examples/config.yaml --trainer.devices 2   # starts its 2 workers itself
     python examples/cli.py fit --config examples/config.yaml --trainer.strategy.init_args.compression none
+    mpirun -np 2 --bind-to none python examples/cli.py fit --config examples/config.yaml  # OpenMPI starts them
+    srun --mpi=pmix python examples/cli.py fit --config examples/config.yaml  # inside a Slurm job
 
 ``--trainer.strategy`` takes a class path and its init args (see config.yaml), or a registered
 name such as ``horovod_fp16``. Rank 0 prints the validation accuracy at the end.

@@ -1,8 +1,10 @@
 """Classify scikit-learn's 8x8 digits with a loop written by hand: Lightning Fabric on Horovod.
 
     horovodrun -np 2 -H localhost:2 --gloo python examples/fabric_digits.py
-    python examples/fabric_digits.py --devices 2          # starts its 2 workers itself
-    python examples/fabric_digits.py                      # one process
+    python examples/fabric_digits.py --devices 2                  # starts its 2 workers itself
+    python examples/fabric_digits.py                              # one process
+    mpirun -np 2 --bind-to none python examples/fabric_digits.py  # OpenMPI starts the workers (Horovod built with MPI)
+    srun --mpi=pmix python examples/fabric_digits.py              # inside a Slurm job, one task per worker
 
 Rank 0 prints the validation accuracy over every worker's share of the validation set.
 """
