@@ -274,6 +274,13 @@ def test_route_tuner_stops_early_when_every_step_of_one_route_beats_the_other() 
     assert len(agreed) == 1 and tuner.seconds == {TWO_LEVEL: [0.1, 0.12], FLAT: [0.3, 0.25]}
 
 
+def test_route_tuner_stops_early_when_one_median_is_far_above_the_other() -> None:
+    tuner, routes, agreed = _run_tuner(two_level_s=[0.3, 0.05], flat_s=[0.1, 0.1])  # medians 0.175 and 0.1
+    assert routes[6:] == [FLAT] * 6 and len(agreed) == 1
+    tuner, routes, agreed = _run_tuner(two_level_s=[0.14, 0.14, 0.14], flat_s=[0.1, 0.15, 0.1])  # 1.12x: not clear
+    assert len(agreed) == 2 and tuner.choice == FLAT and len(tuner.seconds[FLAT]) == 3
+
+
 def test_route_tuner_runs_an_untimed_step_again_on_the_same_route() -> None:
     tuner, routes, _ = _run_tuner(two_level_s=[0.3, 0.3], flat_s=[0.1, 0.1], untimed=(2, 3))
     assert routes[:6] == [TWO_LEVEL, FLAT, TWO_LEVEL, TWO_LEVEL, TWO_LEVEL, FLAT]

@@ -21,7 +21,10 @@ TWO_LEVEL, FLAT = "two_level", "flat"
 TRIAL_STEPS_PER_ROUTE = 5
 """Most timed steps per route before choosing, after one untimed step of each (Horovod sizes its buffers then)."""
 MIN_TRIAL_STEPS_PER_ROUTE = 2
-"""Fewest timed steps per route: enough when every worker saw every step of one route beat every step of the other."""
+"""Fewest timed steps per route: enough when the result is clear (see ``CLEAR_RATIO``)."""
+CLEAR_RATIO = 1.5
+"""After the fewest trials, a route whose agreed median is this many times the other's has lost; so has one
+whose every step, on every worker, was slower than every step of the other. Otherwise the trials go on."""
 
 Agree = Callable[[torch.Tensor], torch.Tensor]
 """Averages a small float64 tensor over every worker (``hvd.allreduce``), so all choose alike."""
@@ -32,10 +35,9 @@ class RouteTuner:
 
     Every worker times its own steps; the choice compares the mean over workers of each route's
     median, agreed in one small allreduce, so every worker keeps the same route. The trials stop
-    early, after ``MIN_TRIAL_STEPS_PER_ROUTE`` each, once every worker's samples of one route all
-    beat those of the other. Every worker must call ``record`` once per sync, as the agreement is
-    collective; a step that could not be timed (``None``) is run again on the same route.
-    ``routes[1]`` wins ties.
+    early, after ``MIN_TRIAL_STEPS_PER_ROUTE`` each, once the result is clear (``CLEAR_RATIO``).
+    Every worker must call ``record`` once per sync, as the agreement is collective; a step that
+    could not be timed (``None``) is run again on the same route. ``routes[1]`` wins ties.
     """
 
     def __init__(
@@ -77,7 +79,9 @@ class RouteTuner:
         medians = [statistics.median(first), statistics.median(second)]
         summary = [*medians, max(first) < min(second), max(second) < min(first)]
         agreed = [float(v) for v in self._agree(torch.tensor(summary, dtype=torch.float64))]
-        if not (last or agreed[2] == 1.0 or agreed[3] == 1.0):
+        slower, faster = max(agreed[:2]), min(agreed[:2])
+        clear = agreed[2] == 1.0 or agreed[3] == 1.0 or slower >= CLEAR_RATIO * faster
+        if not (last or clear):
             return
         self.agreed_seconds = dict(zip(self.routes, agreed[:2], strict=True))
         self.choice = self.routes[1] if agreed[1] <= agreed[0] else self.routes[0]
