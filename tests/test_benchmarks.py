@@ -51,11 +51,18 @@ def skip_without_namespaces(code: int, printed: str) -> None:
         pytest.skip(printed.strip().splitlines()[-1])
 
 
-def assert_no_namespaces_left() -> None:
-    """The drivers ran in this process, so their namespaces carry its tag (others' running jobs may have theirs)."""
-    tag = NamespaceCluster().tag  # names only; nothing is built
+def namespaces() -> set[str]:
     listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.splitlines()
-    leftovers = [line for line in listed if line.startswith(f"{tag}-node")]
+    return {line.split()[0] for line in listed if line.strip()}
+
+
+def assert_no_namespaces_left(before: set[str]) -> None:
+    """The driver removed what it made: no namespace of this process's clusters (prefix ``hb<pid>``) is new.
+
+    Namespaces that existed before (the suite's MPI nodes, other jobs' clusters) are not the driver's.
+    """
+    prefix = NamespaceCluster().tag[:-1]  # names only; nothing is built
+    leftovers = sorted(name for name in namespaces() - before if name.startswith(prefix))
     assert not leftovers, f"namespaces left behind: {leftovers}"
 
 
@@ -147,6 +154,7 @@ def test_emulated_cluster_smoke_runs_flat_and_daso_and_writes_records(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     argv = ["--smoke", "--results-dir", str(tmp_path)]
+    before = namespaces()
     code, printed = run_main(emulated_cluster, argv, capsys)
     skip_without_namespaces(code, printed)
     assert code == 0, printed[-3000:]
@@ -173,7 +181,7 @@ def test_emulated_cluster_smoke_runs_flat_and_daso_and_writes_records(
     assert assert_dated_report(tmp_path / "emulated_sweep.txt", "emulated_cluster.py", argv).startswith(
         "emulated_cluster sweep:"
     )
-    assert_no_namespaces_left()
+    assert_no_namespaces_left(before)
 
 
 # ------------------------------------------------------------------------------------------ transport
@@ -195,6 +203,7 @@ def test_duplex_times_every_collective_on_two_emulated_nodes(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     argv = ["--link-mbit", "unshaped", "--mb", "0.1", "--trials", "1", "--report", str(tmp_path / "duplex.txt")]
+    before = namespaces()
     code, printed = run_main(duplex, argv, capsys)
     skip_without_namespaces(code, printed)
     assert code == 0, printed[-3000:]
@@ -204,4 +213,4 @@ def test_duplex_times_every_collective_on_two_emulated_nodes(
         assert float(cells[2]) > 0 and float(cells[4]) > 0, cells
     body = assert_dated_report(tmp_path / "duplex.txt", "duplex.py", argv)
     assert body.startswith("duplex: 2 nodes x 2 workers, 0.1 MB")
-    assert_no_namespaces_left()
+    assert_no_namespaces_left(before)

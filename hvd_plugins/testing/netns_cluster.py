@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import atexit
 import ipaddress
+import itertools
 import os
 import shlex
 import shutil
@@ -96,13 +97,21 @@ def pick_free_subnet() -> ipaddress.IPv4Network:
     raise ClusterUnavailable("no free private test subnet among 10.213.100-199.0/24")
 
 
+_clusters_made = itertools.count()
+
+
+def _next_tag() -> str:
+    """A prefix no other cluster of this machine uses: the process, and which of its clusters (two may coexist)."""
+    return f"hb{os.getpid() % 100000}{'abcdefghijklmnopqrstuvwxyz'[next(_clusters_made) % 26]}"
+
+
 @dataclass
 class NamespaceCluster:
     """``nodes`` namespaces joined by a bridge; node ``i`` is host name ``node{i}``."""
 
     nodes: int = 2
     shaping: str = SHAPING
-    tag: str = field(default_factory=lambda: f"hb{os.getpid() % 100000}")
+    tag: str = field(default_factory=lambda: _next_tag())
     subnet: ipaddress.IPv4Network | None = None
     created: bool = False
 
