@@ -28,7 +28,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))  # `benchmarks` is a package of the checkout, not of the installed project
 
 from benchmarks import comm_volume, duplex, emulated_cluster, overhead, transport  # noqa: E402
-from hvd_plugins.testing.netns_cluster import SKIP_EXIT_CODE, NamespaceCluster  # noqa: E402
+from hvd_plugins.testing.netns_cluster import SKIP_EXIT_CODE, process_tag  # noqa: E402
 
 pytestmark = pytest.mark.multiprocess
 
@@ -61,8 +61,7 @@ def assert_no_namespaces_left(before: set[str]) -> None:
 
     Namespaces that existed before (the suite's MPI nodes, other jobs' clusters) are not the driver's.
     """
-    prefix = NamespaceCluster().tag[:-1]  # names only; nothing is built
-    leftovers = sorted(name for name in namespaces() - before if name.startswith(prefix))
+    leftovers = sorted(name for name in namespaces() - before if name.startswith(process_tag()))
     assert not leftovers, f"namespaces left behind: {leftovers}"
 
 

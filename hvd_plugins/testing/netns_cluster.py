@@ -100,9 +100,14 @@ def pick_free_subnet() -> ipaddress.IPv4Network:
 _clusters_made = itertools.count()
 
 
+def process_tag() -> str:
+    """What the names of every cluster this process makes begin with."""
+    return f"hb{os.getpid() % 100000}"
+
+
 def _next_tag() -> str:
     """A prefix no other cluster of this machine uses: the process, and which of its clusters (two may coexist)."""
-    return f"hb{os.getpid() % 100000}{'abcdefghijklmnopqrstuvwxyz'[next(_clusters_made) % 26]}"
+    return f"{process_tag()}{'abcdefghijklmnopqrstuvwxyz'[next(_clusters_made) % 26]}"
 
 
 @dataclass

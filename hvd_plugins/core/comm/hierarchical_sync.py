@@ -18,22 +18,15 @@ import torch
 from torch.optim import Optimizer
 
 from hvd_plugins.core.backend.module import horovod_torch
-from hvd_plugins.core.backend.optimizer import (
-    delay_next_allreduce,
-    drop_gradient_hooks,
-    forget_held_gradients,
-    hold_gradient_hooks,
-    set_backward_passes,
-)
-from hvd_plugins.core.backend.waits import wait_for_pending_allreduces
+from hvd_plugins.core.backend.optimizer import forget_held_gradients, hold_gradient_hooks, set_backward_passes
 from hvd_plugins.core.comm.buckets import bucket_tensors, flatten, unflatten_into
-from hvd_plugins.core.comm.compression import Compressor, CountingCompressor
+from hvd_plugins.core.comm.compression import Compressor
 from hvd_plugins.core.comm.counters import CommCounters, Scope
-from hvd_plugins.core.comm.gradient_sync import GradientSync, gradients_of
+from hvd_plugins.core.comm.gradient_sync import GradientSync, HorovodOptimizerSync, gradients_of
 from hvd_plugins.core.comm.hierarchical import hierarchical_allreduce_
 from hvd_plugins.core.comm.route_tuning import FLAT, RouteTuner
 from hvd_plugins.core.comm.topology import NodeGroups
-from hvd_plugins.core.comm.wire import horovod_op, nbytes
+from hvd_plugins.core.comm.wire import nbytes
 
 log = logging.getLogger(__name__)
 
@@ -69,20 +62,17 @@ class HierarchicalGradientSync(GradientSync):
         self.bucket_bytes = bucket_bytes
         self.flat_below_bytes = flat_below_bytes
         self.tune_route = tune_route and groups.local is not None and groups.cross is not None
+        self._flat = HorovodOptimizerSync(compressor, op, counters, Scope.CROSS_NODE) if self.tune_route else None
+        """Horovod's own flat route (``sync="allreduce"``), for the optimizers it wraps while tuning."""
         self._names: dict[int, str] = {}  # by optimizer, in wrap order: equal on every rank
         self._hooked: list[Optimizer] = []  # DistributedOptimizers, whose hooks carry the flat route
         self._last_sync_end: float | None = None
 
     def wrap(self, optimizer: Optimizer, named_parameters: list[tuple[str, torch.nn.Parameter]]) -> Optimizer:
         name = f"grad.opt{len(self._names)}"
-        if self.tune_route:
-            optimizer = horovod_torch().DistributedOptimizer(
-                optimizer,
-                named_parameters=named_parameters,
-                compression=CountingCompressor(self.compressor, self.counters, Scope.CROSS_NODE),
-                backward_passes_per_step=self.backward_passes,
-                op=horovod_op(self.op),
-            )
+        if self._flat is not None:
+            self._flat.backward_passes = self.backward_passes
+            optimizer = self._flat.wrap(optimizer, named_parameters)
             self._hooked.append(optimizer)
             self._arm_hooks(optimizer)
         self._names[id(optimizer)] = name
@@ -90,18 +80,16 @@ class HierarchicalGradientSync(GradientSync):
 
     @contextlib.contextmanager
     def deferred(self, optimizer: Optimizer) -> Iterator[None]:
-        if optimizer in self._hooked:
-            with optimizer.skip_synchronize():
+        if self._flat is not None and optimizer in self._hooked:
+            with self._flat.deferred(optimizer):
                 yield
         else:
             yield
 
     def synchronize(self, optimizer: Optimizer) -> None:
         tuner = self.route_tuner
-        if optimizer in self._hooked and tuner is not None and tuner.route == FLAT:
-            with self.counters.waiting():
-                wait_for_pending_allreduces(optimizer)
-                optimizer.synchronize()
+        if self._flat is not None and optimizer in self._hooked and tuner is not None and tuner.route == FLAT:
+            self._flat.synchronize(optimizer)
         else:
             if optimizer in self._hooked:
                 forget_held_gradients(optimizer)
@@ -154,8 +142,8 @@ class HierarchicalGradientSync(GradientSync):
             self._arm_hooks(optimizer)
 
     def hold_next_backward(self, optimizer: Optimizer) -> None:
-        if optimizer in self._hooked:
-            delay_next_allreduce(optimizer)
+        if self._flat is not None and optimizer in self._hooked:
+            self._flat.hold_next_backward(optimizer)
 
     def on_train_epoch_start(self) -> None:
         self._last_sync_end = None  # the time since the last step holds an epoch end (validation)
@@ -172,8 +160,8 @@ class HierarchicalGradientSync(GradientSync):
                 self._arm_hooks(optimizer)
 
     def teardown(self, optimizers: Sequence[Optimizer]) -> None:
-        for optimizer in self._hooked:
-            drop_gradient_hooks(optimizer)
+        if self._flat is not None:
+            self._flat.teardown(self._hooked)
         self._hooked.clear()
         self._names.clear()
         self._last_sync_end = None
