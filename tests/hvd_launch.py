@@ -9,7 +9,10 @@ with the rewrite that builds the package's own ``pytorch_lightning`` face.
 
 from __future__ import annotations
 
+import atexit
 import functools
+import os
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -63,6 +66,45 @@ def _worker_path(script: str | Path, lightning: str = "lightning.pytorch") -> Pa
     return script if script.is_absolute() else workers_for(lightning) / script
 
 
+FORKSERVER = Path(__file__).resolve().with_name("forkserver.py")
+
+
+@functools.cache
+def forkserver_env() -> dict[str, str]:
+    """The variable that sends workers to this session's fork server (tests/forkserver.py), started once.
+
+    Workers it forks skip the ~5 s of CPU that importing torch, Lightning and Horovod costs each one
+    (a server imports them once).
+    Where it cannot start, the variable is left out and ``forkserver.py run`` starts plain workers.
+    """
+    folder = tempfile.mkdtemp(prefix="hvd_forkserver_")
+    path = os.path.join(folder, "socket")
+    env = {name: value for name, value in os.environ.items() if name != "PYTHONWARNINGS"}  # each worker sets its own
+    server = subprocess.Popen(
+        [sys.executable, str(FORKSERVER), "serve", path],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        env=env,
+        start_new_session=True,
+    )
+    atexit.register(_stop_forkserver, server)
+    assert server.stdout is not None
+    if server.stdout.readline().strip() != b"ready":
+        print(f"the fork server did not start (exit code {server.poll()}); workers start the plain way")
+        return {}
+    return {"HVD_TEST_FORKSERVER": path}
+
+
+def _stop_forkserver(server: subprocess.Popen) -> None:
+    assert server.stdin is not None
+    server.stdin.close()  # the server ends when its standard input does
+    try:
+        server.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        server.kill()
+
+
 def _fail_on_timeout(job: JobResult, what: str, timeout: float) -> JobResult:
     if job.timed_out:
         raise AssertionError(f"{what} did not finish within {timeout}s:\n{job.output[-6000:]}")
@@ -81,6 +123,7 @@ def run_job(
     console_script: bool = False,
     lightning: str = "lightning.pytorch",
     controller: str = "gloo",
+    forked: bool = True,
 ) -> JobResult:
     """Run ``horovodrun -np N -H hosts --gloo python script args`` and gather ``rank*.json``.
 
@@ -91,6 +134,9 @@ def run_job(
     """
     script = _worker_path(script, lightning)
     worker = ([sys.executable, str(script)] if python else [str(script)]) + list(args)
+    if python and controller == "gloo" and forked:
+        worker[1:1] = [str(FORKSERVER), "run"]
+        env = {**forkserver_env(), **(env or {})}
     job = horovodrun(
         worker,
         np=np,

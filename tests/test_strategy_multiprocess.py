@@ -67,6 +67,12 @@ def test_float16_allreduce_adds_like_float32_rounded_once(features: dict[int, di
         assert result["exact"] == {"1": True, "7": True, "8": True, "9": True, "1003": True, "100001": True}
 
 
+def test_a_rank_waiting_in_a_collective_leaves_the_cpu_to_the_others(features: dict[int, dict]) -> None:
+    waiting = both(features, "waiting_without_spinning")[1]  # rank 0 arrives a second late
+    assert waiting["waited_s"] > 0.5, waiting
+    assert waiting["thread_cpu_s"] < 0.2 * waiting["waited_s"], waiting  # a spinning wait takes about all of it
+
+
 def test_two_workers_on_a_host_share_its_cores_unless_omp_num_threads_says_otherwise(
     features: dict[int, dict],
 ) -> None:

@@ -12,6 +12,7 @@ import copy
 import hashlib
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -194,6 +195,17 @@ def check_float16_sum() -> dict[str, Any]:
         expected = (pieces[0].float() + pieces[1].float()).half()
         exact[numel] = bool(torch.equal(got, expected))
     return {"exact": exact}
+
+
+def check_waiting_without_spinning() -> dict[str, Any]:
+    """A blocking collective that waits for a late rank (Horovod's synchronize, in the wheel
+    hvd-build-horovod builds) sleeps instead of spinning: the waiting thread uses little CPU."""
+    late_seconds = 1.0
+    if hvd.rank() == 0:
+        time.sleep(late_seconds)
+    started, cpu_started = time.monotonic(), time.thread_time()
+    hvd.allreduce(torch.ones(4), name="check.wait_without_spinning")
+    return {"waited_s": time.monotonic() - started, "thread_cpu_s": time.thread_time() - cpu_started}
 
 
 def check_clipping() -> dict[str, Any]:
@@ -659,6 +671,7 @@ if __name__ == "__main__":
         "accumulation_change_mid_epoch": check_accumulation_change_mid_epoch,
         "average_buffers": check_average_buffers,
         "float16_sum": check_float16_sum,
+        "waiting_without_spinning": check_waiting_without_spinning,
         "reduce_ops": check_reduce_ops,
         **FAULT_CHECKS,
         **({"adasum": adasum_report} if "--adasum" in sys.argv else {}),  # needs the MPI controller

@@ -1,0 +1,239 @@
+"""Start test workers from a process that has already imported torch, Lightning, Horovod and hvd_plugins.
+
+On this suite's small hosts a worker spends about 5 s of CPU importing those before it does anything
+else, and the suite starts a few hundred workers. ``serve`` imports them once and forks a child for
+every worker; ``run`` is the tiny command horovodrun starts in the worker's place::
+
+    python tests/forkserver.py serve SOCKET      # one per test session (tests/hvd_launch.py starts it)
+    python tests/forkserver.py run SCRIPT ARGS   # what horovodrun runs for each rank
+
+``run`` hands the server its standard streams, environment, working directory and arguments; the
+forked child takes them all and runs SCRIPT as ``__main__``, as ``python SCRIPT ARGS`` would. ``run``
+stays the process horovodrun knows: it passes on the signals it gets, exits with the child's exit
+code (or dies of the child's signal), and when it is killed the child kills itself. Without a
+server (no ``HVD_TEST_FORKSERVER``, or none listening) ``run`` becomes ``python SCRIPT ARGS``.
+
+A worker whose environment differs from the server's in what those imports read at start-up
+(threads, devices, Python's own variables, Lightning's rank variables) also starts the plain way.
+Only the standard library is imported until ``serve`` preloads.
+"""
+
+from __future__ import annotations
+
+import array
+import json
+import os
+import select
+import signal
+import socket
+import struct
+import sys
+import threading
+import warnings
+from typing import Any
+
+SOCKET_VARIABLE = "HVD_TEST_FORKSERVER"
+PRELOADED = ("torch", "lightning", "pytorch_lightning", "horovod.torch")
+"""Third-party imports only: hvd_plugins (0.1 s once these are loaded) is imported by each worker itself,
+so what it does at import with the worker's environment (its rank, Slurm's signals) happens for real."""
+IMPORT_TIME_VARIABLES = ("PYTHON", "OMP_", "MKL_", "KMP_", "GOMP_", "TORCH", "PYTORCH_", "CUDA_", "LD_", "SLURM_")
+IMPORT_TIME_VARIABLES += ("PL_",)
+IMPORT_TIME_NAMES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "NODE_RANK", "JSM_NAMESPACE_RANK", "JSM_NAMESPACE_LOCAL_RANK")
+"""Variables the preloaded imports (or Python itself) read at start-up: a worker whose values differ
+from the server's starts the plain way."""
+PER_WORKER_PYTHON_VARIABLES = ("PYTHONWARNINGS", "PYTHONUNBUFFERED")
+"""The two start-up variables a forked worker takes on itself."""
+FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
+STREAMS = (0, 1, 2)
+_INT = struct.Struct("!i")
+_FILTERS_FROM_IMPORTS: tuple[list[Any], list[Any]] = ([], [])
+"""The warning filters the preloaded imports added, and Python's default filters."""
+
+
+# ---------------------------------------------------------------------------------------- wire
+def _send_request(connection: socket.socket, request: dict[str, Any]) -> None:
+    payload = json.dumps(request).encode()
+    fds = array.array("i", STREAMS)
+    connection.sendmsg([_INT.pack(len(payload))], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, fds.tobytes())])
+    connection.sendall(payload)
+
+
+def _receive_exactly(connection: socket.socket, size: int) -> bytes:
+    data = b""
+    while len(data) < size:
+        chunk = connection.recv(size - len(data))
+        if not chunk:
+            raise ConnectionError("the other end closed the connection")
+        data += chunk
+    return data
+
+
+def _receive_request(connection: socket.socket) -> tuple[dict[str, Any], list[int]]:
+    header, ancillary, _, _ = connection.recvmsg(_INT.size, socket.CMSG_SPACE(len(STREAMS) * _INT.size))
+    fds = array.array("i")
+    for level, kind, data in ancillary:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            fds.frombytes(data[: len(data) - len(data) % fds.itemsize])
+    header += _receive_exactly(connection, _INT.size - len(header))
+    (size,) = _INT.unpack(header)
+    return json.loads(_receive_exactly(connection, size)), list(fds)
+
+
+# -------------------------------------------------------------------------------------- server
+def serve(path: str) -> tuple[socket.socket, dict[str, Any], list[int]] | None:
+    """Preload, then fork a child per request; return in the child (with its request), never in the server."""
+    import importlib
+    import importlib.util
+
+    global _FILTERS_FROM_IMPORTS
+    defaults = list(warnings.filters)  # the server starts without -W or PYTHONWARNINGS: Python's defaults
+    for name in PRELOADED:
+        if importlib.util.find_spec(name.split(".")[0]) is not None:
+            importlib.import_module(name)
+    _FILTERS_FROM_IMPORTS = (list(warnings.filters[: len(warnings.filters) - len(defaults)]), defaults)
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen(64)
+    print("ready", flush=True)
+    children: dict[int, socket.socket] = {}
+    while True:
+        readable, _, _ = select.select([listener, sys.stdin], [], [], 0.05)
+        if sys.stdin in readable and not os.read(sys.stdin.fileno(), 1):
+            return None  # the test session ended (or died): so does the server
+        if listener in readable:
+            connection, _ = listener.accept()
+            try:
+                request, fds = _receive_request(connection)
+            except (OSError, ValueError):
+                connection.close()
+                continue
+            if _import_time_values(request["env"]) != _import_time_values(os.environ):
+                for fd in fds:
+                    os.close(fd)
+                connection.sendall(_INT.pack(0))  # run starts the worker the plain way
+                connection.close()
+                continue
+            pid = os.fork()
+            if pid == 0:
+                listener.close()
+                for other in children.values():
+                    other.close()
+                return connection, request, fds
+            for fd in fds:
+                os.close(fd)
+            connection.sendall(_INT.pack(pid))
+            children[pid] = connection
+        _reap(children)
+
+
+def _import_time_values(env: Any) -> dict[str, str]:
+    return {
+        name: value
+        for name, value in env.items()
+        if (name.startswith(IMPORT_TIME_VARIABLES) or name in IMPORT_TIME_NAMES)
+        and name not in PER_WORKER_PYTHON_VARIABLES
+    }
+
+
+def _reap(children: dict[int, socket.socket]) -> None:
+    """Tell each finished child's ``run`` how it ended: its exit code, or minus the signal that killed it."""
+    while children:
+        pid, status = os.waitpid(-1, os.WNOHANG)
+        if pid == 0:
+            return
+        connection = children.pop(pid, None)
+        if connection is not None:
+            try:
+                connection.sendall(_INT.pack(os.waitstatus_to_exitcode(status)))
+            except OSError:
+                pass  # its run was killed first
+            connection.close()
+
+
+def become_worker(connection: socket.socket, request: dict[str, Any], fds: list[int]) -> None:
+    """In the forked child: take the worker's streams, environment and arguments, then run its script."""
+    import runpy
+
+    for target, fd in zip(STREAMS, fds, strict=True):
+        os.dup2(fd, target)
+        os.close(fd)
+    os.environ.clear()
+    os.environ.update(request["env"])
+    os.chdir(request["cwd"])
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    for signum in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2, signal.SIGCHLD):
+        signal.signal(signum, signal.SIG_DFL)
+    _take_warning_options(os.environ.get("PYTHONWARNINGS", ""))
+    if os.environ.get("PYTHONUNBUFFERED"):
+        sys.stdout.reconfigure(write_through=True)  # type: ignore[union-attr]
+        sys.stderr.reconfigure(write_through=True)  # type: ignore[union-attr]
+
+    def die_with_run() -> None:
+        connection.recv(1)  # returns when run's end of the connection closes: run was killed
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=die_with_run, name="forkserver-watch", daemon=True).start()
+    script = os.path.abspath(request["argv"][0])
+    sys.argv = list(request["argv"])
+    sys.path[0] = os.path.dirname(script)
+    runpy.run_path(script, run_name="__main__")
+
+
+def _take_warning_options(options: str) -> None:
+    """Warning filters as a fresh ``python`` with this PYTHONWARNINGS would have them after the imports.
+
+    Python installs the options' filters first and the imports put theirs in front; assigning the
+    list also forgets which warnings were already shown.
+    """
+    from_imports, defaults = _FILTERS_FROM_IMPORTS
+    sys.warnoptions[:] = [option for option in options.split(",") if option]
+    warnings.filters[:] = defaults
+    warnings._processoptions(sys.warnoptions)  # type: ignore[attr-defined]
+    warnings.filters[:0] = from_imports
+    warnings._filters_mutated()  # type: ignore[attr-defined]
+
+
+# ----------------------------------------------------------------------------------------- run
+def run(argv: list[str]) -> None:
+    """Ask the server for a forked worker running ``argv``; wait for it and end as it ended."""
+    path = os.environ.get(SOCKET_VARIABLE)
+    connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        if not path:
+            raise OSError("no server")
+        connection.connect(path)
+        env = {name: value for name, value in os.environ.items() if name != SOCKET_VARIABLE}
+        _send_request(connection, {"argv": argv, "env": env, "cwd": os.getcwd()})
+        (pid,) = _INT.unpack(_receive_exactly(connection, _INT.size))
+        if pid == 0:
+            raise OSError("the server asks for a plain start")
+    except OSError:
+        connection.close()
+        os.execv(sys.executable, [sys.executable, *argv])  # no server: the plain way
+    for signum in FORWARDED_SIGNALS:
+        signal.signal(signum, lambda received, _frame: os.kill(pid, received))
+    try:
+        (code,) = _INT.unpack(_receive_exactly(connection, _INT.size))
+    except ConnectionError:
+        sys.exit(f"forkserver: the server went away while worker {pid} ran")
+    if code < 0:  # die of the child's signal (SIGKILL has no handler to reset)
+        if -code not in (signal.SIGKILL, signal.SIGSTOP):
+            signal.signal(-code, signal.SIG_DFL)
+        os.kill(os.getpid(), -code)
+    sys.exit(code)
+
+
+def main() -> None:
+    command, arguments = sys.argv[1], sys.argv[2:]
+    if command == "run":
+        run(arguments)
+    elif command == "serve":
+        child = serve(arguments[0])
+        if child is not None:
+            become_worker(*child)
+    else:
+        sys.exit(f"usage: {sys.argv[0]} serve SOCKET | run SCRIPT [ARGS...]")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,121 @@
+"""The suite's fork server (tests/forkserver.py) starts workers as ``python SCRIPT ARGS`` would, only faster."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from hvd_launch import FORKSERVER, forkserver_env
+
+REPORT = """
+import json, os, sys
+print(json.dumps({
+    "preloaded": "torch" in sys.modules,
+    "argv": sys.argv,
+    "cwd": os.getcwd(),
+    "name": __name__,
+    "path0": sys.path[0],
+    "variable": os.environ.get("FORKSERVER_CHECK"),
+    "server_variable": os.environ.get("HVD_TEST_FORKSERVER"),
+}))
+sys.stderr.write("to stderr\\n")
+sys.exit(int(sys.argv[1]))
+"""
+
+
+@pytest.fixture(scope="module")
+def server_env() -> dict[str, str]:
+    env = forkserver_env()
+    if not env:
+        pytest.skip("the fork server did not start here; workers start the plain way")
+    return {**os.environ, **env}
+
+
+def start(script: Path, *args: str, env: dict[str, str], cwd: Path) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, str(FORKSERVER), "run", str(script), *args],
+        env=env,
+        cwd=cwd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def test_a_forked_worker_has_its_arguments_environment_directory_streams_and_exit_code(
+    server_env: dict[str, str], tmp_path: Path
+) -> None:
+    script = tmp_path / "scripts" / "report.py"
+    script.parent.mkdir()
+    script.write_text(REPORT)
+    process = start(script, "3", "second", env={**server_env, "FORKSERVER_CHECK": "yes"}, cwd=tmp_path)
+    out, err = process.communicate(timeout=60)
+    assert process.returncode == 3, err
+    report = json.loads(out)
+    assert report == {
+        "preloaded": True,
+        "argv": [str(script), "3", "second"],
+        "cwd": str(tmp_path),
+        "name": "__main__",
+        "path0": str(script.parent),
+        "variable": "yes",
+        "server_variable": None,
+    }
+    assert err == "to stderr\n"
+
+
+def test_a_worker_whose_start_up_variables_differ_starts_the_plain_way(
+    server_env: dict[str, str], tmp_path: Path
+) -> None:
+    script = tmp_path / "report.py"
+    script.write_text(REPORT)
+    threads = str(int(server_env.get("OMP_NUM_THREADS", "1")) + 1)
+    process = start(script, "0", env={**server_env, "OMP_NUM_THREADS": threads}, cwd=tmp_path)
+    out, err = process.communicate(timeout=60)
+    assert process.returncode == 0, err
+    assert json.loads(out)["preloaded"] is False
+
+
+def test_a_worker_killed_by_a_signal_ends_its_command_with_that_signal(
+    server_env: dict[str, str], tmp_path: Path
+) -> None:
+    script = tmp_path / "die.py"
+    script.write_text("import os, signal\nos.kill(os.getpid(), signal.SIGKILL)\n")
+    process = start(script, env=server_env, cwd=tmp_path)
+    process.communicate(timeout=60)
+    assert process.returncode == -signal.SIGKILL
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGKILL], ids=["sigterm", "sigkill"])
+def test_a_signal_to_the_command_reaches_the_worker(server_env: dict[str, str], tmp_path: Path, signum: int) -> None:
+    """SIGTERM is passed on; SIGKILL cannot be, and the worker kills itself when its command is gone."""
+    pid_file = tmp_path / "pid"
+    script = tmp_path / "sleep.py"
+    script.write_text(f"import os, time\nopen({str(pid_file)!r}, 'w').write(str(os.getpid()))\ntime.sleep(120)\n")
+    process = start(script, env=server_env, cwd=tmp_path)
+    deadline = time.monotonic() + 60
+    while not pid_file.exists() or not pid_file.read_text():
+        assert time.monotonic() < deadline and process.poll() is None, "the worker did not start"
+        time.sleep(0.05)
+    worker = int(pid_file.read_text())
+    process.send_signal(signum)
+    process.communicate(timeout=60)
+    assert process.returncode == -signum
+    deadline = time.monotonic() + 30
+    while _alive(worker):
+        assert time.monotonic() < deadline, f"worker {worker} outlived its command"
+        time.sleep(0.05)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state != "Z"  # a zombie is dead, waiting for the server to reap it
