@@ -20,6 +20,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from hvd_plugins.testing.launch import MPI_RANKS_SHARE_CORES
+
 DAEMONS = ("munged", "slurmctld", "slurmd")
 MUNGE_SOCKET = Path("/run/munge/munge.socket.2")
 
@@ -81,7 +83,8 @@ class OneNodeSlurm:
         self.folder = Path(folder or tempfile.mkdtemp(prefix="hvd_slurm_"))
         self.host = socket.gethostname().split(".")[0]
         self.conf = self.folder / "slurm.conf"
-        self.env = {**os.environ, "SLURM_CONF": str(self.conf)}
+        # Jobs take this environment: MPI ranks yield their core while they wait (MPI_RANKS_SHARE_CORES).
+        self.env = {**MPI_RANKS_SHARE_CORES, **os.environ, "SLURM_CONF": str(self.conf)}
         self._started: list[subprocess.Popen[bytes]] = []
 
     def __enter__(self) -> OneNodeSlurm:

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import functools
+import re
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from torch.optim import Optimizer
@@ -13,23 +16,43 @@ from hvd_plugins.core.backend.module import horovod_torch
 POLL_START_S = 20e-6
 POLL_MAX_S = 1e-3
 """A waiting worker sleeps between polls, from 20 us doubling up to Horovod's 1 ms cycle."""
+SLEEPING_SYNCHRONIZE_PATCH = 4
+"""From this patch level of ``hvd-build-horovod``'s wheel, ``hvd.synchronize`` sleeps until done itself."""
+
+
+@functools.cache
+def synchronize_sleeps() -> bool:
+    """Whether Horovod's own wait sleeps (the wheel ``hvd-build-horovod`` builds, patch level p4 on):
+    then polling first would only add up to one poll interval."""
+    import horovod
+
+    try:
+        key = Path(horovod.__file__).with_name(".hvd_plugins_build_key").read_text()
+    except OSError:
+        return False  # another build: its wait spins
+    level = re.search(r"-p(\d+)-", key)
+    return level is not None and int(level.group(1)) >= SLEEPING_SYNCHRONIZE_PATCH
 
 
 def wait_for(handle: Any) -> Any:
     """``hvd.synchronize(handle)`` without keeping a core busy while the collective is in flight.
 
-    Horovod's own wait spins (``WaitAndClear`` loops on ``std::this_thread::yield``), so on a host
-    with more workers than cores the workers that wait take the CPU from those still computing
+    A stock Horovod's wait spins (``WaitAndClear`` loops on ``std::this_thread::yield``), so on a
+    host with more workers than cores the workers that wait take the CPU from those still computing
     and from Horovod's background threads, and every collective waits for the slowest of them.
-    Polling with short sleeps hands the core back; it adds at most one poll interval.
+    There, polling with short sleeps hands the core back; it adds at most one poll interval. The
+    wheel ``hvd-build-horovod`` builds waits on a condition variable, and is called directly.
     """
     hvd = horovod_torch()
-    _sleep_until(lambda: hvd.poll(handle))
+    if not synchronize_sleeps():
+        _sleep_until(lambda: hvd.poll(handle))
     return hvd.synchronize(handle)
 
 
 def wait_for_pending_allreduces(optimizer: Optimizer) -> None:
     """Let a DistributedOptimizer's allreduces in flight finish (as ``wait_for`` does) before it synchronizes."""
+    if synchronize_sleeps():
+        return
     hvd = horovod_torch()
     handles = [handle for handle, _ in getattr(optimizer, "_handles", {}).values() if handle is not None]
     _sleep_until(lambda: all(hvd.poll(handle) for handle in handles))
