@@ -158,10 +158,10 @@ def run_single(
     timeout: float = 300,
     lightning: str = "lightning.pytorch",
 ) -> JobResult:
-    """Run a worker script as one plain python process (no launcher, no Horovod variables)."""
-    command = [sys.executable, str(_worker_path(script, lightning)), *args]
+    """Run a worker script as one plain python process (no launcher, no Horovod variables), from the fork server."""
+    command = [sys.executable, str(FORKSERVER), "run", str(_worker_path(script, lightning)), *args]
     command += ["--out", str(out_dir)] if out_dir is not None else []
-    job = run_bounded(command, timeout, cwd=REPO, out_dir=out_dir, drop_launcher_env=True)
+    job = run_bounded(command, timeout, env=forkserver_env(), cwd=REPO, out_dir=out_dir, drop_launcher_env=True)
     return _fail_on_timeout(job, "the single process", timeout)
 
 

@@ -69,8 +69,9 @@ def test_float16_allreduce_adds_like_float32_rounded_once(features: dict[int, di
 
 def test_a_rank_waiting_in_a_collective_leaves_the_cpu_to_the_others(features: dict[int, dict]) -> None:
     waiting = both(features, "waiting_without_spinning")[1]  # rank 0 arrives a second late
-    assert waiting["waited_s"] > 0.5, waiting
-    assert waiting["thread_cpu_s"] < 0.2 * waiting["waited_s"], waiting  # a spinning wait takes about all of it
+    assert waiting["waited_seconds"] > 0.5, waiting
+    # A spinning wait takes about all of it.
+    assert waiting["thread_cpu_seconds"] < 0.2 * waiting["waited_seconds"], waiting
 
 
 def test_two_workers_on_a_host_share_its_cores_unless_omp_num_threads_says_otherwise(

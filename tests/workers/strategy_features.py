@@ -205,7 +205,7 @@ def check_waiting_without_spinning() -> dict[str, Any]:
         time.sleep(late_seconds)
     started, cpu_started = time.monotonic(), time.thread_time()
     hvd.allreduce(torch.ones(4), name="check.wait_without_spinning")
-    return {"waited_s": time.monotonic() - started, "thread_cpu_s": time.thread_time() - cpu_started}
+    return {"waited_seconds": time.monotonic() - started, "thread_cpu_seconds": time.thread_time() - cpu_started}
 
 
 def check_clipping() -> dict[str, Any]:
