@@ -46,6 +46,8 @@ if [ "${#EXTRA[@]}" -gt 0 ]; then
   pip install --quiet "${EXTRA[@]}" 2>&1 | grep -v "^WARNING: Location" >&2 || true
 fi
 pip install --quiet --no-build-isolation -e "$ROOT" 2>&1 | grep -v "^WARNING: Location" >&2 || true
-python -c "import hvd_plugins, horovod.torch, lightning, torchmetrics, sklearn" \
+# One interpreter checks that everything imports and says what was set up.
+python -c 'import sys, hvd_plugins, horovod, horovod.torch, lightning, numpy, sklearn, torch, torchmetrics
+print(f"[setup] ready: torch {torch.__version__}, lightning {lightning.__version__}, numpy {numpy.__version__}, "
+      f"horovod {horovod.__version__}", file=sys.stderr)' \
   || { echo "[setup] the environment is incomplete" >&2; exit 1; }
-echo "[setup] ready: $(python -c 'import torch, lightning, numpy, horovod; print(f"torch {torch.__version__}, lightning {lightning.__version__}, numpy {numpy.__version__}, horovod {horovod.__version__}")')" >&2

@@ -119,3 +119,21 @@ def _alive(pid: int) -> bool:
     except FileNotFoundError:
         return False
     return state != "Z"  # a zombie is dead, waiting for the server to reap it
+
+
+def test_a_worker_ends_as_python_does_threads_joined_exit_handlers_run_streams_flushed(
+    server_env: dict[str, str], tmp_path: Path
+) -> None:
+    script = tmp_path / "ending.py"
+    script.write_text(
+        "import atexit, sys, threading, time\n"
+        "atexit.register(lambda: print('exit handler ran'))\n"
+        "threading.Thread(target=lambda: (time.sleep(0.5), print('thread finished'))).start()\n"
+        "sys.stdout.write('buffered, no newline')\n"
+        "sys.exit('a message')\n"
+    )
+    process = start(script, env=server_env, cwd=tmp_path)
+    out, err = process.communicate(timeout=60)
+    assert process.returncode == 1
+    assert out == "buffered, no newlinethread finished\nexit handler ran\n"
+    assert err == "a message\n"
