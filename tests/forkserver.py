@@ -10,7 +10,8 @@ every worker; ``run`` is the tiny command horovodrun starts in the worker's plac
 ``run`` hands the server its standard streams, environment, working directory and arguments; the
 forked child takes them all and runs SCRIPT as ``__main__``, as ``python SCRIPT ARGS`` would. ``run``
 stays the process horovodrun knows: it passes on the signals it gets, exits with the child's exit
-code (or dies of the child's signal), and when it is killed the child kills itself. Without a
+code (or dies of the child's signal). When ``run`` is killed, the server kills the child's
+process group (the child and what it started), and the child kills itself should the server be gone. Without a
 server (no ``HVD_TEST_FORKSERVER``, or none listening) ``run`` becomes ``python SCRIPT ARGS``.
 
 A worker whose environment differs from the server's in what those imports read at start-up
@@ -76,9 +77,17 @@ def _receive_request(connection: socket.socket) -> tuple[dict[str, Any], list[in
     for level, kind, data in ancillary:
         if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
             fds.frombytes(data[: len(data) - len(data) % fds.itemsize])
-    header += _receive_exactly(connection, _INT.size - len(header))
-    (size,) = _INT.unpack(header)
-    return json.loads(_receive_exactly(connection, size)), list(fds)
+    try:
+        header += _receive_exactly(connection, _INT.size - len(header))
+        (size,) = _INT.unpack(header)
+        request = json.loads(_receive_exactly(connection, size))
+        if len(fds) != len(STREAMS):
+            raise ValueError(f"expected {len(STREAMS)} streams, got {len(fds)}")
+    except BaseException:
+        for fd in fds:
+            os.close(fd)
+        raise
+    return request, list(fds)
 
 
 # -------------------------------------------------------------------------------------- server
@@ -99,10 +108,16 @@ def serve(path: str) -> tuple[socket.socket, dict[str, Any], list[int]] | None:
     listener.listen(64)
     print("ready", flush=True)
     children: dict[int, socket.socket] = {}
+    orphans: set[int] = set()  # children whose run is gone: killed, waiting to be reaped
     while True:
-        readable, _, _ = select.select([listener, sys.stdin], [], [], 0.05)
+        watched = [connection for pid, connection in children.items() if pid not in orphans]
+        readable, _, _ = select.select([listener, sys.stdin, *watched], [], [], 0.05)
         if sys.stdin in readable and not os.read(sys.stdin.fileno(), 1):
             return None  # the test session ended (or died): so does the server
+        for pid, connection in list(children.items()):
+            if connection in readable and pid not in orphans and not _receive_or_eof(connection):
+                _kill_group(pid)  # its run was killed: so is the worker, with whatever it started
+                orphans.add(pid)
         if listener in readable:
             connection, _ = listener.accept()
             try:
@@ -113,20 +128,23 @@ def serve(path: str) -> tuple[socket.socket, dict[str, Any], list[int]] | None:
             if _import_time_values(request["env"]) != _import_time_values(os.environ):
                 for fd in fds:
                     os.close(fd)
-                connection.sendall(_INT.pack(0))  # run starts the worker the plain way
+                _send_quietly(connection, 0)  # run starts the worker the plain way
                 connection.close()
                 continue
             pid = os.fork()
             if pid == 0:
+                os.setpgid(0, 0)  # its own group, so that killing it takes what it started too
                 listener.close()
                 for other in children.values():
                     other.close()
                 return connection, request, fds
             for fd in fds:
                 os.close(fd)
-            connection.sendall(_INT.pack(pid))
             children[pid] = connection
-        _reap(children)
+            if not _send_quietly(connection, pid):
+                _kill_group(pid)
+                orphans.add(pid)
+        _reap(children, orphans)
 
 
 def _import_time_values(env: Any) -> dict[str, str]:
@@ -138,18 +156,39 @@ def _import_time_values(env: Any) -> dict[str, str]:
     }
 
 
-def _reap(children: dict[int, socket.socket]) -> None:
+def _receive_or_eof(connection: socket.socket) -> bool:
+    """False once ``run``'s end has closed (``run`` sends nothing after its request)."""
+    try:
+        return bool(connection.recv(1))
+    except OSError:
+        return False
+
+
+def _send_quietly(connection: socket.socket, value: int) -> bool:
+    try:
+        connection.sendall(_INT.pack(value))
+        return True
+    except OSError:
+        return False  # its run was killed meanwhile
+
+
+def _kill_group(pid: int) -> None:
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def _reap(children: dict[int, socket.socket], orphans: set[int]) -> None:
     """Tell each finished child's ``run`` how it ended: its exit code, or minus the signal that killed it."""
     while children:
         pid, status = os.waitpid(-1, os.WNOHANG)
         if pid == 0:
             return
+        orphans.discard(pid)
         connection = children.pop(pid, None)
         if connection is not None:
-            try:
-                connection.sendall(_INT.pack(os.waitstatus_to_exitcode(status)))
-            except OSError:
-                pass  # its run was killed first
+            _send_quietly(connection, os.waitstatus_to_exitcode(status))
             connection.close()
 
 
@@ -184,6 +223,9 @@ def become_worker(connection: socket.socket, request: dict[str, Any], fds: list[
         code = 0
     except SystemExit as stop:
         code = _exit_code(stop.code)
+    except KeyboardInterrupt:
+        sys.excepthook(*sys.exc_info())
+        code = -signal.SIGINT  # Python dies of SIGINT after an uncaught KeyboardInterrupt
     except BaseException:
         sys.excepthook(*sys.exc_info())
         code = 1
@@ -200,13 +242,11 @@ def _exit_code(code: object) -> int:
     return 1
 
 
-def _exit(code: int) -> None:
+def _exit(code: int) -> None:  # code: an exit code, or minus a signal to die of
     """End as Python's own exit does (threads joined, atexit run, streams flushed) without tearing
     down every module: in a forked child that teardown touches, and so copies, the server's whole
     heap, which took about a second per worker."""
-    for thread in threading.enumerate():
-        if thread is not threading.main_thread() and not thread.daemon:
-            thread.join()
+    threading._shutdown()  # type: ignore[attr-defined]  # joins non-daemon threads, as multiprocessing does
     atexit._run_exitfuncs()  # type: ignore[attr-defined]
     gc.collect()  # objects of the worker's own that need finalizing (the preloaded ones are frozen)
     for stream in (sys.stdout, sys.stderr):
@@ -214,6 +254,9 @@ def _exit(code: int) -> None:
             stream.flush()
         except (OSError, ValueError):
             pass
+    if code < 0:
+        signal.signal(-code, signal.SIG_DFL)
+        os.kill(os.getpid(), -code)
     os._exit(code)
 
 

@@ -132,6 +132,15 @@ def stalled_jobs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Jo
 
 
 @pytest.mark.multiprocess
+def test_ctrl_c_interrupts_a_rank_waiting_in_a_collective(tmp_path: Path) -> None:
+    """The build's hvd.synchronize sleeps, waking to let Python handle signals (a spinning wait never did)."""
+    job = run_job("interrupt_wait.py", np=2, out_dir=tmp_path, timeout=120).check()
+    report = job.results[1]
+    assert report["outcome"] == "interrupted", job.output[-3000:]
+    assert report["seconds"] < 3, report  # SIGINT came after 1 s; the wait wakes every 100 ms
+
+
+@pytest.mark.multiprocess
 def test_a_rank_that_skips_a_collective_ends_the_job_after_the_stall_timeout(
     stalled_jobs: dict[str, tuple[JobResult, Path]],
 ) -> None:

@@ -91,26 +91,39 @@ def test_a_worker_killed_by_a_signal_ends_its_command_with_that_signal(
     process.communicate(timeout=60)
     assert process.returncode == -signal.SIGKILL
 
+    script.write_text("raise KeyboardInterrupt\n")  # uncaught, Python ends by dying of SIGINT
+    process = start(script, env=server_env, cwd=tmp_path)
+    _, err = process.communicate(timeout=60)
+    assert process.returncode == -signal.SIGINT and "KeyboardInterrupt" in err
+
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGKILL], ids=["sigterm", "sigkill"])
 def test_a_signal_to_the_command_reaches_the_worker(server_env: dict[str, str], tmp_path: Path, signum: int) -> None:
-    """SIGTERM is passed on; SIGKILL cannot be, and the worker kills itself when its command is gone."""
+    """SIGTERM is passed on; SIGKILL cannot be, and the worker and what it started die with their command."""
     pid_file = tmp_path / "pid"
     script = tmp_path / "sleep.py"
-    script.write_text(f"import os, time\nopen({str(pid_file)!r}, 'w').write(str(os.getpid()))\ntime.sleep(120)\n")
+    script.write_text(
+        "import os, subprocess, sys, time\n"
+        "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'],\n"
+        "                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)\n"
+        f"open({str(pid_file)!r}, 'w').write(f'{{os.getpid()}} {{child.pid}}')\n"
+        "time.sleep(120)\n"
+    )
     process = start(script, env=server_env, cwd=tmp_path)
     deadline = time.monotonic() + 60
     while not pid_file.exists() or not pid_file.read_text():
         assert time.monotonic() < deadline and process.poll() is None, "the worker did not start"
         time.sleep(0.05)
-    worker = int(pid_file.read_text())
+    worker, grandchild = (int(pid) for pid in pid_file.read_text().split())
     process.send_signal(signum)
     process.communicate(timeout=60)
     assert process.returncode == -signum
     deadline = time.monotonic() + 30
-    while _alive(worker):
-        assert time.monotonic() < deadline, f"worker {worker} outlived its command"
+    while _alive(worker) or (signum == signal.SIGKILL and _alive(grandchild)):
+        assert time.monotonic() < deadline, f"worker {worker} or what it started outlived its command"
         time.sleep(0.05)
+    if _alive(grandchild):  # after SIGTERM the worker died as a plain one would: its child lives on
+        os.kill(grandchild, signal.SIGKILL)
 
 
 def _alive(pid: int) -> bool:

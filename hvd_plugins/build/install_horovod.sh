@@ -29,7 +29,7 @@
 set -euo pipefail
 
 HOROVOD_VERSION="0.28.1"
-PATCH_LEVEL="p4"   # bump when the source patches below change
+PATCH_LEVEL="p5"   # bump when the source patches below change
 PYTHON="${PYTHON:-python}"
 CACHE_DIR="${HVD_WHEEL_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/hvd_plugins/wheels}"
 
@@ -201,38 +201,51 @@ PY
     # DistributedOptimizer's step) waited by spinning on std::this_thread::yield, so a waiting
     # worker kept a core busy; with more workers than cores the waiters took the CPU from the
     # workers still computing and from Horovod's background threads. The wait now sleeps on a
-    # condition variable that MarkDone signals: no spin, and no added latency.
+    # condition variable that MarkDone signals (no spin, no added latency), waking every 100 ms
+    # to let Python handle signals: Ctrl-C now interrupts a collective that never completes.
     "$PYTHON" - "$SRC/horovod/torch" <<'PY'
 import pathlib, sys
 torch_dir = pathlib.Path(sys.argv[1])
 header, source, ops = (torch_dir / name for name in ("handle_manager.h", "handle_manager.cc", "mpi_ops_v2.cc"))
+missing = (
+    '    throw std::invalid_argument("Handle " + std::to_string(handle) +\n'
+    '                                " was not created or has been cleared.");\n'
+)
 edits = [
-    (header, "#include <atomic>\n", "#include <atomic>\n#include <condition_variable>\n"),
-    (header, "  bool PollHandle(int handle);\n", "  bool PollHandle(int handle);\n  void WaitHandle(int handle);\n"),
+    (header, "#include <atomic>\n", "#include <atomic>\n#include <chrono>\n#include <condition_variable>\n"),
+    (header, "  bool PollHandle(int handle);\n",
+     "  bool PollHandle(int handle);\n"
+     "  // Whether the handle is done, after waiting at most `timeout` for it.\n"
+     "  bool WaitHandle(int handle, std::chrono::milliseconds timeout);\n"),
     (header, "  std::mutex mutex_;\n", "  std::mutex mutex_;\n  std::condition_variable done_;\n"),
     (source,
      "  std::lock_guard<std::mutex> guard(mutex_);\n  results_[handle] = std::make_shared<Status>(status);\n}\n",
      "  {\n    std::lock_guard<std::mutex> guard(mutex_);\n    results_[handle] = std::make_shared<Status>(status);\n"
      "  }\n  done_.notify_all();\n}\n"),
     (source, "bool HandleManager::PollHandle(int handle) {\n",
-     "void HandleManager::WaitHandle(int handle) {\n"
+     "bool HandleManager::WaitHandle(int handle, std::chrono::milliseconds timeout) {\n"
      "  std::unique_lock<std::mutex> lock(mutex_);\n"
-     "  while (true) {\n"
-     "    auto found = results_.find(handle);\n"
-     "    if (found == results_.end()) {\n"
-     "      throw std::invalid_argument(\"Handle \" + std::to_string(handle) +\n"
-     "                                  \" was not created or has been cleared.\");\n"
-     "    }\n"
-     "    if (found->second != nullptr) return;\n"
-     "    // The timeout only guards against a Reset() that clears the handle while it is waited on.\n"
-     "    done_.wait_for(lock, std::chrono::milliseconds(100));\n"
-     "  }\n}\n\n"
+     "  auto found = results_.find(handle);\n"
+     "  if (found != results_.end() && found->second == nullptr) {\n"
+     "    done_.wait_for(lock, timeout);\n"
+     "    found = results_.find(handle);  // Reset() may have cleared it meanwhile\n"
+     "  }\n"
+     "  if (found == results_.end()) {\n" + missing + "  }\n"
+     "  return found->second != nullptr;\n"
+     "}\n\n"
      "bool HandleManager::PollHandle(int handle) {\n"),
+    (source, "  results_.clear();\n  last_handle_ = 0;\n}\n",
+     "  results_.clear();\n  last_handle_ = 0;\n  done_.notify_all();  // waiters see their handle gone\n}\n"),
     (ops,
      "  while (true) {\n    if (handle_manager.PollHandle(handle)) break;\n    {\n"
      "      py::gil_scoped_release release_python_gil;\n      std::this_thread::yield();\n    }\n  }\n",
-     "  if (!handle_manager.PollHandle(handle)) {\n    py::gil_scoped_release release_python_gil;\n"
-     "    handle_manager.WaitHandle(handle);\n  }\n"),
+     "  while (!handle_manager.PollHandle(handle)) {\n"
+     "    {\n"
+     "      py::gil_scoped_release release_python_gil;\n"
+     "      handle_manager.WaitHandle(handle, std::chrono::milliseconds(100));\n"
+     "    }\n"
+     "    if (PyErr_CheckSignals() != 0) throw py::error_already_set();  // e.g. KeyboardInterrupt\n"
+     "  }\n"),
 ]
 for path, old, new in edits:
     text = path.read_text()
