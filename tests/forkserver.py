@@ -46,6 +46,10 @@ IMPORT_TIME_NAMES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "NODE_RANK", "JSM_NAMES
 from the server's starts the plain way."""
 PER_WORKER_PYTHON_VARIABLES = ("PYTHONWARNINGS", "PYTHONUNBUFFERED")
 """The two start-up variables a forked worker takes on itself."""
+HASH_SEED = "PYTHONHASHSEED"
+"""Each server runs with a seed of its own and ranks go to servers in turn, so neighbouring ranks hash
+strings differently (iterate sets in other orders), as separate processes do. A worker that sets
+the variable itself starts the plain way unless its server has the same seed."""
 FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
 STREAMS = (0, 1, 2)
 _INT = struct.Struct("!i")
@@ -125,7 +129,7 @@ def serve(path: str) -> tuple[socket.socket, dict[str, Any], list[int]] | None:
             except (OSError, ValueError):
                 connection.close()
                 continue
-            if _import_time_values(request["env"]) != _import_time_values(os.environ):
+            if not _forkable(request["env"]):
                 for fd in fds:
                     os.close(fd)
                 _send_quietly(connection, 0)  # run starts the worker the plain way
@@ -152,8 +156,15 @@ def _import_time_values(env: Any) -> dict[str, str]:
         name: value
         for name, value in env.items()
         if (name.startswith(IMPORT_TIME_VARIABLES) or name in IMPORT_TIME_NAMES)
-        and name not in PER_WORKER_PYTHON_VARIABLES
+        and name not in (*PER_WORKER_PYTHON_VARIABLES, HASH_SEED)
     }
+
+
+def _forkable(env: dict[str, str]) -> bool:
+    """Whether a worker with this environment would start as this server did."""
+    if HASH_SEED in env and env[HASH_SEED] != os.environ.get(HASH_SEED):
+        return False
+    return _import_time_values(env) == _import_time_values(os.environ)
 
 
 def _receive_or_eof(connection: socket.socket) -> bool:
@@ -277,7 +288,9 @@ def _take_warning_options(options: str) -> None:
 # ----------------------------------------------------------------------------------------- run
 def run(argv: list[str]) -> None:
     """Ask the server for a forked worker running ``argv``; wait for it and end as it ended."""
-    path = os.environ.get(SOCKET_VARIABLE)
+    servers = [path for path in os.environ.get(SOCKET_VARIABLE, "").split(os.pathsep) if path]
+    rank = os.environ.get("HOROVOD_RANK") or os.environ.get("OMPI_COMM_WORLD_RANK") or str(os.getpid())
+    path = servers[int(rank) % len(servers)] if servers and rank.isdigit() else None
     connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         if not path:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import atexit
 import functools
 import os
+import random
 import subprocess
 import sys
 import tempfile
@@ -67,33 +68,39 @@ def _worker_path(script: str | Path, lightning: str = "lightning.pytorch") -> Pa
 
 
 FORKSERVER = Path(__file__).resolve().with_name("forkserver.py")
+FORKSERVERS = 2
+"""Servers with different hash seeds; ranks go to them in turn (tests/forkserver.py)."""
 
 
 @functools.cache
 def forkserver_env() -> dict[str, str]:
-    """The variable that sends workers to this session's fork server (tests/forkserver.py), started once.
+    """The variable that sends workers to this session's fork servers (tests/forkserver.py), started once.
 
     Workers it forks skip the ~5 s of CPU that importing torch, Lightning and Horovod costs each one
     (a server imports them once).
     Where it cannot start, the variable is left out and ``forkserver.py run`` starts plain workers.
     """
     folder = tempfile.mkdtemp(prefix="hvd_forkserver_")
-    path = os.path.join(folder, "socket")
     env = {name: value for name, value in os.environ.items() if name != "PYTHONWARNINGS"}  # each worker sets its own
-    server = subprocess.Popen(
-        [sys.executable, str(FORKSERVER), "serve", path],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        env=env,
-        start_new_session=True,
-    )
-    atexit.register(_stop_forkserver, server)
-    assert server.stdout is not None
-    if server.stdout.readline().strip() != b"ready":
-        print(f"the fork server did not start (exit code {server.poll()}); workers start the plain way")
-        return {}
-    return {"HVD_TEST_FORKSERVER": path}
+    seeds = random.sample(range(1, 2**32), FORKSERVERS)  # neighbouring ranks hash strings differently
+    servers = {}
+    for index, seed in enumerate(seeds):
+        path = os.path.join(folder, f"socket{index}")
+        servers[path] = subprocess.Popen(
+            [sys.executable, str(FORKSERVER), "serve", path],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            env={**env, "PYTHONHASHSEED": str(seed)},
+            start_new_session=True,
+        )
+        atexit.register(_stop_forkserver, servers[path])
+    for server in servers.values():
+        assert server.stdout is not None
+        if server.stdout.readline().strip() != b"ready":
+            print(f"a fork server did not start (exit code {server.poll()}); workers start the plain way")
+            return {}
+    return {"HVD_TEST_FORKSERVER": os.pathsep.join(servers)}
 
 
 def _stop_forkserver(server: subprocess.Popen) -> None:

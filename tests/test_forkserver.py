@@ -150,3 +150,29 @@ def test_a_worker_ends_as_python_does_threads_joined_exit_handlers_run_streams_f
     assert process.returncode == 1
     assert out == "buffered, no newlinethread finished\nexit handler ran\n"
     assert err == "a message\n"
+
+
+def test_neighbouring_ranks_hash_strings_differently_as_separate_processes_do(
+    server_env: dict[str, str], tmp_path: Path
+) -> None:
+    script = tmp_path / "hashes.py"
+    script.write_text("import sys\nprint(hash('hvd_plugins'), 'torch' in sys.modules)\n")
+
+    def hash_on_rank(rank: int, **extra: str) -> tuple[str, str]:
+        process = start(script, env={**server_env, "HOROVOD_RANK": str(rank), **extra}, cwd=tmp_path)
+        out, err = process.communicate(timeout=60)
+        assert process.returncode == 0, err
+        value, preloaded = out.split()
+        return value, preloaded
+
+    assert hash_on_rank(0)[1] == hash_on_rank(1)[1] == "True"
+    assert hash_on_rank(0)[0] != hash_on_rank(1)[0]
+    assert hash_on_rank(0)[0] == hash_on_rank(2)[0]  # the same server
+    fixed = subprocess.run(
+        [sys.executable, "-c", "print(hash('hvd_plugins'))"],
+        env={**os.environ, "PYTHONHASHSEED": "0"},
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    assert hash_on_rank(1, PYTHONHASHSEED="0") == (fixed, "False")  # a seed of its own: the plain way
