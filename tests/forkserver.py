@@ -1,18 +1,19 @@
-"""Start test workers from a process that has already imported torch, Lightning, Horovod and hvd_plugins.
+"""Start test workers from a process that has already imported torch, Lightning and Horovod.
 
 On this suite's small hosts a worker spends about 5 s of CPU importing those before it does anything
 else, and the suite starts a few hundred workers. ``serve`` imports them once and forks a child for
 every worker; ``run`` is the tiny command horovodrun starts in the worker's place::
 
-    python tests/forkserver.py serve SOCKET      # one per test session (tests/hvd_launch.py starts it)
+    python tests/forkserver.py serve SOCKET      # two per test session (tests/hvd_launch.py starts them)
     python tests/forkserver.py run SCRIPT ARGS   # what horovodrun runs for each rank
 
 ``run`` hands the server its standard streams, environment, working directory and arguments; the
 forked child takes them all and runs SCRIPT as ``__main__``, as ``python SCRIPT ARGS`` would. ``run``
 stays the process horovodrun knows: it passes on the signals it gets, exits with the child's exit
 code (or dies of the child's signal). When ``run`` is killed, the server kills the child's
-process group (the child and what it started), and the child kills itself should the server be gone. Without a
-server (no ``HVD_TEST_FORKSERVER``, or none listening) ``run`` becomes ``python SCRIPT ARGS``.
+process group (the child and what it started), and the child kills itself should the server be
+gone. Without a server (no ``HVD_TEST_FORKSERVER``, or none listening) ``run`` becomes
+``python SCRIPT ARGS``.
 
 A worker whose environment differs from the server's in what those imports read at start-up
 (threads, devices, Python's own variables, Lightning's rank variables) also starts the plain way.
@@ -39,8 +40,9 @@ SOCKET_VARIABLE = "HVD_TEST_FORKSERVER"
 PRELOADED = ("torch", "lightning", "pytorch_lightning", "horovod.torch")
 """Third-party imports only: hvd_plugins (0.1 s once these are loaded) is imported by each worker itself,
 so what it does at import with the worker's environment (its rank, Slurm's signals) happens for real."""
-IMPORT_TIME_VARIABLES = ("PYTHON", "OMP_", "MKL_", "KMP_", "GOMP_", "TORCH", "PYTORCH_", "CUDA_", "LD_", "SLURM_")
-IMPORT_TIME_VARIABLES += ("PL_",)
+IMPORT_TIME_VARIABLES = (
+    "PYTHON", "OMP_", "MKL_", "KMP_", "GOMP_", "TORCH", "PYTORCH_", "CUDA_", "LD_", "SLURM_", "PL_",
+)  # fmt: skip
 IMPORT_TIME_NAMES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "NODE_RANK", "JSM_NAMESPACE_RANK", "JSM_NAMESPACE_LOCAL_RANK")
 """Variables the preloaded imports (or Python itself) read at start-up: a worker whose values differ
 from the server's starts the plain way."""
@@ -266,9 +268,15 @@ def _exit(code: int) -> None:  # code: an exit code, or minus a signal to die of
         except (OSError, ValueError):
             pass
     if code < 0:
-        signal.signal(-code, signal.SIG_DFL)
-        os.kill(os.getpid(), -code)
+        _die_of(-code)
     os._exit(code)
+
+
+def _die_of(signum: int) -> None:
+    """End this process by ``signum``, as the process it stands for ended (SIGKILL has no handler to reset)."""
+    if signum not in (signal.SIGKILL, signal.SIGSTOP):
+        signal.signal(signum, signal.SIG_DFL)
+    os.kill(os.getpid(), signum)
 
 
 def _take_warning_options(options: str) -> None:
@@ -310,10 +318,8 @@ def run(argv: list[str]) -> None:
         (code,) = _INT.unpack(_receive_exactly(connection, _INT.size))
     except ConnectionError:
         sys.exit(f"forkserver: the server went away while worker {pid} ran")
-    if code < 0:  # die of the child's signal (SIGKILL has no handler to reset)
-        if -code not in (signal.SIGKILL, signal.SIGSTOP):
-            signal.signal(-code, signal.SIG_DFL)
-        os.kill(os.getpid(), -code)
+    if code < 0:
+        _die_of(-code)
     sys.exit(code)
 
 

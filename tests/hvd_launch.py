@@ -130,7 +130,6 @@ def run_job(
     console_script: bool = False,
     lightning: str = "lightning.pytorch",
     controller: str = "gloo",
-    forked: bool = True,
 ) -> JobResult:
     """Run ``horovodrun -np N -H hosts --gloo python script args`` and gather ``rank*.json``.
 
@@ -141,7 +140,7 @@ def run_job(
     """
     script = _worker_path(script, lightning)
     worker = ([sys.executable, str(script)] if python else [str(script)]) + list(args)
-    if python and controller == "gloo" and forked:
+    if python and controller == "gloo":
         worker[1:1] = [str(FORKSERVER), "run"]
         env = {**forkserver_env(), **(env or {})}
     job = horovodrun(
