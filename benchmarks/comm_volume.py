@@ -15,8 +15,8 @@ b bytes per element on the compressed wire (4 for none, 2 for fp16):
     allreduce      cross-node  P*b*S                      (a flat allreduce over two nodes counts as cross-node)
     hierarchical   node-local  (P + P/L)*4*S              (reduce-scatter input + allgather input, uncompressed)
                    cross-node  (P/L)*b*S                  (each local rank carries one shard)
-    daso           node-local  P*b*S + 2*(P/L)*4*M        (gradients every step + allgather of merged
-                                                          shards and their average, M merges per epoch)
+    daso           node-local  P*b*S + (P/L)*b*M          (gradients every step + allgather of the
+                                                          cross-node sums, M merges per epoch)
                    cross-node  (P/L)*b*G + P*b            (G parameter-shard sends + the closing blocking
                                                           average of the whole drift over all workers)
 
@@ -77,7 +77,7 @@ def expected_bytes(sync: str, compression: str, params: int, local_size: int, st
     sends = (steps - 1) // DASO_CYCLING_GLOBAL_SKIPS  # the last step syncs blocking instead
     merges = sum(1 for k in range(1, sends + 1) if k * DASO_CYCLING_GLOBAL_SKIPS + 1 < steps)
     return {
-        "node_local": params * wire * steps + 2 * shard * 4 * merges,
+        "node_local": params * wire * steps + shard * wire * merges,
         "cross_node": shard * wire * sends + params * wire,
     }
 

@@ -204,8 +204,8 @@ def _daso_parameter_sync(cluster: Cluster, params: float, plan: DasoPlan, per_st
         relayed = partner_sum(INTER, n, wire, relay=True, **extra)
         legs.append(ring_allreduce(INTER, n, wire, **extra) if local == 1 else relayed)
     if local > 1:  # the node's workers each carried a shard: gather them
-        legs.append(partner_scatter(INTRA, local, params * FP32_BYTES, per_step=per_step, gradient=False,
-                                    hideable_steps=hide))  # fmt: skip
+        legs.append(partner_scatter(INTRA, local, wire, per_step=per_step, gradient=False,
+                                    hideable_steps=hide))  # the sums, in the downcast type  # fmt: skip
     return legs
 
 

@@ -15,10 +15,12 @@ parameters and optimizer state while the nodes drift apart. Across nodes, every
 2. it sends ``shard - reference`` (see below), downcast, in chunks of at most
    ``sending_chunk_size`` elements, with a non-blocking Sum over its peers on the other nodes
    (the workers with its local rank);
-3. ``batches_to_wait`` (B >= 1) steps later it receives the sum and merges
-   ``p = (2B * p_local + S) / (2B + N)`` on its shard (S = sum over the N nodes);
-4. the node allgathers the merged shards and the new reference (one round), so every local
-   worker holds the same parameters again.
+3. ``batches_to_wait`` (B >= 1) steps later it receives the sum of its shard, still in the wire
+   type (every cross-node sum ends in it, so nothing is rounded);
+4. the node allgathers those sums (one round, a quarter of the bytes of gathering merged fp32
+   shards and the reference), and every local worker merges ``p = (2B * p_local + S) / (2B + N)``
+   on the whole vector itself (S = sum over the N nodes). The workers of a node hold the same
+   parameters and reference and gather the same sum, so they hold the same parameters again.
 
 The epoch's last batch (and whatever ``finish_epoch`` says is still owed) runs a BLOCKING sync:
 parameters, the optimizer state and the floating buffers are averaged over all workers at once,
@@ -139,33 +141,28 @@ class CrossNodeSharding:
         for chunk in pending.chunks:
             chunk.progress()
 
-    def finish_sum(self, pending: PendingSum, dtype: torch.dtype) -> torch.Tensor:
-        """Wait for a Sum and return it in ``dtype``."""
+    def finish_sum(self, pending: PendingSum) -> torch.Tensor:
+        """Wait for a Sum and return it in its wire type.
+
+        The cross-node group is a relaying pair, every worker (Horovod's allreduce) or a larger
+        group (reduce-scatter, then an allgather in the wire type), and each of these ends with
+        the sum in the wire type, so converting back to it is exact.
+        """
         with self.counters.waiting():
             parts = wait_all(pending.chunks)
         if not parts:
-            return torch.empty(0, dtype=dtype)
-        return torch.cat(parts).to(dtype)
+            return torch.empty(0, dtype=pending.dtype)
+        return torch.cat(parts).to(pending.dtype)
 
-    def gather_in_node(self, shards: Sequence[torch.Tensor], layouts: Sequence[ShardLayout]) -> list[torch.Tensor]:
-        """Every local worker's shards, reassembled and unpadded: the full flat vectors.
-
-        Several vectors travel in ONE allgather (one latency round): each worker sends its
-        shards back to back, and the result is split column-wise per vector.
-        """
+    def gather_in_node(self, shard: torch.Tensor, layout: ShardLayout) -> torch.Tensor:
+        """Every local worker's ``shard``, reassembled and unpadded: the full flat vector (one round)."""
         local = self.groups.local
         if local is None:
-            return [shard[: layout.numel] for shard, layout in zip(shards, layouts, strict=True)]
-        mine = torch.cat(list(shards))
-        pending = start_allgather(mine, local, NoCompression(), "daso.gather")
+            return shard[: layout.numel]
+        pending = start_allgather(shard, local, NoCompression(), "daso.gather")
         self.counters.record(Scope.NODE_LOCAL, pending.piece_nbytes)
         with self.counters.waiting():
-            rows = finish_allgather(pending).view(local.size, mine.numel())
-        full, offset = [], 0
-        for shard, layout in zip(shards, layouts, strict=True):
-            full.append(rows[:, offset : offset + shard.numel()].reshape(-1)[: layout.numel])
-            offset += shard.numel()
-        return full
+            return finish_allgather(pending)[: layout.numel]
 
 
 class DasoSync:
@@ -291,16 +288,16 @@ class DasoSync:
         if self._in_flight is None:
             return
         pending, self._in_flight = self._in_flight, None
-        drift_sum = self.sharding.finish_sum(pending, self._work_dtype)
+        drift_sum = self.sharding.finish_sum(pending)
         if not merge:
             return  # the blocking sync that follows averages the current parameters instead
-        average = self._layout.shard_of(self._reference) + drift_sum / self.sharding.num_nodes
-        local = self._layout.shard_of(self._flat_parameters())
+        full_sum = self.sharding.gather_in_node(drift_sum, self._layout)
         weight, nodes = 2 * batches_to_wait, self.sharding.num_nodes
-        merged = (weight * local + nodes * average) / (weight + nodes)
-        full_merged, self._reference = self.sharding.gather_in_node([merged, average], [self._layout, self._layout])
+        average = self._reference + full_sum.to(self._work_dtype) / nodes
+        merged = (weight * self._flat_parameters() + nodes * average) / (weight + nodes)
+        self._reference = average
         with torch.no_grad():
-            unflatten_into(full_merged, self._parameters)
+            unflatten_into(merged, self._parameters)
         self.merges += 1
 
     def _start_buffer_average(self) -> PendingBufferAverage | None:
