@@ -62,6 +62,7 @@ from typing import Any
 import numpy as np
 
 from hvd_plugins.core.tables import format_table
+from hvd_plugins.testing.netns_cluster import SHAPER_BURST_BYTES, UNSHAPED
 from hvd_plugins.testing.reports import docs_dir, write_report
 
 RESULTS_DIR = docs_dir(__file__)
@@ -289,11 +290,28 @@ class Observation:
     step_s: float
     flat_route: bool = False
     """A hierarchical run whose buckets took the flat allreduce (small buckets, or the route measured faster)."""
+    cross_bytes_per_step: float | None = None
+    """Bytes each worker handed to cross-node collectives per step (the run's counters; None: not recorded)."""
 
     @property
     def nodes_and_local(self) -> tuple[int, int]:
         nodes, local = self.topology.split("x")
         return int(nodes), int(local)
+
+    @property
+    def priced_link(self) -> str:
+        """The link whose cost per byte applies: the shaped one, unless its token bucket never runs dry.
+
+        The emulated link is ``tc tbf``: ``SHAPER_BURST_BYTES`` pass at the line rate, and the
+        bucket refills at the shaped rate. A step whose cross-node bytes (every worker of the node
+        sends through its link) fit in the bucket and refill within the step never waits for the
+        rate, so it pays what an unshaped link costs (the small model's 19 KB a step at 50 Mbit/s).
+        """
+        if self.link == UNSHAPED or self.cross_bytes_per_step is None:
+            return self.link
+        node_bytes = self.cross_bytes_per_step * self.nodes_and_local[1]
+        refill_s = node_bytes / (float(self.link) * 1e6 / 8)
+        return UNSHAPED if node_bytes <= SHAPER_BURST_BYTES and refill_s <= self.step_s else self.link
 
     @staticmethod
     def of(run: dict[str, Any], phase: str, stats: dict[str, Any]) -> Observation:
@@ -309,6 +327,7 @@ class Observation:
             run["steps_per_epoch"],
             stats["step_s"],
             flat_route=run["mode"].startswith("hierarchical") and _crossed_whole_gradient(run, stats),
+            cross_bytes_per_step=stats.get("cross_node_bytes_per_step"),
         )
 
 
@@ -333,7 +352,7 @@ class Calibration:
         )
 
     def predict(self, obs: Observation) -> float:
-        cluster = self.cluster(obs.topology, obs.link)
+        cluster = self.cluster(obs.topology, obs.priced_link)
         workload = Workload(obs.model, obs.params, self.values.get(f"compute_s[{obs.model},{obs.topology}]", 0.0))
         return step_seconds(_observed_legs(obs, cluster), cluster, workload)
 
@@ -370,7 +389,7 @@ def unknowns_of(obs: Observation) -> dict[str, float]:
         "round_inter_s": terms["rounds_inter"],
         "round_intra_s": terms["rounds_intra"],
         "s_per_byte_intra": terms["bytes_intra"],
-        f"s_per_byte_inter[{obs.link}]": terms["bytes_inter"],
+        f"s_per_byte_inter[{obs.priced_link}]": terms["bytes_inter"],
         "s_per_fp16_byte": terms["bytes_fp16"],
     }
 

@@ -28,7 +28,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))  # `benchmarks` is a package of the checkout, not of the installed project
 
-from benchmarks import comm_volume, duplex, emulated_cluster, overhead, transport  # noqa: E402
+from benchmarks import comm_volume, duplex, emulated_cluster, gloo_allreduce, overhead, transport  # noqa: E402
 from hvd_plugins.testing.netns_cluster import SKIP_EXIT_CODE, process_tag  # noqa: E402
 
 pytestmark = pytest.mark.multiprocess
@@ -105,6 +105,29 @@ def test_overhead_smoke_prints_positive_rates_and_verdicts(tmp_path: Path, capsy
         assert line.rstrip().endswith(("met", "not met")), line
     body = assert_dated_report(tmp_path / "overhead.txt", "overhead.py", argv)
     assert body.startswith("overhead: 2 workers on CPU") and "median rates:" in body
+
+
+# ------------------------------------------------------------------------------------------ gloo_allreduce
+def test_gloo_allreduce_smoke_times_both_libraries_on_checked_sums(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["--smoke", "--report", str(tmp_path / "gloo_allreduce.txt")]
+    code, printed = run_main(gloo_allreduce, argv, capsys)
+    assert code == 0, printed[-3000:]  # a sum that differs from the expected one fails the job
+    rows = [line.split() for line in printed.splitlines() if line.lstrip().startswith(("one tensor", "model's"))]
+    assert len(rows) == 6, printed  # two cases x three jobs
+    for cells in rows:
+        median_ms, ratio = float(cells[-3]), float(cells[-1])
+        assert median_ms > 0 and ratio > 0, cells
+        if cells[-4] == "torch":
+            assert ratio == 1.0, cells
+    assert "as its 4 tensors" in printed, printed  # SMOKE_WIDTHS: two layers, a weight and a bias each
+    body = assert_dated_report(tmp_path / "gloo_allreduce.txt", "gloo_allreduce.py", argv)
+    assert body.startswith("gloo_allreduce: 2 workers on CPU")
+
+
+def test_gradient_shapes_are_each_layers_weight_then_bias() -> None:
+    assert gloo_allreduce.gradient_shapes((3, 5, 2)) == [(5, 3), (5,), (2, 5), (2,)]
 
 
 # ------------------------------------------------------------------------------------------ comm_volume

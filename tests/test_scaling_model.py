@@ -88,6 +88,21 @@ def test_daso_phases_by_hand() -> None:
     assert terms["bytes_inter"] == pytest.approx(2000 / 8 + 9000 / 8)
 
 
+def test_a_shaped_link_whose_bucket_never_runs_dry_is_priced_as_unshaped() -> None:
+    def observation(topology: str, link: str, cross_bytes: float, step_s: float) -> sm.Observation:
+        return sm.Observation("m", topology, link, "allreduce/none", "sync", 1.0, 1.0, 16.0, step_s,
+                              cross_bytes_per_step=cross_bytes)  # fmt: skip
+
+    # 19 KB a step at 50 Mbit/s refill in 3 ms: within an 8 ms step and tbf's 256 KiB bucket.
+    assert observation("2x1", "50", 19_200, 0.008).priced_link == "unshaped"
+    # The same bytes from both workers of a node refill in 6 ms: still within a 16 ms step, not a 5 ms one.
+    assert observation("2x2", "50", 19_200, 0.016).priced_link == "unshaped"
+    assert observation("2x2", "50", 19_200, 0.005).priced_link == "50"
+    # 3.2 MB a step is more than the bucket holds: the shaped rate applies however long the step.
+    assert observation("2x1", "50", 3_172_392, 0.6).priced_link == "50"
+    assert observation("2x1", "unshaped", 3_172_392, 0.02).priced_link == "unshaped"
+
+
 def test_daso_send_hides_behind_batches_to_wait_steps_of_compute() -> None:
     c = cluster(2, 1, inter=1000.0)  # 2 nodes x 1: the send moves 2 bytes/param * 1000 = 2000 B in 2 s
     plan = sm.DasoPlan(sm.FP16_BYTES, global_skips=1, batches_to_wait=1)
