@@ -418,7 +418,11 @@ def run_grid(grid: Grid, workdir: Path, log: Any = print) -> list[dict[str, Any]
 def _run_group(
     cluster: NamespaceCluster, grid: Grid, model: Model, topology: Topology, workdir: Path, clock: Any, log: Any
 ) -> list[dict[str, Any]]:
-    """One model on one topology over every link; the first run (flat fp32, first link) sets the target."""
+    """One model on one topology over every link; the first run (flat fp32, first link) sets the target.
+
+    With ``grid.repeats`` > 1 the modes of a link take turns (every mode once, then again), so a
+    machine that slows down during the group slows every mode alike instead of the last one.
+    """
     rows: list[dict[str, Any]] = []
     target = 0.0
     workdir.mkdir(parents=True, exist_ok=True)
@@ -426,11 +430,11 @@ def _run_group(
     make_data(model, data_path)
     for link in grid.links:
         cluster.reshape(shaping_for(link))
-        for mode in grid.modes_for(topology):
-            name = f"{model.name} {topology.label} {link_label(link):>8} {mode:<17}"
-            label = f"{model.name}_{topology.label}_{link_label(link)}_{mode.replace('/', '_')}"
-            attempts: list[dict[str, Any]] = []
-            for repeat in range(grid.repeats):
+        attempts: dict[str, list[dict[str, Any]]] = {mode: [] for mode in grid.modes_for(topology)}
+        for repeat in range(grid.repeats):
+            for mode in attempts:
+                name = f"{model.name} {topology.label} {link_label(link):>8} {mode:<17}"
+                label = f"{model.name}_{topology.label}_{link_label(link)}_{mode.replace('/', '_')}"
                 run = Run(model, topology, link, mode, grid.epochs or model.epochs, grid.daso_warmup,
                           grid.daso_cooldown, target_loss=target, budget_s=grid.budget_s,
                           data_path=str(data_path))  # fmt: skip
@@ -449,15 +453,14 @@ def _run_group(
                 reference = target == 0
                 if reference:
                     target = target_from_reference(rank0["losses"])
-                attempts.append(summarize(run, rank0, target) | {"reference": not attempts and reference})
-                row = attempts[-1]
+                attempts[mode].append(summarize(run, rank0, target) | {"reference": reference})
+                row = attempts[mode][-1]
                 reached = row["time_to_target_s"]
                 log(f"  {name} {row['steps']:4d} steps, "
                     f"{f'target at {reached:.1f} s' if reached else 'target not reached':<20} "
                     f"mean step {1000 * (row['mean_step_s'] or 0):7.1f} ms, val acc {row['val_accuracy']:.3f} "
                     f"({row['stop_reason']}{', reference' if reference else ''}; {clock():.0f} s elapsed)")  # fmt: skip
-            if attempts:
-                rows.append(median_attempt(attempts))
+        rows += [median_attempt(runs) for runs in attempts.values() if runs]
     return rows
 
 
