@@ -349,19 +349,21 @@ def summarize(run: Run, rank0: dict[str, Any], target: float) -> dict[str, Any]:
     }
 
 
-def median_attempt(attempts: Sequence[dict[str, Any]]) -> dict[str, Any]:
+def median_attempt(attempts: Sequence[dict[str, Any]], failed: int = 0) -> dict[str, Any]:
     """The row of repeated runs: the run with the median time to target (runs that missed it count as
-    slowest), with every run's time to target and mean step kept beside it.
+    slowest; of an even number, the faster middle one), with every run's time to target and mean
+    step kept beside it, and how many runs failed (``failed_repeats``).
 
     One run of a short row can be many times slower than the next (a busy moment on a shared
-    machine); the median of three is what the row is reported and fitted by.
+    machine); the median of three is what the row is reported and fitted by. ``reference`` stays
+    the kept run's own: only the group's first run trains every epoch to set the target.
     """
     ordered = sorted(attempts, key=lambda row: row["time_to_target_s"] or math.inf)
     kept = dict(ordered[(len(ordered) - 1) // 2])
-    kept["reference"] = any(row["reference"] for row in attempts)
     kept["repeats"] = [
         {"time_to_target_s": row["time_to_target_s"], "mean_step_s": row["mean_step_s"]} for row in attempts
     ]
+    kept["failed_repeats"] = failed
     return kept
 
 
@@ -431,6 +433,7 @@ def _run_group(
     for link in grid.links:
         cluster.reshape(shaping_for(link))
         attempts: dict[str, list[dict[str, Any]]] = {mode: [] for mode in grid.modes_for(topology)}
+        failed = dict.fromkeys(attempts, 0)
         for repeat in range(grid.repeats):
             for mode in attempts:
                 name = f"{model.name} {topology.label} {link_label(link):>8} {mode:<17}"
@@ -446,6 +449,7 @@ def _run_group(
                         raise RuntimeError("rank 0 wrote no result")
                 except RuntimeError as error:
                     log(f"  {name} FAILED: {str(error)[:2000]}")
+                    failed[mode] += 1
                     if target == 0:
                         log(f"  {name} was the reference run of its group: skipping the group")
                         return rows
@@ -460,7 +464,7 @@ def _run_group(
                     f"{f'target at {reached:.1f} s' if reached else 'target not reached':<20} "
                     f"mean step {1000 * (row['mean_step_s'] or 0):7.1f} ms, val acc {row['val_accuracy']:.3f} "
                     f"({row['stop_reason']}{', reference' if reference else ''}; {clock():.0f} s elapsed)")  # fmt: skip
-        rows += [median_attempt(runs) for runs in attempts.values() if runs]
+        rows += [median_attempt(runs, failed[mode]) for mode, runs in attempts.items() if runs]
     return rows
 
 
@@ -480,8 +484,8 @@ def report(rows: list[dict[str, Any]], grid: Grid) -> str:
             f"{100 * r['val_accuracy']:.2f}",
             "(baseline)" if r["mode"] == BASELINE else (f"{r['speedup']:.2f}x" if r["speedup"] else "-"),
             f"{r['acc_diff_pts']:+.2f}" if r["acc_diff_pts"] is not None else "-",
-        ] + ([" / ".join(f"{a['time_to_target_s']:.1f}" if a["time_to_target_s"] else "-" for a in r["repeats"])]
-             if grid.repeats > 1 else []))  # fmt: skip
+        ] + ([" / ".join([*(f"{a['time_to_target_s']:.1f}" if a["time_to_target_s"] else "-" for a in r["repeats"]),
+                          *["failed"] * r["failed_repeats"]])] if grid.repeats > 1 else []))  # fmt: skip
     models = ", ".join(f"{m.name} MLP {m.features}-{'-'.join(map(str, m.hidden))}-{m.classes} ({m.parameters:,} "
                        f"parameters, {grid.epochs or m.epochs} epochs)" for m in grid.models)  # fmt: skip
     header = (
@@ -494,8 +498,9 @@ def report(rows: list[dict[str, Any]], grid: Grid) -> str:
         f"reached it, or after {grid.budget_s:.0f} s of training. speedup = flat fp32 allreduce's time to target "
         f"/ this run's, same model, topology and link; cross KB/step = bytes each worker handed to cross-node "
         f"collectives per step (strategy.comm_counters)."
-        + (f" Each row ran {grid.repeats} times and reports the run with the median time to target; "
-           f"'each run s' lists every run's time to target." if grid.repeats > 1 else "")
+        + (f" Each row ran {grid.repeats} times, the modes of a link taking turns, and reports the run with the "
+           f"median time to target (of an even number of runs, the faster middle one); 'each run s' lists every "
+           f"run's time to target." if grid.repeats > 1 else "")
     )  # fmt: skip
     headers = ["model", "topo", "link Mbit/s", "mode", "steps to target", "s to target", "step ms",
                "cross KB/step", "val acc %", "speedup", "acc diff (pts)"]  # fmt: skip
@@ -518,7 +523,8 @@ def write_records(rows: list[dict[str, Any]], measured: dict[str, str], json_pat
         writer.writerow([*flat_keys, "phase", *phase_keys])
         for r in rows:
             for phase, stats in r["phases"].items():
-                writer.writerow([r[k] for k in flat_keys] + [phase] + [stats.get(k, "") for k in phase_keys])
+                cells = [json.dumps(r[k]) if isinstance(r[k], list | dict) else r[k] for k in flat_keys]
+                writer.writerow(cells + [phase] + [stats.get(k, "") for k in phase_keys])
 
 
 def plot(rows: list[dict[str, Any]], path: Path) -> None:

@@ -61,12 +61,16 @@ def gradient_shapes(widths: Sequence[int]) -> list[tuple[int, ...]]:
 
 
 # ------------------------------------------------------------------------------------------ worker
-def _timed(rounds: int, run_once: Callable[[], list[torch.Tensor]], expected: float) -> list[float]:
-    """Seconds of each timed round; every result must equal ``expected`` everywhere."""
+def _timed(
+    rounds: int, fill: Callable[[], None], allreduce: Callable[[], list[torch.Tensor]], expected: float
+) -> list[float]:
+    """Seconds of each timed round (the tensors are filled before the clock starts); every result must
+    equal ``expected`` everywhere."""
     seconds = []
     for index in range(WARMUP + rounds):
+        fill()
         started = time.perf_counter()
-        results = run_once()
+        results = allreduce()
         elapsed = time.perf_counter() - started
         for result in results:
             if not torch.all(result == expected):
@@ -90,29 +94,28 @@ def worker_main(library: str, widths: Sequence[int], rounds: int, port: int, out
 
         hvd.init()
 
-        def allreduce(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-            handles = [hvd.allreduce_async_(t, op=hvd.Sum, name=f"t{i}") for i, t in enumerate(tensors)]
+        def allreduce(tensors: list[torch.Tensor], case: int) -> list[torch.Tensor]:
+            handles = [hvd.allreduce_async_(t, op=hvd.Sum, name=f"case{case}.t{i}") for i, t in enumerate(tensors)]
             return [hvd.synchronize(handle) for handle in handles]
 
         barrier: Callable[[], None] = hvd.barrier
     else:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size)
 
-        def allreduce(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        def allreduce(tensors: list[torch.Tensor], case: int) -> list[torch.Tensor]:
             works = [dist.all_reduce(t, async_op=True) for t in tensors]
             for work in works:
                 work.wait()
             return tensors
 
         barrier = dist.barrier
-    for case, tensors in cases.items():
+    for index, (case, tensors) in enumerate(cases.items()):
 
-        def filled_and_summed(tensors: list[torch.Tensor] = tensors) -> list[torch.Tensor]:
+        def fill(tensors: list[torch.Tensor] = tensors) -> None:
             for tensor in tensors:
                 tensor.fill_(rank + 1)
-            return allreduce(tensors)
 
-        results[case] = _timed(rounds, filled_and_summed, expected)
+        results[case] = _timed(rounds, fill, lambda t=tensors, i=index: allreduce(t, i), expected)
         barrier()
     if library == "torch":
         dist.destroy_process_group()
@@ -121,6 +124,7 @@ def worker_main(library: str, widths: Sequence[int], rounds: int, port: int, out
 
 # ------------------------------------------------------------------------------------------ driver
 def free_port() -> int:
+    """A port free now, for torch's rendezvous (rank 0 binds it moments later)."""
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return int(probe.getsockname()[1])
@@ -132,7 +136,8 @@ def measure(widths: Sequence[int], rounds: int, workdir: Path) -> dict[str, dict
     for job, (library, env) in JOBS.items():
         out = workdir / f"job{len(outcomes)}"
         script = [str(Path(__file__).resolve()), "--worker", library, "--widths", ",".join(map(str, widths)),
-                  "--iterations", str(rounds), "--port", str(free_port())]  # fmt: skip
+                  "--iterations", str(rounds)]  # fmt: skip
+        script += ["--port", str(free_port())] if library == "torch" else []
         outcome = bench.horovodrun(script, out, np=2, timeout=600, env=dict(env)).check(f"gloo_allreduce job {job!r}")
         if 0 not in outcome.results:
             raise RuntimeError(f"rank 0 of job {job!r} wrote no result:\n{outcome.output[-3000:]}")

@@ -177,6 +177,8 @@ def test_repeated_runs_report_the_median_run_and_keep_every_time() -> None:
     assert kept["time_to_target_s"] == 9.0 and kept["reference"]  # a run that missed the target counts as slowest
     assert [a["time_to_target_s"] for a in kept["repeats"]] == [9.0, 2.0, None]
     assert emulated_cluster.median_attempt([attempt(3.0), attempt(1.0)])["time_to_target_s"] == 1.0  # lower median
+    kept = emulated_cluster.median_attempt([attempt(1.0, reference=True), attempt(2.0), attempt(3.0)], failed=1)
+    assert not kept["reference"] and kept["failed_repeats"] == 1  # the flag is the kept run's own
     grid = emulated_cluster.build_grid(emulated_cluster_args("--smoke", "--repeats", "3"))
     assert grid.repeats == 3 and grid.runs() == 6
     with pytest.raises(ValueError, match="--repeats 0 must be >= 1"):

@@ -17,7 +17,7 @@ from hvd_plugins.core.comm.counters import CommCounters, Scope
 from hvd_plugins.core.comm.parameters import indexed_optimizer_parameters, optimizer_parameters
 from hvd_plugins.core.comm.partners import PartnerGroup, add_in_order
 from hvd_plugins.core.comm.route_tuning import FLAT, TWO_LEVEL, RouteTuner
-from hvd_plugins.core.comm.topology import Topology, build_node_groups
+from hvd_plugins.core.comm.topology import NodeGroups, Topology, build_node_groups
 from hvd_plugins.core.comm.wire import for_wire, from_wire, nbytes, reduce_op_name, wire_dtype
 from hvd_plugins.core.cpu_threads import choose_cpu_threads
 from hvd_plugins.core.daso.config import DasoConfig
@@ -336,3 +336,16 @@ def test_waits_poll_only_where_horovods_own_wait_spins(
         assert waits.synchronize_sleeps() is sleeps
     finally:
         waits.synchronize_sleeps.cache_clear()
+
+
+def test_daso_sharding_takes_only_cross_node_pairs_whose_sum_ends_in_the_wire_type() -> None:
+    """The merge gathers the cross-node sum in its wire type: a relaying pair's sum is in it, an exchanging
+    pair's (float32 of two float16 pieces) is not, and gathering that would round it."""
+    from hvd_plugins.core.daso.sync import CrossNodeSharding
+
+    groups = build_node_groups(Topology(rank=0, nodes=((0, 1), (2, 3))))
+    assert groups.cross is not None and groups.cross.relays
+    CrossNodeSharding(groups, CommCounters(), chunk_numel=1024)  # the groups the strategy builds
+    exchanging = NodeGroups(groups.topology, groups.local, PartnerGroup((0, 2), 0, 4), groups.world)
+    with pytest.raises(ValueError, match=r"cross-node pair \(0, 2\) must relay"):
+        CrossNodeSharding(exchanging, CommCounters(), chunk_numel=1024)

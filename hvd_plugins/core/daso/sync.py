@@ -17,10 +17,11 @@ parameters and optimizer state while the nodes drift apart. Across nodes, every
    (the workers with its local rank);
 3. ``batches_to_wait`` (B >= 1) steps later it receives the sum of its shard, still in the wire
    type (every cross-node sum ends in it, so nothing is rounded);
-4. the node allgathers those sums (one round, a quarter of the bytes of gathering merged fp32
-   shards and the reference), and every local worker merges ``p = (2B * p_local + S) / (2B + N)``
-   on the whole vector itself (S = sum over the N nodes). The workers of a node hold the same
-   parameters and reference and gather the same sum, so they hold the same parameters again.
+4. the node allgathers those sums (one round; a quarter of the bytes of gathering merged fp32
+   shards and the reference with fp16, half with fp32 or bf16), and every local worker merges
+   ``p = (2B * p_local + S) / (2B + N)`` on the whole vector itself (S = sum over the N nodes).
+   The workers of a node hold the same parameters and reference and gather the same sum, so they
+   hold the same parameters again.
 
 The epoch's last batch (and whatever ``finish_epoch`` says is still owed) runs a BLOCKING sync:
 parameters, the optimizer state and the floating buffers are averaged over all workers at once,
@@ -118,6 +119,11 @@ class CrossNodeSharding:
     """
 
     def __init__(self, groups: NodeGroups, counters: CommCounters, chunk_numel: int) -> None:
+        cross = groups.cross
+        if cross is not None and cross.size == 2 and not (cross.relays or cross.spans_world):
+            # A pair that exchanges returns its float32 sum of two wire pieces; gathering that in the
+            # wire type would round it, so the merge relies on the relay (or allreduce) of a pair.
+            raise ValueError(f"DASO's cross-node pair {cross.ranks} must relay (a relay lane) or span every worker")
         self.groups = groups
         self.counters = counters
         self.chunk_numel = chunk_numel
