@@ -53,24 +53,27 @@ CASES = ("one tensor", "model's tensors")
 
 
 def gradient_shapes(widths: Sequence[int]) -> list[tuple[int, ...]]:
-    """The shapes of an MLP's gradients: each layer's weight, then its bias."""
-    shapes: list[tuple[int, ...]] = []
-    for inputs, outputs in zip(widths, widths[1:], strict=False):
-        shapes += [(outputs, inputs), (outputs,)]
-    return shapes
+    """The shapes of the benchmarks' MLP's gradients (``bench.mlp``), in its parameters' order."""
+    model = bench.mlp(widths[0], widths[1:-1], widths[-1])
+    return [tuple(parameter.shape) for parameter in model.parameters()]
 
 
 # ------------------------------------------------------------------------------------------ worker
+Allreduce = Callable[[list[torch.Tensor], str], list[torch.Tensor]]
+"""Sums the tensors over every worker (their names are for Horovod) and returns the results."""
+
+
 def _timed(
-    rounds: int, fill: Callable[[], None], allreduce: Callable[[], list[torch.Tensor]], expected: float
+    rounds: int, tensors: list[torch.Tensor], allreduce: Allreduce, name: str, own: float, expected: float
 ) -> list[float]:
-    """Seconds of each timed round (the tensors are filled before the clock starts); every result must
-    equal ``expected`` everywhere."""
+    """Seconds of each timed round of summing ``tensors`` filled with ``own`` (filled before the clock
+    starts); every result must equal ``expected`` everywhere."""
     seconds = []
     for index in range(WARMUP + rounds):
-        fill()
+        for tensor in tensors:
+            tensor.fill_(own)
         started = time.perf_counter()
-        results = allreduce()
+        results = allreduce(tensors, name)
         elapsed = time.perf_counter() - started
         for result in results:
             if not torch.all(result == expected):
@@ -94,15 +97,15 @@ def worker_main(library: str, widths: Sequence[int], rounds: int, port: int, out
 
         hvd.init()
 
-        def allreduce(tensors: list[torch.Tensor], case: int) -> list[torch.Tensor]:
-            handles = [hvd.allreduce_async_(t, op=hvd.Sum, name=f"case{case}.t{i}") for i, t in enumerate(tensors)]
+        def allreduce(tensors: list[torch.Tensor], name: str) -> list[torch.Tensor]:
+            handles = [hvd.allreduce_async_(t, op=hvd.Sum, name=f"{name}.{i}") for i, t in enumerate(tensors)]
             return [hvd.synchronize(handle) for handle in handles]
 
         barrier: Callable[[], None] = hvd.barrier
     else:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size)
 
-        def allreduce(tensors: list[torch.Tensor], case: int) -> list[torch.Tensor]:
+        def allreduce(tensors: list[torch.Tensor], name: str) -> list[torch.Tensor]:
             works = [dist.all_reduce(t, async_op=True) for t in tensors]
             for work in works:
                 work.wait()
@@ -110,12 +113,7 @@ def worker_main(library: str, widths: Sequence[int], rounds: int, port: int, out
 
         barrier = dist.barrier
     for index, (case, tensors) in enumerate(cases.items()):
-
-        def fill(tensors: list[torch.Tensor] = tensors) -> None:
-            for tensor in tensors:
-                tensor.fill_(rank + 1)
-
-        results[case] = _timed(rounds, fill, lambda t=tensors, i=index: allreduce(t, i), expected)
+        results[case] = _timed(rounds, tensors, allreduce, f"case{index}", rank + 1, expected)
         barrier()
     if library == "torch":
         dist.destroy_process_group()
@@ -184,7 +182,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    rounds = args.iterations or (3 if args.smoke else 20)
+    rounds = args.iterations if args.iterations is not None else (3 if args.smoke else 20)
     if rounds < 1:
         parser.error(f"--iterations {rounds} must be >= 1")
     if args.worker:

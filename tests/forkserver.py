@@ -215,9 +215,9 @@ def become_worker(connection: socket.socket, request: dict[str, Any], fds: list[
     os.environ.clear()
     os.environ.update(request["env"])
     os.chdir(request["cwd"])
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    for signum in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2, signal.SIGCHLD):
+    for signum in (*FORWARDED_SIGNALS, signal.SIGCHLD):
         signal.signal(signum, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # as a fresh python has it
     _take_warning_options(os.environ.get("PYTHONWARNINGS", ""))
     if os.environ.get("PYTHONUNBUFFERED"):
         sys.stdout.reconfigure(write_through=True)  # type: ignore[union-attr]

@@ -130,6 +130,12 @@ def test_gradient_shapes_are_each_layers_weight_then_bias() -> None:
     assert gloo_allreduce.gradient_shapes((3, 5, 2)) == [(5, 3), (5,), (2, 5), (2,)]
 
 
+def test_gloo_allreduce_refuses_zero_iterations(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as stop:
+        gloo_allreduce.main(["--smoke", "--iterations", "0"])
+    assert stop.value.code == 2 and "--iterations 0 must be >= 1" in capsys.readouterr().err
+
+
 # ------------------------------------------------------------------------------------------ comm_volume
 def test_comm_volume_smoke_counts_equal_the_analytic_expectation(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]

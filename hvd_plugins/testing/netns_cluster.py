@@ -33,7 +33,6 @@ from typing import Any
 
 SHAPER_BURST_BYTES = 256 * 1024
 """tbf's bucket: this many bytes pass at the line rate before the shaped rate applies (tc's ``256kb``)."""
-SHAPING = f"tbf rate 200mbit burst {SHAPER_BURST_BYTES // 1024}kb latency 50ms"
 UNSHAPED = "unshaped"
 SKIP_EXIT_CODE = 77
 """Exit code of a script that needs the cluster where it cannot be built (the test suite then skips)."""
@@ -46,6 +45,10 @@ def shaping_for(link_mbit: float | None) -> str:
     if link_mbit <= 0:
         raise ValueError(f"link rate {link_mbit!r} Mbit/s must be > 0 (or None for an unshaped link)")
     return f"tbf rate {link_mbit:g}mbit burst {SHAPER_BURST_BYTES // 1024}kb latency 50ms"
+
+
+SHAPING = shaping_for(200.0)
+"""The default shaping of a cluster's links: 200 Mbit/s."""
 
 
 def parse_link(text: str) -> float | None:
