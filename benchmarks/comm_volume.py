@@ -15,10 +15,12 @@ b bytes per element on the compressed wire (4 for none, 2 for fp16):
     allreduce      cross-node  P*b*S                      (a flat allreduce over two nodes counts as cross-node)
     hierarchical   node-local  (P + P/L)*4*S              (reduce-scatter input + allgather input, uncompressed)
                    cross-node  (P/L)*b*S                  (each local rank carries one shard)
-    daso           node-local  P*b*S + (P/L)*b*M          (gradients every step + allgather of the
-                                                          cross-node sums, M merges per epoch)
-                   cross-node  (P/L)*b*G + P*b            (G parameter-shard sends + the closing blocking
-                                                          average of the whole drift over all workers)
+    daso           node-local  P*b*S + (P/L)*b*(M + 1)    (gradients every step + allgather of the
+                                                          cross-node sums: M merges per epoch and the
+                                                          closing blocking sync)
+                   cross-node  (P/L)*b*(G + 1)            (G parameter-shard sends + the closing blocking
+                                                          sync, which carries one shard per local worker
+                                                          too: a node's workers hold the same parameters)
 
 DASO runs in its cycling phase (no warmup epochs): a send every ``global_skips`` = 4 steps before the
 last one, so G = floor((S - 1) / 4), received (merged) one step later unless that is the last step,
@@ -77,8 +79,8 @@ def expected_bytes(sync: str, compression: str, params: int, local_size: int, st
     sends = (steps - 1) // DASO_CYCLING_GLOBAL_SKIPS  # the last step syncs blocking instead
     merges = sum(1 for k in range(1, sends + 1) if k * DASO_CYCLING_GLOBAL_SKIPS + 1 < steps)
     return {
-        "node_local": params * wire * steps + shard * wire * merges,
-        "cross_node": shard * wire * sends + params * wire,
+        "node_local": params * wire * steps + shard * wire * (merges + 1),
+        "cross_node": shard * wire * (sends + 1),
     }
 
 

@@ -25,8 +25,9 @@ bounds it, where ``bytes`` is what crosses the busiest port of that link:
 - DASO cycling: a gradient sum inside the node every step; every ``global_skips`` steps a
   cross-node sum of the parameters in the downcast type (sharded over the node's workers) plus an
   allgather of the shards inside the node, which may hide behind the ``batches_to_wait`` steps of
-  compute before its result is needed; once per epoch a blocking flat allreduce of the parameters
-  (downcast) and the optimizer state (float32, ``state_per_param`` values per parameter).
+  compute before its result is needed; once per epoch a blocking sync of the parameters (downcast)
+  and the optimizer state (float32, ``state_per_param`` values per parameter), sharded across nodes
+  and gathered inside the node in the same way (a node's workers hold the same values).
 
 Gradient legs may hide behind ``overlap_s`` of the backward pass (Horovod starts allreducing
 gradients as they become ready). Steps to the target are taken as equal for every mode: the
@@ -211,11 +212,25 @@ def _daso_parameter_sync(cluster: Cluster, params: float, plan: DasoPlan, per_st
 
 
 def _daso_blocking_sync(cluster: Cluster, params: float, plan: DasoPlan, per_step: float) -> list[Leg]:
-    """Once per epoch: parameters (downcast) and optimizer state (float32) averaged over every worker."""
-    scope = INTER if cluster.nodes > 1 else INTRA
+    """Once per epoch: parameters (downcast) and optimizer state (float32) averaged across nodes.
+
+    A node's workers hold the same values, so each carries a shard across and the node gathers the
+    sums, as a send does, one message per wire type; with one node there is nothing to average.
+    """
+    n, local = cluster.nodes, cluster.workers_per_node
+    if n == 1:
+        return []
     nbytes = params * plan.downcast_bytes + params * plan.state_per_param * FP32_BYTES
-    rounds = 1 if plan.downcast_bytes == FP32_BYTES else 2  # one message per wire type
-    return [ring_allreduce(scope, cluster.workers, nbytes, rounds=rounds, per_step=per_step, gradient=False)]
+    messages = 1 if plan.downcast_bytes == FP32_BYTES else 2
+    extra = {"per_step": per_step, "gradient": False}
+    if local == 1:  # the peers are every worker: Horovod's ring
+        cross = ring_allreduce(INTER, n, nbytes, **extra)
+    else:
+        cross = partner_sum(INTER, n, nbytes, relay=True, **extra)
+    legs = [replace(cross, rounds=cross.rounds * messages)]
+    if local > 1:
+        legs.append(partner_scatter(INTRA, local, nbytes, rounds=messages, **extra))
+    return legs
 
 
 def legs_of(mode: str, phase: str, cluster: Cluster, params: float, plan: DasoPlan | None = None) -> list[Leg]:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -126,6 +127,17 @@ def test_cycling_epoch_sends_at_most_one_global_skip_share_and_fp16_halves_it(tw
         assert fp16 == fp32 / 2  # SGD without momentum: only parameters cross the nodes
 
 
+def assert_closing_average_exact(job: dict[int, dict], ranks: int) -> None:
+    """The closing sync averages over all workers; each worker carries only its shard across nodes."""
+    for rank in range(ranks):
+        result = check(job, "closing_average", rank)
+        assert result["blocking"]
+        assert result["param_error"] == result["momentum_error"] == result["buffer_error"] == 0.0, result
+        shard = math.ceil(result["numel"] / result["local_size"])
+        # fp32 parameters and float64 momentum, a shard of each; float64 buffers, all of them
+        assert result["cross_node_bytes"] == shard * (4 + 8) + result["buffer_bytes"], result
+
+
 def assert_merge_weight_exact(job: dict[int, dict], ranks: int) -> None:
     """The non-blocking merge equals ``(2B * p_local + S) / (2B + N)`` for B = 1 and 2 (see check_merge_weight)."""
     for rank in range(ranks):
@@ -148,9 +160,17 @@ def test_merge_weight_is_exact_on_two_nodes_of_two(two_by_two: dict[int, dict]) 
     assert_merge_weight_exact(two_by_two, ranks=4)
 
 
+def test_closing_sync_is_the_average_over_all_workers_on_two_nodes_of_two(two_by_two: dict[int, dict]) -> None:
+    assert_closing_average_exact(two_by_two, ranks=4)
+
+
 # ---------------------------------------------------------------------------------------------- 2 x 1
 def test_merge_weight_is_exact_with_one_worker_per_node(two_by_one: dict[int, dict]) -> None:
     assert_merge_weight_exact(two_by_one, ranks=2)
+
+
+def test_closing_sync_is_the_average_over_all_workers_with_one_worker_per_node(two_by_one: dict[int, dict]) -> None:
+    assert_closing_average_exact(two_by_one, ranks=2)
 
 
 def test_one_worker_per_node_with_a_layer_one_node_never_uses_and_accumulation(two_by_one: dict[int, dict]) -> None:

@@ -79,13 +79,14 @@ def test_daso_phases_by_hand() -> None:
     terms = sm.linear_terms(sm.legs_of("daso/fp16", "cycling", c, 1000, plan))
     assert terms == {"rounds_inter": 0.5, "rounds_intra": 1.25, "bytes_inter": 500.0, "bytes_intra": 2250.0,
                      "bytes_fp16": 2500.0}  # fmt: skip
-    # One blocking sync per 8-step epoch replaces one of the two sends of that epoch: a flat allreduce over
-    # all 4 workers in two rounds (fp16 parameters, fp32 momentum): 2 x 1/8 relay + 2/8 blocking rounds, and
-    # 2*3/4*(2000 + 4000) bytes per blocking sync.
+    # One blocking sync per 8-step epoch replaces one of the two sends of that epoch. A node's workers hold
+    # the same parameters and momentum, so each relays its half of them across, in two messages (fp16
+    # parameters, fp32 momentum: 4 rounds), and the node gathers them (2 rounds): 2 x 1/8 relay + 4/8
+    # blocking rounds across, 2000 + 4000 bytes through the node's link per blocking sync.
     plan = sm.DasoPlan(sm.FP16_BYTES, global_skips=4, batches_to_wait=0, steps_per_epoch=8)
     terms = sm.linear_terms(sm.legs_of("daso/fp16", "cycling", c, 1000, plan))
-    assert terms["rounds_inter"] == pytest.approx(0.5)
-    assert terms["bytes_inter"] == pytest.approx(2000 / 8 + 9000 / 8)
+    assert terms["rounds_inter"] == pytest.approx(0.75)
+    assert terms["bytes_inter"] == pytest.approx(2000 / 8 + 6000 / 8)
 
 
 def test_a_shaped_link_whose_bucket_never_runs_dry_is_priced_as_unshaped() -> None:

@@ -20,6 +20,7 @@ from daso_training import (
     Classifier,
     TwoOptimizers,
     UnfreezeExtra,
+    check_closing_average,
     check_merge_weight,
     fit,
     refuses_iterable_without_length,
@@ -32,6 +33,7 @@ SGD_BYTES = {"optimizer": "sgd", "batchnorm": False, "epochs": 2}
 def two_by_two_checks() -> dict[str, Callable[[], Any]]:
     return {
         "merge_weight": check_merge_weight,
+        "closing_average": check_closing_average,
         "daso_adam_fp16": lambda: fit("daso", epochs=5, daso=CYCLING),
         "allreduce_adam": lambda: fit("allreduce", epochs=5),
         "daso_sgd_fp16": lambda: fit("daso", daso={"cooldown_epochs": 0, "warmup_epochs": 1}, **SGD_BYTES),
@@ -46,6 +48,7 @@ def two_by_one_checks(out: Any) -> dict[str, Callable[[], Any]]:
     return {
         "resume": lambda: resume_matches_uninterrupted(out),
         "merge_weight": check_merge_weight,
+        "closing_average": check_closing_average,
         # a layer only node 0 uses: node 1 must still get its Adam state (zero-filled gradients)
         "daso": lambda: fit(
             "daso",

@@ -375,3 +375,50 @@ def check_merge_weight() -> dict[str, Any]:
             )
         daso.on_train_epoch_end(1.0)  # closes the epoch with a blocking sync; a constant loss is a plateau
     return {"cases": cases, "nodes": nodes, "merges": daso.merges, "downcast": config.downcast}
+
+
+def check_closing_average() -> dict[str, Any]:
+    """DASO's closing blocking sync gives every worker the average over all workers, exactly.
+
+    Parameters and momentum are set equal inside each node and different across nodes (as
+    cycling leaves them); BatchNorm's running means differ on every worker. Values are multiples
+    of 1/4 in float64 with an fp32 wire, so the averages are exact. The node's workers carry one
+    shard each across nodes, so a worker's cross-node bytes are its shard of the parameters (fp32)
+    and of the momentum (float64), not all of them, and the buffers (averaged over all workers).
+    """
+    topology = start_horovod_and_discover(hvd)
+    counters = CommCounters()
+    config = DasoConfig(warmup_epochs=0, cooldown_epochs=0, downcast="fp32")
+    daso = DasoSync(config, build_node_groups(topology), counters, total_epochs=None)
+    model = nn.Sequential(nn.Linear(4, 3), nn.BatchNorm1d(3)).double()  # 21 parameters: shards are padded
+    numel = sum(p.numel() for p in model.parameters())
+    set_parameters(model, torch.zeros(numel, dtype=torch.float64))  # equal everywhere, as setup requires
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    daso.setup(model, [optimizer])
+    ramp = torch.arange(numel, dtype=torch.float64) * 0.25
+    node, nodes = topology.node_index, topology.num_nodes
+    per_node = [ramp * (k + 1) + 0.5 * k for k in range(nodes)]  # equal inside a node
+    set_parameters(model, per_node[node])
+    offset = 0
+    for parameter in model.parameters():
+        piece = (ramp[offset : offset + parameter.numel()] + 1.0) * (node + 1)
+        optimizer.state[parameter]["momentum_buffer"] = piece.view_as(parameter).clone()
+        offset += parameter.numel()
+    per_rank = [torch.arange(3, dtype=torch.float64) + 0.25 * r for r in range(hvd.size())]
+    model[1].running_mean.copy_(per_rank[hvd.rank()])
+    before = counters.snapshot()
+    daso.after_optimizer_step(last_batch_of_epoch=True)  # a cycling epoch's last batch: the blocking sync
+    moved = counters.since(before)
+    params = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    momentum = torch.cat([optimizer.state[p]["momentum_buffer"].reshape(-1) for p in model.parameters()])
+    node_factor = sum(k + 1 for k in range(nodes)) / nodes
+    return {
+        "blocking": daso.schedule.last_plan.blocking,
+        "param_error": float((params - torch.stack(per_node).mean(dim=0)).abs().max()),
+        "momentum_error": float((momentum - (ramp + 1.0) * node_factor).abs().max()),
+        "buffer_error": float((model[1].running_mean - torch.stack(per_rank).mean(dim=0)).abs().max()),
+        "numel": numel,
+        "local_size": topology.local_size,
+        "cross_node_bytes": moved.cross_node_bytes,
+        "buffer_bytes": sum(b.numel() * b.element_size() for b in model.buffers() if b.is_floating_point()),
+    }

@@ -24,10 +24,14 @@ parameters and optimizer state while the nodes drift apart. Across nodes, every
    hold the same parameters again.
 
 The epoch's last batch (and whatever ``finish_epoch`` says is still owed) runs a BLOCKING sync:
-parameters, the optimizer state and the floating buffers are averaged over all workers at once,
-packed into one message per wire type (at most two: the parameters' downcast type, and float32
-for state and buffers), all launched before any is awaited. Afterwards parameters, optimizer
-state and buffers are bit-identical on every worker, so every epoch starts from one model.
+parameters and the optimizer state are averaged across nodes, and the floating buffers over all
+workers. The workers of a node hold the same parameters and state, so their average over all
+workers is their average over nodes: each local worker sums its shard of them across nodes (one
+message per wire type, at most two: the parameters' downcast type, and float32 for the state),
+then the node gathers the sums, as a merge does; a node's bytes between nodes are one copy, not
+one per worker. Buffers follow each worker's own batches, so they are averaged over all workers.
+Afterwards parameters, optimizer state and buffers are bit-identical on every worker, so every
+epoch starts from one model.
 
 The reference: what goes on the wire is the difference between the parameters and the last
 cross-node average (``reference``), which every worker holds bit for bit. Sending
@@ -65,7 +69,7 @@ from hvd_plugins.core.comm.buffers import PendingBufferAverage, finish_buffer_av
 from hvd_plugins.core.comm.compression import NoCompression
 from hvd_plugins.core.comm.counters import CommCounters, Scope
 from hvd_plugins.core.comm.parameters import optimizer_parameters
-from hvd_plugins.core.comm.partners import PendingGroupSum, finish_allgather, group_sum, start_allgather, wait_all
+from hvd_plugins.core.comm.partners import PendingGroupSum, finish_allgather, start_allgather, wait_all
 from hvd_plugins.core.comm.topology import NodeGroups
 from hvd_plugins.core.comm.wire import nbytes
 from hvd_plugins.core.daso.config import DasoConfig
@@ -148,27 +152,52 @@ class CrossNodeSharding:
             chunk.progress()
 
     def finish_sum(self, pending: PendingSum) -> torch.Tensor:
-        """Wait for a Sum and return it in its wire type.
+        """Wait for a Sum and return it in its wire type."""
+        return self.finish_sums([pending])[0]
+
+    def finish_sums(self, pending: Sequence[PendingSum]) -> list[torch.Tensor]:
+        """Wait for Sums started together (every second round starts first); each in its wire type.
 
         The cross-node group is a relaying pair, every worker (Horovod's allreduce) or a larger
         group (reduce-scatter, then an allgather in the wire type), and each of these ends with
         the sum in the wire type, so converting back to it is exact.
         """
         with self.counters.waiting():
-            parts = wait_all(pending.chunks)
-        if not parts:
-            return torch.empty(0, dtype=pending.dtype)
-        return torch.cat(parts).to(pending.dtype)
+            parts = wait_all([chunk for sum_ in pending for chunk in sum_.chunks])
+        sums = []
+        for sum_ in pending:
+            mine, parts = parts[: len(sum_.chunks)], parts[len(sum_.chunks) :]
+            sums.append(torch.cat(mine).to(sum_.dtype) if mine else torch.empty(0, dtype=sum_.dtype))
+        return sums
 
     def gather_in_node(self, shard: torch.Tensor, layout: ShardLayout) -> torch.Tensor:
         """Every local worker's ``shard``, reassembled and unpadded: the full flat vector (one round)."""
+        return self.gather_all_in_node([shard], [layout])[0]
+
+    def gather_all_in_node(self, shards: Sequence[torch.Tensor], layouts: Sequence[ShardLayout]) -> list[torch.Tensor]:
+        """``gather_in_node`` for several shards at once: all gathers start before any is awaited."""
         local = self.groups.local
         if local is None:
-            return shard[: layout.numel]
-        pending = start_allgather(shard, local, NoCompression(), "daso.gather")
-        self.counters.record(Scope.NODE_LOCAL, pending.piece_nbytes)
+            return [shard[: layout.numel] for shard, layout in zip(shards, layouts, strict=True)]
+        pending = [start_allgather(shard, local, NoCompression(), f"daso.gather.{i}") for i, shard in enumerate(shards)]
+        for gather in pending:
+            self.counters.record(Scope.NODE_LOCAL, gather.piece_nbytes)
         with self.counters.waiting():
-            return finish_allgather(pending)[: layout.numel]
+            return [finish_allgather(gather)[: layout.numel] for gather, layout in zip(pending, layouts, strict=True)]
+
+    def sum_node_copies(self, messages: Sequence[torch.Tensor], name: str) -> list[torch.Tensor]:
+        """The sum over nodes of messages that every worker of a node holds alike, each in its own type.
+
+        Each local worker carries its shard of every message across nodes, then the node gathers
+        the sums: the bytes between nodes are one copy per node, not one per worker, as an
+        allreduce over all workers would send. All sums start before any is awaited.
+        """
+        layouts = [self.layout(message.numel()) for message in messages]
+        pending = [
+            self.start_sum(layout.shard_of(message), f"{name}.{index}")
+            for index, (message, layout) in enumerate(zip(messages, layouts, strict=True))
+        ]
+        return self.gather_all_in_node(self.finish_sums(pending), layouts)
 
 
 class DasoSync:
@@ -312,27 +341,34 @@ class DasoSync:
         return start_buffer_average(self._model, "daso.buffers", self.counters, self._global_scope)
 
     def _blocking_sync(self) -> None:
-        """Average parameters, optimizer state and buffers over all workers: one message per wire type."""
+        """Average parameters, optimizer state and buffers over all workers.
+
+        The workers of a node hold the same parameters and optimizer state (their gradients were
+        averaged inside the node), so the average over all workers is the average over nodes:
+        each local worker carries one shard across (``sum_node_copies``), one message per wire
+        type. Buffers follow each worker's own batches and are averaged over all workers.
+        """
         self.blocking_syncs += 1
-        hvd = horovod_torch()
-        if hvd.size() == 1:
+        if horovod_torch().size() == 1:
             return
+        buffers = self._start_buffer_average()
+        if self.across_nodes:
+            self._average_over_nodes()
+        finish_buffer_average(buffers)
+
+    def _average_over_nodes(self) -> None:
         state_tensors = optimizer_state_to_average(self._optimizers)
-        buffers = [] if self._model is None else [b for b in self._model.buffers() if b.is_floating_point()]
         drift = to_wire(self._flat_parameters() - self._reference, self.config.downcast)
-        exact = _flatten_as([*state_tensors, *buffers], self._work_dtype)
-        messages = [drift] if exact.dtype != drift.dtype else [torch.cat([drift, exact])]
-        if exact.dtype != drift.dtype and exact.numel():
-            messages.append(exact)
-        messages = [m for m in messages if m.numel()]
-        sums = group_sum(messages, self.groups.world, NoCompression(), "daso.blocking", self.counters,
-                         self._global_scope)  # fmt: skip
-        results = [total.to(self._work_dtype) / hvd.size() for total in sums]
+        exact = _flatten_as(state_tensors, self._work_dtype)
+        messages = [drift, exact] if exact.dtype != drift.dtype else [torch.cat([drift, exact])]
+        sums = self.sharding.sum_node_copies([m for m in messages if m.numel()], "daso.blocking")
+        nodes = self.sharding.num_nodes
+        results = [total.to(self._work_dtype) / nodes for total in sums]
         averaged = torch.cat(results) if results else torch.empty(0, dtype=self._work_dtype)
         self._reference = self._reference + averaged[: drift.numel()]
         with torch.no_grad():
             unflatten_into(self._reference, self._parameters)
-            unflatten_into(averaged[drift.numel() :], [*state_tensors, *buffers])
+            unflatten_into(averaged[drift.numel() :], state_tensors)
 
 
 def _flatten_as(tensors: Sequence[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
