@@ -27,11 +27,11 @@ The epoch's last batch (and whatever ``finish_epoch`` says is still owed) runs a
 parameters and the optimizer state are averaged across nodes, and the floating buffers over all
 workers. The workers of a node hold the same parameters and state, so their average over all
 workers is their average over nodes: each local worker sums its shard of them across nodes (one
-message per wire type, at most two: the parameters' downcast type, and float32 for the state),
-then the node gathers the sums, as a merge does; a node's bytes between nodes are one copy, not
-one per worker. Buffers follow each worker's own batches, so they are averaged over all workers.
-Afterwards parameters, optimizer state and buffers are bit-identical on every worker, so every
-epoch starts from one model.
+message per wire type, at most two: the parameters' downcast type, and float32 for the state,
+float64 with float64 parameters), then the node gathers the sums, as a merge does; a node's bytes
+between nodes are one copy, not one per worker. Buffers follow each worker's own batches, so they
+are averaged over all workers. Afterwards parameters, optimizer state and buffers are
+bit-identical on every worker, so every epoch starts from one model.
 
 The reference: what goes on the wire is the difference between the parameters and the last
 cross-node average (``reference``), which every worker holds bit for bit. Sending
