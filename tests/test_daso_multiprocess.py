@@ -129,13 +129,25 @@ def test_cycling_epoch_sends_at_most_one_global_skip_share_and_fp16_halves_it(tw
 
 def assert_closing_average_exact(job: dict[int, dict], ranks: int) -> None:
     """The closing sync averages over all workers; each worker carries only its shard across nodes."""
+
+    def shard(numel: int, local_size: int) -> int:
+        return math.ceil(numel / local_size)
+
     for rank in range(ranks):
-        result = check(job, "closing_average", rank)
-        assert result["blocking"]
-        assert result["param_error"] == result["momentum_error"] == result["buffer_error"] == 0.0, result
-        shard = math.ceil(result["numel"] / result["local_size"])
-        # fp32 parameters and float64 momentum, a shard of each; float64 buffers, all of them
-        assert result["cross_node_bytes"] == shard * (4 + 8) + result["buffer_bytes"], result
+        cases = {(c["dtype"], c["downcast"]): c for c in check(job, "closing_average", rank)["cases"]}
+        assert sorted(cases) == [("float32", "fp16"), ("float32", "fp32"), ("float64", "fp32")]
+        for case in cases.values():
+            assert case["blocking"]
+            assert case["param_error"] == case["momentum_error"] == case["buffer_error"] == 0.0, case
+        n, local = cases[("float64", "fp32")]["numel"], cases[("float64", "fp32")]["local_size"]
+        # one message per wire type: a shard of each crosses; the buffers, all of them
+        per_message = {
+            ("float64", "fp32"): shard(n, local) * 4 + shard(n, local) * 8,  # fp32 parameters, float64 momentum
+            ("float32", "fp32"): shard(2 * n, local) * 4,  # parameters and momentum in one float32 message
+            ("float32", "fp16"): shard(n, local) * 2 + shard(n, local) * 4,
+        }
+        for key, expected in per_message.items():
+            assert cases[key]["cross_node_bytes"] == expected + cases[key]["buffer_bytes"], cases[key]
 
 
 def assert_merge_weight_exact(job: dict[int, dict], ranks: int) -> None:

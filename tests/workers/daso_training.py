@@ -377,25 +377,34 @@ def check_merge_weight() -> dict[str, Any]:
     return {"cases": cases, "nodes": nodes, "merges": daso.merges, "downcast": config.downcast}
 
 
+CLOSING_CASES = ((torch.float64, "fp32"), (torch.float32, "fp32"), (torch.float32, "fp16"))
+"""Parameter dtype and wire: two messages (fp32 parameters, float64 momentum), one (both float32),
+two again (fp16 parameters, float32 momentum)."""
+
+
 def check_closing_average() -> dict[str, Any]:
     """DASO's closing blocking sync gives every worker the average over all workers, exactly.
 
     Parameters and momentum are set equal inside each node and different across nodes (as
     cycling leaves them); BatchNorm's running means differ on every worker. Values are multiples
-    of 1/4 in float64 with an fp32 wire, so the averages are exact. The node's workers carry one
-    shard each across nodes, so a worker's cross-node bytes are its shard of the parameters (fp32)
-    and of the momentum (float64), not all of them, and the buffers (averaged over all workers).
+    of 1/4 small enough for float16, so the averages are exact on every wire. The node's workers
+    carry one shard each across nodes, so a worker's cross-node bytes are its shard of each
+    message, not all of it, and the buffers (averaged over all workers).
     """
     topology = start_horovod_and_discover(hvd)
+    return {"cases": [_closing_average(topology, dtype, downcast) for dtype, downcast in CLOSING_CASES]}
+
+
+def _closing_average(topology: Any, dtype: torch.dtype, downcast: str) -> dict[str, Any]:
     counters = CommCounters()
-    config = DasoConfig(warmup_epochs=0, cooldown_epochs=0, downcast="fp32")
+    config = DasoConfig(warmup_epochs=0, cooldown_epochs=0, downcast=downcast)
     daso = DasoSync(config, build_node_groups(topology), counters, total_epochs=None)
-    model = nn.Sequential(nn.Linear(4, 3), nn.BatchNorm1d(3)).double()  # 21 parameters: shards are padded
+    model = nn.Sequential(nn.Linear(4, 3), nn.BatchNorm1d(3)).to(dtype)  # 21 parameters: shards are padded
     numel = sum(p.numel() for p in model.parameters())
-    set_parameters(model, torch.zeros(numel, dtype=torch.float64))  # equal everywhere, as setup requires
+    set_parameters(model, torch.zeros(numel, dtype=dtype))  # equal everywhere, as setup requires
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     daso.setup(model, [optimizer])
-    ramp = torch.arange(numel, dtype=torch.float64) * 0.25
+    ramp = torch.arange(numel, dtype=dtype) * 0.25
     node, nodes = topology.node_index, topology.num_nodes
     per_node = [ramp * (k + 1) + 0.5 * k for k in range(nodes)]  # equal inside a node
     set_parameters(model, per_node[node])
@@ -404,7 +413,7 @@ def check_closing_average() -> dict[str, Any]:
         piece = (ramp[offset : offset + parameter.numel()] + 1.0) * (node + 1)
         optimizer.state[parameter]["momentum_buffer"] = piece.view_as(parameter).clone()
         offset += parameter.numel()
-    per_rank = [torch.arange(3, dtype=torch.float64) + 0.25 * r for r in range(hvd.size())]
+    per_rank = [torch.arange(3, dtype=dtype) + 0.25 * r for r in range(hvd.size())]
     model[1].running_mean.copy_(per_rank[hvd.rank()])
     before = counters.snapshot()
     daso.after_optimizer_step(last_batch_of_epoch=True)  # a cycling epoch's last batch: the blocking sync
@@ -413,6 +422,8 @@ def check_closing_average() -> dict[str, Any]:
     momentum = torch.cat([optimizer.state[p]["momentum_buffer"].reshape(-1) for p in model.parameters()])
     node_factor = sum(k + 1 for k in range(nodes)) / nodes
     return {
+        "dtype": str(dtype).removeprefix("torch."),
+        "downcast": downcast,
         "blocking": daso.schedule.last_plan.blocking,
         "param_error": float((params - torch.stack(per_node).mean(dim=0)).abs().max()),
         "momentum_error": float((momentum - (ramp + 1.0) * node_factor).abs().max()),
