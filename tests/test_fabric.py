@@ -102,6 +102,12 @@ def test_mixed_precision_trains_identically_on_every_rank(checks: dict[int, dict
             assert result["16-mixed+GradScaler"]["scaler"] == "GradScaler"
 
 
+def test_a_layer_unfrozen_while_training_is_averaged_like_the_rest(checks: dict[int, dict]) -> None:
+    for rank in (0, 1):
+        result = value(checks, "a_layer_unfrozen_while_training_is_averaged", rank)
+        assert result == {"same": True, "trained": True, "allreduces_per_step": [2.0, 4.0]}
+
+
 def test_daso_is_refused_with_the_reason(checks: dict[int, dict]) -> None:
     message = value(checks, "daso_is_refused_at_construction", 0)
     assert message.startswith("sync='daso' is not available with Fabric")

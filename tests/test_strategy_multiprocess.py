@@ -196,6 +196,15 @@ def test_accumulation_schedule_changes_between_epochs(features: dict[int, dict])
         assert result["ranks_identical"]
 
 
+def test_layers_unfrozen_between_epochs_are_averaged_like_the_rest(features: dict[int, dict]) -> None:
+    """Lightning's BaseFinetuning: Horovod averages only what was trainable when it wrapped the optimizer."""
+    for result in both(features, "unfrozen_layers"):
+        for name, case in result.items():
+            assert case["ranks_identical"] and case["extra_trained"], (name, case)
+            steps = case["steps_per_epoch"]
+            assert case["calls_per_epoch"] == [2 * steps, 4 * steps, 4 * steps], (name, case)
+
+
 def test_accumulation_change_inside_an_epoch_is_refused_clearly(features: dict[int, dict]) -> None:
     for result in both(features, "accumulation_change_mid_epoch"):
         assert result["error"] is not None

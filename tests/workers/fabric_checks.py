@@ -252,6 +252,26 @@ def check_mixed_precision_trains_alike_on_every_rank() -> dict[str, Any]:
     return results
 
 
+def check_a_layer_unfrozen_while_training_is_averaged() -> dict[str, Any]:
+    """A layer frozen at setup and unfrozen later is averaged too (Horovod hooks only what was trainable then).
+
+    Each rank trains on its own rows, so a layer whose gradients stayed local would differ between ranks.
+    """
+    fabric = make_fabric()
+    module = net(RANK_ZERO_SEED + hvd.rank())
+    module[0].requires_grad_(False)
+    model, opt = fabric.setup(module, torch.optim.SGD(module.parameters(), lr=0.05, momentum=0.9))
+    frozen = train(fabric, steps=2, model=model, opt=opt)
+    before = module[0].weight.detach().clone()
+    module[0].requires_grad_(True)
+    unfrozen = train(fabric, steps=3, start=2, model=model, opt=opt)
+    return {
+        "same": same_on_every_rank(digest(module)),
+        "trained": not torch.equal(before, module[0].weight.detach()),
+        "allreduces_per_step": [frozen["allreduces_per_step"], unfrozen["allreduces_per_step"]],
+    }
+
+
 def check_daso_is_refused_at_construction() -> str:
     try:
         HorovodStrategy(sync="daso")

@@ -23,7 +23,7 @@ import torchmetrics
 from _common import parse_out, run_checks, write_result
 from adasum_checks import adasum_report
 from faults_checks import CHECKS as FAULT_CHECKS
-from lightning.pytorch.callbacks import Callback, GradientAccumulationScheduler, ModelCheckpoint
+from lightning.pytorch.callbacks import BaseFinetuning, Callback, GradientAccumulationScheduler, ModelCheckpoint
 from torch import nn
 from torch.utils.data import DataLoader, Subset, TensorDataset
 
@@ -540,6 +540,88 @@ def check_accumulation_schedule() -> dict[str, Any]:
     }
 
 
+class TwoHeads(Regression):
+    """Regression plus a second head that starts frozen (BaseFinetuning unfreezes it later)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.extra = nn.Linear(N_FEATURES, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layer(x) + self.extra(x)
+
+
+class UnfreezeExtra(BaseFinetuning):
+    """Lightning's fine-tuning callback: ``extra`` frozen before training, unfrozen at epoch 1,
+    either as a new param group (``unfreeze_and_add_param_group``) or in place (already in the optimizer)."""
+
+    def __init__(self, new_group: bool) -> None:
+        super().__init__()
+        self.new_group = new_group
+
+    def freeze_before_training(self, pl_module: pl.LightningModule) -> None:
+        self.freeze(pl_module.extra)
+
+    def finetune_function(self, pl_module: pl.LightningModule, epoch: int, optimizer: torch.optim.Optimizer) -> None:
+        if epoch == 1 and self.new_group:
+            self.unfreeze_and_add_param_group(pl_module.extra, optimizer)
+        elif epoch == 1:
+            self.make_trainable(pl_module.extra)
+
+
+class OwnOptimizerFor(TwoHeads):
+    """Both heads in the optimizer from the start, ``extra`` frozen until the callback unfreezes it."""
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=self.lr)
+
+
+class LayerOptimizer(TwoHeads):
+    """Only ``layer`` in the optimizer: the callback adds ``extra`` as a param group."""
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.layer.parameters(), lr=self.lr)
+
+
+class EpochCalls(Callback):
+    """Collectives handed to Horovod per training epoch (the comm counters)."""
+
+    def __init__(self) -> None:
+        self.per_epoch: list[float] = []
+
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.start = copy.copy(trainer.strategy.comm_counters)
+
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        window = trainer.strategy.comm_counters.since(self.start)
+        self.per_epoch.append(window.cross_node_calls + window.node_local_calls)
+
+
+def check_unfrozen_layers_are_averaged() -> dict[str, Any]:
+    """A layer unfrozen between epochs (BaseFinetuning) is averaged like the rest, both ways of unfreezing.
+
+    Each rank trains on its own batches, so a layer whose gradients were not averaged would differ
+    between ranks. Counts the allreduces per epoch: 2 tensors a step before the unfreezing, 4 after.
+    """
+    cases = {}
+    for name, model, new_group, accumulate in (
+        ("new_param_group", LayerOptimizer(), True, 1),
+        ("in_place_with_accumulation", OwnOptimizerFor(), False, 2),
+    ):
+        counter = EpochCalls()
+        x, y = make_data(64)
+        before = model.extra.weight.detach().clone()
+        t = trainer(max_epochs=3, accumulate_grad_batches=accumulate, callbacks=[UnfreezeExtra(new_group), counter])
+        t.fit(model, DataLoader(TensorDataset(x, y), batch_size=4))
+        cases[name] = {
+            "ranks_identical": all_equal(digest(model)),
+            "extra_trained": not torch.equal(before, model.extra.weight.detach()),
+            "calls_per_epoch": counter.per_epoch,
+            "steps_per_epoch": t.num_training_batches // accumulate,
+        }
+    return cases
+
+
 def check_accumulation_change_mid_epoch() -> dict[str, Any]:
     """A schedule that changes accumulation inside an epoch cannot be expressed: clear error."""
 
@@ -668,6 +750,7 @@ if __name__ == "__main__":
         "checkpoint_resume": check_checkpoint_resume,
         "uneven_data": check_uneven_data,
         "accumulation_schedule": check_accumulation_schedule,
+        "unfrozen_layers": check_unfrozen_layers_are_averaged,
         "accumulation_change_mid_epoch": check_accumulation_change_mid_epoch,
         "average_buffers": check_average_buffers,
         "float16_sum": check_float16_sum,

@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import Any
 
+import torch
 from torch.optim import Optimizer
 
 
@@ -76,6 +77,36 @@ def make_zero_grad_wrapper_safe(optimizer: Optimizer) -> None:
         super(horovod_class, target).zero_grad(set_to_none=set_to_none)
 
     horovod_class.zero_grad = zero_grad
+
+
+def follow_trainable_parameters(optimizer: Optimizer, name_prefix: str) -> int:
+    """Have a DistributedOptimizer average parameters that became trainable after it was built.
+
+    Horovod hooks and averages only the parameters that required gradients when it wrapped the
+    optimizer, so a layer unfrozen later (Lightning's ``BaseFinetuning``, a param group added
+    while training) would train on each worker's own gradients and the workers would drift
+    apart. Each such parameter gets what Horovod gives its own: a name (``name_prefix`` and its
+    place in the param groups, equal on every rank), a countdown and a backward hook. Called
+    before ``synchronize``, which then averages it this step too (Horovod allreduces every
+    tracked parameter whose hook did not fire). Returns how many parameters it added.
+    """
+    tracked = getattr(optimizer, "_requires_update", None)
+    if tracked is None or not getattr(optimizer, "_grad_accs", None):
+        return 0  # not a DistributedOptimizer, or one without hooks (a single worker)
+    added = 0
+    for group_index, group in enumerate(optimizer.param_groups):
+        for position, parameter in enumerate(group["params"]):
+            if not parameter.requires_grad or parameter in tracked:
+                continue
+            optimizer._parameter_names.setdefault(parameter, f"{name_prefix}.group{group_index}.param{position}")
+            optimizer._allreduce_delay[parameter] = optimizer.backward_passes_per_step
+            tracked.add(parameter)
+            with torch.enable_grad():
+                accumulator = parameter.expand_as(parameter).grad_fn.next_functions[0][0]
+            accumulator.register_hook(optimizer._make_hook(parameter))
+            optimizer._grad_accs.append(accumulator)
+            added += 1
+    return added
 
 
 def drop_gradient_hooks(optimizer: Optimizer) -> None:

@@ -22,7 +22,12 @@ from torch.nn import Module
 from torch.optim import Optimizer
 
 from hvd_plugins.core.backend.module import horovod_torch
-from hvd_plugins.core.backend.optimizer import delay_next_allreduce, drop_gradient_hooks, set_backward_passes
+from hvd_plugins.core.backend.optimizer import (
+    delay_next_allreduce,
+    drop_gradient_hooks,
+    follow_trainable_parameters,
+    set_backward_passes,
+)
 from hvd_plugins.core.backend.waits import wait_for_pending_allreduces
 from hvd_plugins.core.comm.compression import Compressor, CountingCompressor
 from hvd_plugins.core.comm.counters import CommCounters, Scope
@@ -112,9 +117,11 @@ class HorovodOptimizerSync(GradientSync):
         self.op = op
         self.counters = counters
         self.gradient_predivide_factor = gradient_predivide_factor
+        self._late_names: dict[int, str] = {}
+        """Name prefix, per wrapped optimizer, for parameters that become trainable after the wrap."""
 
     def wrap(self, optimizer: Optimizer, named_parameters: list[tuple[str, torch.nn.Parameter]]) -> Optimizer:
-        return horovod_torch().DistributedOptimizer(
+        wrapped = horovod_torch().DistributedOptimizer(
             optimizer,
             named_parameters=named_parameters,
             compression=self.compressor,
@@ -122,6 +129,8 @@ class HorovodOptimizerSync(GradientSync):
             op=horovod_op(self.op),
             gradient_predivide_factor=self.gradient_predivide_factor,
         )
+        self._late_names[id(wrapped)] = f"late{len(self._late_names)}"  # wrap order: equal on every rank
+        return wrapped
 
     @contextlib.contextmanager
     def deferred(self, optimizer: Optimizer) -> Iterator[None]:
@@ -129,6 +138,7 @@ class HorovodOptimizerSync(GradientSync):
             yield
 
     def synchronize(self, optimizer: Optimizer) -> None:
+        follow_trainable_parameters(optimizer, self._late_names.get(id(optimizer), "late"))
         with self.counters.waiting():
             wait_for_pending_allreduces(optimizer)
             optimizer.synchronize()
