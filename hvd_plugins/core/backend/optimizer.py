@@ -11,6 +11,8 @@ from typing import Any
 import torch
 from torch.optim import Optimizer
 
+from hvd_plugins.core.backend.module import horovod_torch
+
 
 def set_backward_passes(optimizer: Optimizer, passes: int) -> None:
     """Change how many backward passes a DistributedOptimizer accumulates before it allreduces.
@@ -91,8 +93,8 @@ def follow_trainable_parameters(optimizer: Optimizer, name_prefix: str) -> int:
     tracked parameter whose hook did not fire). Returns how many parameters it added.
     """
     tracked = getattr(optimizer, "_requires_update", None)
-    if tracked is None or not getattr(optimizer, "_grad_accs", None):
-        return 0  # not a DistributedOptimizer, or one without hooks (a single worker)
+    if tracked is None or horovod_torch().size() == 1:
+        return 0  # not a DistributedOptimizer, or a single worker (Horovod hooks nothing then)
     added = 0
     for group_index, group in enumerate(optimizer.param_groups):
         for position, parameter in enumerate(group["params"]):
