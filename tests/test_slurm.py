@@ -83,7 +83,8 @@ def test_time_limit_and_sigterm_checkpoint_requeue_and_resume_to_the_uninterrupt
         assert fields["JobState"] == "COMPLETED" and fields["Restarts"] == "1", f"{name}: {fields}\n{log[-5000:]}"
         first = [run for run in runs(folder / name) if run["restart"] == 0]
         second = [run for run in runs(folder / name) if run["restart"] == 1]
-        # A rank may not get to write its line: Slurm ends the job's processes once rank 0 has requeued it.
+        # Lines of a stopped run are written at its checkpoint, before rank 0 requeues; the other rank may not
+        # get to write its own: Slurm ends the job's processes once rank 0 has requeued it.
         assert 1 <= len(first) <= 2 and len(second) == 2, runs(folder / name)
         stopped_at = {run["ended_at_step"] for run in first}
         assert len(stopped_at) == 1 and 0 < min(stopped_at) < STEPS, first  # every rank stopped at the same step

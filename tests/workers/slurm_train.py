@@ -2,6 +2,7 @@
 
 Every rank of every run appends one JSON line to ``<out>/runs.jsonl``: the Slurm restart count, the
 global step the run started from, where it ended, and a digest of the final weights when it finished.
+A run that a signal stops writes its line when it saves its checkpoint, before rank 0 requeues.
 The strategy comes from ``--strategy`` ("instance" or a registered name such as "horovod").
 """
 
@@ -51,6 +52,11 @@ class Net(pl.LightningModule):
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
 
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        # Every rank saves before rank 0 requeues (which ends the job's processes), so the line of a run
+        # that a signal stops is written here, not when the rank exits: rank 0's line is always written.
+        record(self, self.trainer, finished=False)
+
 
 def record(model: Net, trainer: pl.Trainer | None, finished: bool) -> None:
     digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in model.parameters())).hexdigest()
@@ -80,9 +86,5 @@ trainer = pl.Trainer(
     enable_progress_bar=False,
     enable_model_summary=False,
 )
-try:
-    trainer.fit(model, DataLoader(TensorDataset(x, y), batch_size=8, shuffle=True))
-except SystemExit:
-    record(model, trainer, finished=False)
-    raise
+trainer.fit(model, DataLoader(TensorDataset(x, y), batch_size=8, shuffle=True))  # a signal's stop exits here
 record(model, trainer, finished=True)
