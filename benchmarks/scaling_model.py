@@ -195,42 +195,45 @@ def _hierarchical(cluster: Cluster, nbytes: float, cross_bytes: float) -> list[L
     ]
 
 
+def _shards_across_nodes(
+    cluster: Cluster, nbytes: float, per_step: float, messages: int = 1, hide: int = 0, fp16: bool = False
+) -> list[Leg]:
+    """A sum over nodes of what a node's workers hold alike: each carries a shard across, the node gathers.
+
+    With one worker per node the peers are every worker (Horovod's ring); otherwise a relay. Each of
+    ``messages`` (one per wire type) takes its own rounds.
+    """
+    n, local = cluster.nodes, cluster.workers_per_node
+    extra = {"per_step": per_step, "gradient": False, "hideable_steps": hide}
+    legs = []
+    if n > 1:
+        if local == 1:
+            cross = ring_allreduce(INTER, n, nbytes, fp16=fp16, **extra)
+        else:
+            cross = partner_sum(INTER, n, nbytes, relay=True, fp16=fp16, **extra)
+        legs.append(replace(cross, rounds=cross.rounds * messages))
+    if local > 1:  # the node's workers each carried a shard: gather the sums, in their wire types
+        legs.append(partner_scatter(INTRA, local, nbytes, rounds=messages, **extra))
+    return legs
+
+
 def _daso_parameter_sync(cluster: Cluster, params: float, plan: DasoPlan, per_step: float, hide: int) -> list[Leg]:
     """The non-blocking cross-node send: a sum of the downcast shards, then an allgather inside the node."""
-    n, local = cluster.nodes, cluster.workers_per_node
-    wire = params * plan.downcast_bytes
     fp16 = plan.downcast_bytes == FP16_BYTES
-    extra = {"per_step": per_step, "gradient": False, "hideable_steps": hide, "fp16": fp16}
-    legs = []
-    if n > 1:  # with one worker per node the peers are every worker: Horovod's ring
-        relayed = partner_sum(INTER, n, wire, relay=True, **extra)
-        legs.append(ring_allreduce(INTER, n, wire, **extra) if local == 1 else relayed)
-    if local > 1:  # the node's workers each carried a shard: gather them
-        legs.append(partner_scatter(INTRA, local, wire, per_step=per_step, gradient=False,
-                                    hideable_steps=hide))  # the sums, in the downcast type  # fmt: skip
-    return legs
+    return _shards_across_nodes(cluster, params * plan.downcast_bytes, per_step, hide=hide, fp16=fp16)
 
 
 def _daso_blocking_sync(cluster: Cluster, params: float, plan: DasoPlan, per_step: float) -> list[Leg]:
     """Once per epoch: parameters (downcast) and optimizer state (float32) averaged across nodes.
 
-    A node's workers hold the same values, so each carries a shard across and the node gathers the
-    sums, as a send does, one message per wire type; with one node there is nothing to average.
+    A node's workers hold the same values, so they are summed as a send is, one message per wire
+    type; with one node there is nothing to average.
     """
-    n, local = cluster.nodes, cluster.workers_per_node
-    if n == 1:
+    if cluster.nodes == 1:
         return []
     nbytes = params * plan.downcast_bytes + params * plan.state_per_param * FP32_BYTES
     messages = 1 if plan.downcast_bytes == FP32_BYTES else 2
-    extra = {"per_step": per_step, "gradient": False}
-    if local == 1:  # the peers are every worker: Horovod's ring
-        cross = ring_allreduce(INTER, n, nbytes, **extra)
-    else:
-        cross = partner_sum(INTER, n, nbytes, relay=True, **extra)
-    legs = [replace(cross, rounds=cross.rounds * messages)]
-    if local > 1:
-        legs.append(partner_scatter(INTRA, local, nbytes, rounds=messages, **extra))
-    return legs
+    return _shards_across_nodes(cluster, nbytes, per_step, messages=messages)
 
 
 def legs_of(mode: str, phase: str, cluster: Cluster, params: float, plan: DasoPlan | None = None) -> list[Leg]:
