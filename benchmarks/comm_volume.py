@@ -45,7 +45,7 @@ import torch
 from hvd_plugins.core.tables import format_table
 from hvd_plugins.testing import benchmarking as bench
 from hvd_plugins.testing.launch import write_rank_file
-from hvd_plugins.testing.reports import docs_dir, write_report
+from hvd_plugins.testing.reports import publish_report
 
 SYNCS = ("allreduce", "hierarchical", "daso")
 FIT_ORDER = ("daso", "hierarchical", "allreduce")
@@ -212,10 +212,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         ranks = measure(size, list(FIT_ORDER), Path(tmp), timeout=timeout)
     text, all_match = report(setup, ranks)
     text += "\n\nall measured counts equal the analytic expectation" if all_match else "\n\nSOME COUNTS DIFFER (see NO)"
-    print(text)
-    report_path = args.report or (None if args.smoke else docs_dir(__file__) / "comm_volume.txt")
-    if report_path is not None:
-        print(f"saved to {write_report(report_path, text, __file__, argv)}")
+    publish_report(text, __file__, argv, args.report, None if args.smoke else "comm_volume.txt")
     return 0 if all_match else 1
 
 

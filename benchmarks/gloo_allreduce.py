@@ -37,7 +37,7 @@ import torch.distributed as dist
 from hvd_plugins.core.tables import format_table
 from hvd_plugins.testing import benchmarking as bench
 from hvd_plugins.testing.launch import write_rank_file
-from hvd_plugins.testing.reports import docs_dir, write_report
+from hvd_plugins.testing.reports import publish_report
 
 FULL_WIDTHS = (1024, 2048, 2048, 10)
 """The overhead benchmark's MLP (benchmarks/overhead.py): its gradients are the tensors summed here."""
@@ -191,10 +191,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     widths = SMOKE_WIDTHS if args.smoke else FULL_WIDTHS
     with tempfile.TemporaryDirectory(prefix="hvd_gloo_allreduce_") as tmp:
         text = report(widths, rounds, measure(widths, rounds, Path(tmp)))
-    print(text)
-    report_path = args.report or (None if args.smoke else docs_dir(__file__) / "gloo_allreduce.txt")
-    if report_path is not None:
-        print(f"saved to {write_report(report_path, text, __file__, argv)}")
+    publish_report(text, __file__, argv, args.report, None if args.smoke else "gloo_allreduce.txt")
     return 0
 
 

@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from hvd_plugins.core.tables import format_table
 from hvd_plugins.testing import benchmarking as bench
 from hvd_plugins.testing.launch import write_rank_file
-from hvd_plugins.testing.reports import docs_dir, write_report
+from hvd_plugins.testing.reports import publish_report
 
 VARIANTS = ("horovod_loop", "horovod_strategy", "lightning_ddp")
 TARGET_VS_FLOOR = 0.95
@@ -271,13 +271,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.repeats < 1:
             raise ValueError(f"--repeats={args.repeats} must be >= 1")
         setup = Setup(**{**asdict(setup), "repeats": args.repeats})
-    report_path = args.report or (None if args.smoke else docs_dir(__file__) / "overhead.txt")
     with tempfile.TemporaryDirectory(prefix="hvd_overhead_") as tmp:
         rates = measure(setup, Path(tmp))
         text = report(setup, rates)
-        print(text)
-        if report_path is not None:
-            print(f"saved to {write_report(report_path, text, __file__, argv)}")
+        publish_report(text, __file__, argv, args.report, None if args.smoke else "overhead.txt")
         if args.profile:
             for variant in ("horovod_strategy", "lightning_ddp"):
                 launch((variant,), setup, Path(tmp) / f"profile_{variant}", profile=True)

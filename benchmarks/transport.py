@@ -38,7 +38,7 @@ from typing import Any
 from hvd_plugins.core.tables import format_table
 from hvd_plugins.testing.benchmarking import horovodrun, median
 from hvd_plugins.testing.launch import read_rank_files, write_rank_file
-from hvd_plugins.testing.reports import docs_dir, write_report
+from hvd_plugins.testing.reports import publish_report, write_report
 
 TRANSPORTS = ("flat", "dynamic", "static_env", "static", "alltoall")
 DEFAULT_TRANSPORTS = ("dynamic", "static_env", "static", "alltoall")  # alltoall's global column is plain init's
@@ -391,10 +391,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"total {time.monotonic() - begin:.0f} s",
         ]
     )
-    print(text)
-    report_path = args.report or (None if args.smoke else docs_dir(__file__) / "transport.txt")
-    if report_path is not None:
-        print(f"written to {write_report(report_path, text, __file__, argv, append=args.append)}")
+    publish_report(text, __file__, argv, args.report, None if args.smoke else "transport.txt", append=args.append)
     return 0
 
 

@@ -69,3 +69,15 @@ def write_report(
     body = text.rstrip("\n")
     path.write_text(f"{earlier}{header(script, argv, verb)}\n\n{body}\n")
     return path
+
+
+def publish_report(
+    text: str, script: str | Path, argv: Sequence[str], path: Path | None, docs_name: str | None, append: bool = False
+) -> Path | None:
+    """Print a benchmark's report and write it under its header to ``path``, else to ``docs_name`` beside the
+    docs' other reports (``docs_name`` None, as in a smoke run: print only). Returns where it was written."""
+    print(text)
+    target = path or (docs_dir(script) / docs_name if docs_name else None)
+    if target is not None:
+        print(f"saved to {write_report(target, text, script, argv, append=append)}")
+    return target
