@@ -517,24 +517,29 @@ def check_uneven_data() -> dict[str, Any]:
     return {"batches": t.num_training_batches, "ranks_identical": all_equal(digest(model)), "steps": t.global_step}
 
 
+class EpochCalls(Callback):
+    """Collectives handed to Horovod per training epoch (the comm counters)."""
+
+    def __init__(self) -> None:
+        self.per_epoch: list[float] = []
+
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.start = copy.copy(trainer.strategy.comm_counters)
+
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        window = trainer.strategy.comm_counters.since(self.start)
+        self.per_epoch.append(window.cross_node_calls + window.node_local_calls)
+
+
 def check_accumulation_schedule() -> dict[str, Any]:
     """An accumulation schedule that changes between epochs is followed: allreduces per epoch."""
-    per_epoch: list[int] = []
-
-    class Calls(Callback):
-        def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-            self.start = copy.copy(trainer.strategy.comm_counters)
-
-        def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-            now = trainer.strategy.comm_counters
-            per_epoch.append(now.since(self.start).node_local_calls + now.since(self.start).cross_node_calls)
-
+    counter = EpochCalls()
     x, y = make_data(64)
-    t = trainer(max_epochs=3, callbacks=[GradientAccumulationScheduler({0: 1, 1: 2, 2: 4}), Calls()])
+    t = trainer(max_epochs=3, callbacks=[GradientAccumulationScheduler({0: 1, 1: 2, 2: 4}), counter])
     model = Regression()
     t.fit(model, DataLoader(TensorDataset(x, y), batch_size=4))
     return {
-        "calls_per_epoch": per_epoch,
+        "calls_per_epoch": counter.per_epoch,
         "batches": t.num_training_batches,
         "ranks_identical": all_equal(digest(model)),
     }
@@ -581,20 +586,6 @@ class LayerOptimizer(TwoHeads):
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.SGD(self.layer.parameters(), lr=self.lr)
-
-
-class EpochCalls(Callback):
-    """Collectives handed to Horovod per training epoch (the comm counters)."""
-
-    def __init__(self) -> None:
-        self.per_epoch: list[float] = []
-
-    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.start = copy.copy(trainer.strategy.comm_counters)
-
-    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        window = trainer.strategy.comm_counters.since(self.start)
-        self.per_epoch.append(window.cross_node_calls + window.node_local_calls)
 
 
 def check_unfrozen_layers_are_averaged() -> dict[str, Any]:
