@@ -54,6 +54,12 @@ def test_training_with_adasum_converges_and_ranks_stay_identical(adasum: dict[in
         assert result["final_loss"] < 0.5 * result["first_loss"], result
 
 
+def test_a_layer_unfrozen_mid_training_trains_and_ranks_stay_identical(adasum: dict[int, dict]) -> None:
+    for report in adasum.values():
+        for case, result in value(report, "unfrozen_layer").items():
+            assert result == {"extra_trained": True, "ranks_identical": True}, (case, result)
+
+
 def test_accumulation_and_clipping_are_refused_before_the_first_step(adasum: dict[int, dict]) -> None:
     for report in adasum.values():
         assert "op='adasum' cannot accumulate gradients (accumulate_grad_batches=2)" in value(

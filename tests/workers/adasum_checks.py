@@ -15,6 +15,7 @@ import horovod.torch as hvd
 import lightning.pytorch as pl
 import torch
 from _common import parse_out, run_checks, write_result
+from lightning.pytorch.callbacks import BaseFinetuning
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -100,6 +101,60 @@ def check_training() -> dict[str, Any]:
     }
 
 
+class TwoLayers(pl.LightningModule):
+    """``layer`` and ``extra`` add up to the prediction; ``extra`` starts frozen (see UnfreezeExtra)."""
+
+    def __init__(self, extra_in_optimizer: bool) -> None:
+        super().__init__()
+        torch.manual_seed(1)
+        self.layer = nn.Linear(5, 1)
+        self.extra = nn.Linear(5, 1)
+        self.extra_in_optimizer = extra_in_optimizer
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return nn.functional.mse_loss(self.layer(batch[0]) + self.extra(batch[0]), batch[1])
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        parameters = self.parameters() if self.extra_in_optimizer else self.layer.parameters()
+        return torch.optim.SGD(parameters, lr=0.02)
+
+
+class UnfreezeExtra(BaseFinetuning):
+    """Lightning's fine-tuning callback: ``extra`` unfrozen at epoch 1, in place or as a new param group."""
+
+    def __init__(self, new_group: bool) -> None:
+        super().__init__()
+        self.new_group = new_group
+
+    def freeze_before_training(self, pl_module: pl.LightningModule) -> None:
+        self.freeze(pl_module.extra)
+
+    def finetune_function(self, pl_module: pl.LightningModule, epoch: int, optimizer: torch.optim.Optimizer) -> None:
+        if epoch == 1 and self.new_group:
+            self.unfreeze_and_add_param_group(pl_module.extra, optimizer)
+        elif epoch == 1:
+            self.make_trainable(pl_module.extra)
+
+
+def check_unfrozen_layer() -> dict[str, Any]:
+    """A layer unfrozen mid-training trains under Adasum, and every rank holds the same weights.
+
+    Horovod's Adasum optimizer steps each parameter inside its backward hook; without a hook the
+    unfrozen layer would never step (or, stepped locally, would differ between the ranks' batches).
+    """
+    cases = {}
+    for name, new_group in (("new_param_group", True), ("in_place", False)):
+        model = TwoLayers(extra_in_optimizer=not new_group)
+        before = model.extra.weight.detach().clone()
+        trainer(callbacks=[UnfreezeExtra(new_group)]).fit(model, data())
+        digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in model.parameters())).hexdigest()
+        cases[name] = {
+            "extra_trained": not torch.equal(before, model.extra.weight.detach()),
+            "ranks_identical": len(set(hvd.allgather_object(digest))) == 1,
+        }
+    return cases
+
+
 def refused(**kwargs: Any) -> str | None:
     try:
         trainer(max_epochs=1, **kwargs).fit(Regression(), data())
@@ -113,6 +168,7 @@ def adasum_report() -> dict[str, Any]:
     checks = {
         "definition": check_definition,
         "training": check_training,
+        "unfrozen_layer": check_unfrozen_layer,
         "accumulation_refused": lambda: refused(accumulate_grad_batches=2),
         "clipping_refused": lambda: refused(gradient_clip_val=1.0),
     }

@@ -90,7 +90,10 @@ def follow_trainable_parameters(optimizer: Optimizer, name_prefix: str) -> int:
     apart. Each such parameter gets what Horovod gives its own: a name (``name_prefix`` and its
     place in the param groups, equal on every rank), a countdown and a backward hook. Called
     before ``synchronize``, which then averages it this step too (Horovod allreduces every
-    tracked parameter whose hook did not fire). Returns how many parameters it added.
+    tracked parameter whose hook did not fire). Horovod's Adasum optimizer steps each parameter
+    inside its hook, from a starting copy it keeps per parameter, so a parameter it did not hook
+    would never step at all: it gets that copy too, and Adasum's ``step`` combines it this step.
+    Returns how many parameters it added.
     """
     tracked = getattr(optimizer, "_requires_update", None)
     if tracked is None or horovod_torch().size() == 1:
@@ -102,6 +105,9 @@ def follow_trainable_parameters(optimizer: Optimizer, name_prefix: str) -> int:
                 continue
             optimizer._parameter_names.setdefault(parameter, f"{name_prefix}.group{group_index}.param{position}")
             optimizer._allreduce_delay[parameter] = optimizer.backward_passes_per_step
+            starting_copies = getattr(optimizer, "_starting_models", None)  # Adasum's only
+            if starting_copies is not None:
+                starting_copies.setdefault(parameter, torch.zeros_like(parameter, requires_grad=False))
             tracked.add(parameter)
             with torch.enable_grad():
                 accumulator = parameter.expand_as(parameter).grad_fn.next_functions[0][0]

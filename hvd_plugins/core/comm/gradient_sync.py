@@ -170,6 +170,7 @@ class AdasumOptimizerSync(HorovodOptimizerSync):
         yield
 
     def synchronize(self, optimizer: Optimizer) -> None:
+        follow_trainable_parameters(optimizer, self._late_names.get(id(optimizer), "late"))
         with self.counters.waiting():
             wait_for_pending_allreduces(optimizer)  # the changes the hooks started; step() applies them
 

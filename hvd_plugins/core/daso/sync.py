@@ -328,11 +328,10 @@ class DasoSync:
             return  # the blocking sync that follows averages the current parameters instead
         full_sum = self.sharding.gather_in_node(drift_sum, self._layout)
         weight, nodes = 2 * batches_to_wait, self.sharding.num_nodes
-        average = self._reference + full_sum.to(self._work_dtype) / nodes
-        merged = (weight * self._flat_parameters() + nodes * average) / (weight + nodes)
+        average = full_sum.to(self._work_dtype).div_(nodes).add_(self._reference)
         self._reference = average
         with torch.no_grad():
-            unflatten_into(merged, self._parameters)
+            move_towards(self._parameters, average, nodes / (weight + nodes))
         self.merges += 1
 
     def _start_buffer_average(self) -> PendingBufferAverage | None:
@@ -363,12 +362,29 @@ class DasoSync:
         messages = [drift, exact] if exact.dtype != drift.dtype else [torch.cat([drift, exact])]
         sums = self.sharding.sum_node_copies([m for m in messages if m.numel()], "daso.blocking")
         nodes = self.sharding.num_nodes
-        results = [total.to(self._work_dtype) / nodes for total in sums]
-        averaged = torch.cat(results) if results else torch.empty(0, dtype=self._work_dtype)
-        self._reference = self._reference + averaged[: drift.numel()]
+        results = [total.to(self._work_dtype).div_(nodes) for total in sums]
+        if len(results) == 2:
+            drift_average, state_average = results
+        else:  # one message (one wire type for both, or nothing of one of them): split it where the drift ends
+            combined = results[0] if results else torch.empty(0, dtype=self._work_dtype)
+            drift_average, state_average = combined[: drift.numel()], combined[drift.numel() :]
+        self._reference = self._reference + drift_average
         with torch.no_grad():
             unflatten_into(self._reference, self._parameters)
-            unflatten_into(averaged[drift.numel() :], state_tensors)
+            unflatten_into(state_average, state_tensors)
+
+
+def move_towards(parameters: Sequence[torch.Tensor], target: torch.Tensor, share: float) -> None:
+    """``p += share * (target - p)`` for each parameter and its slice of the flat ``target``, in place.
+
+    The merge ``(2B * p + N * average) / (2B + N)`` is this with ``share = N / (2B + N)``: one pass
+    over each parameter, with no flat copy of the parameters to build and copy back.
+    """
+    offset = 0
+    for parameter in parameters:
+        count = parameter.numel()
+        parameter.lerp_(target[offset : offset + count].view_as(parameter).to(parameter.dtype), share)
+        offset += count
 
 
 def _flatten_as(tensors: Sequence[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
