@@ -28,7 +28,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))  # `benchmarks` is a package of the checkout, not of the installed project
 
-from benchmarks import comm_volume, duplex, emulated_cluster, gloo_allreduce, overhead, transport  # noqa: E402
+from benchmarks import background_progress, comm_volume, duplex, emulated_cluster, gloo_allreduce, overhead, transport  # noqa: E402
 from hvd_plugins.testing.netns_cluster import SKIP_EXIT_CODE, process_tag  # noqa: E402
 
 pytestmark = pytest.mark.multiprocess
@@ -134,6 +134,38 @@ def test_gloo_allreduce_refuses_zero_iterations(capsys: pytest.CaptureFixture[st
     with pytest.raises(SystemExit) as stop:
         gloo_allreduce.main(["--smoke", "--iterations", "0"])
     assert stop.value.code == 2 and "--iterations 0 must be >= 1" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------------------ background_progress
+def test_background_progress_smoke_times_each_way_of_waiting_on_checked_legs(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["--smoke", "--report", str(tmp_path / "background_progress.txt")]
+    code, printed = run_main(background_progress, argv, capsys)
+    assert code == 0, printed[-3000:]  # a shard that arrives wrong fails the job
+    rows = {case: printed.split(case, 1)[1].splitlines()[0].split() for case in background_progress.CASES}
+    assert all(float(cells[0]) > 0 for cells in rows.values()), rows  # 'done ms' of every case
+    assert rows["awaited at once"][2:] == rows["polled, idle"][2:] == ["-", "-"], rows  # ran no pass
+    share, percent, first_pass_ms = rows["polled, computing"][2:]
+    assert 0 <= float(share) <= 100 and percent == "%" and float(first_pass_ms) > 0, rows
+    body = assert_dated_report(tmp_path / "background_progress.txt", "background_progress.py", argv)
+    assert body.startswith("background_progress: 2 workers on CPU as 2 nodes of 1")
+
+
+def test_background_progress_shard_is_the_nodes_share_of_the_parameters() -> None:
+    assert background_progress.shard_numel((3, 5, 2), local_size=1) == 32  # 3*5 + 5 + 5*2 + 2
+    assert background_progress.shard_numel((3, 5, 2), local_size=3) == 11  # the last shard padded
+
+
+@pytest.mark.parametrize(
+    ("workers", "message"), [("3", "--workers 3 must be an even number"), ("2,x", "whole numbers")]
+)
+def test_background_progress_refuses_worker_counts_that_make_no_two_nodes(
+    workers: str, message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as stop:
+        background_progress.main(["--smoke", "--workers", workers])
+    assert stop.value.code == 2 and message in capsys.readouterr().err
 
 
 # ------------------------------------------------------------------------------------------ comm_volume
