@@ -81,7 +81,7 @@ def make_zero_grad_wrapper_safe(optimizer: Optimizer) -> None:
     horovod_class.zero_grad = zero_grad
 
 
-def follow_trainable_parameters(optimizer: Optimizer, name_prefix: str) -> int:
+def follow_trainable_parameters(optimizer: Optimizer, name_prefix: str) -> None:
     """Have a DistributedOptimizer average parameters that became trainable after it was built.
 
     Horovod hooks and averages only the parameters that required gradients when it wrapped the
@@ -93,12 +93,10 @@ def follow_trainable_parameters(optimizer: Optimizer, name_prefix: str) -> int:
     tracked parameter whose hook did not fire). Horovod's Adasum optimizer steps each parameter
     inside its hook, from a starting copy it keeps per parameter, so a parameter it did not hook
     would never step at all: it gets that copy too, and Adasum's ``step`` combines it this step.
-    Returns how many parameters it added.
     """
     tracked = getattr(optimizer, "_requires_update", None)
     if tracked is None or horovod_torch().size() == 1:
-        return 0  # not a DistributedOptimizer, or a single worker (Horovod hooks nothing then)
-    added = 0
+        return  # not a DistributedOptimizer, or a single worker (Horovod hooks nothing then)
     for group_index, group in enumerate(optimizer.param_groups):
         for position, parameter in enumerate(group["params"]):
             if not parameter.requires_grad or parameter in tracked:
@@ -113,8 +111,6 @@ def follow_trainable_parameters(optimizer: Optimizer, name_prefix: str) -> int:
                 accumulator = parameter.expand_as(parameter).grad_fn.next_functions[0][0]
             accumulator.register_hook(optimizer._make_hook(parameter))
             optimizer._grad_accs.append(accumulator)
-            added += 1
-    return added
 
 
 def drop_gradient_hooks(optimizer: Optimizer) -> None:

@@ -138,10 +138,14 @@ class HorovodOptimizerSync(GradientSync):
             yield
 
     def synchronize(self, optimizer: Optimizer) -> None:
-        follow_trainable_parameters(optimizer, self._late_names.get(id(optimizer), "late"))
+        self.follow_trainable(optimizer)
         with self.counters.waiting():
             wait_for_pending_allreduces(optimizer)
             optimizer.synchronize()
+
+    def follow_trainable(self, optimizer: Optimizer) -> None:
+        """Let Horovod's optimizer take in parameters that became trainable since it wrapped them."""
+        follow_trainable_parameters(optimizer, self._late_names.get(id(optimizer), "late"))
 
     def set_backward_passes(self, optimizer: Optimizer, passes: int) -> None:
         self.backward_passes = passes
@@ -170,7 +174,7 @@ class AdasumOptimizerSync(HorovodOptimizerSync):
         yield
 
     def synchronize(self, optimizer: Optimizer) -> None:
-        follow_trainable_parameters(optimizer, self._late_names.get(id(optimizer), "late"))
+        self.follow_trainable(optimizer)  # before step(), which combines what no hook started yet
         with self.counters.waiting():
             wait_for_pending_allreduces(optimizer)  # the changes the hooks started; step() applies them
 
