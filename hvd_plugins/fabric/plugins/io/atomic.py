@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-import tempfile
+import secrets
 from pathlib import Path
 from typing import Any
 
@@ -28,9 +28,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             )
         target = Path(path)
         target.parent.mkdir(parents=True, exist_ok=True)
-        # Not named after the target: Lightning finds hpc_ckpt_<n> versions by the digits after that prefix,
-        # so a temporary file left by a killed save must not carry it.
-        handle, temporary = tempfile.mkstemp(prefix=".partial-checkpoint-", suffix=".tmp", dir=target.parent)
+        handle, temporary = _create_temporary(target.parent)
         try:
             with os.fdopen(handle, "wb") as stream:
                 torch.save(checkpoint, stream)
@@ -40,3 +38,19 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         except BaseException:
             Path(temporary).unlink(missing_ok=True)
             raise
+
+
+def _create_temporary(folder: Path) -> tuple[int, Path]:
+    """A new file in ``folder`` for writing, with the mode a plain ``open`` gives (0666 less the umask).
+
+    ``tempfile.mkstemp`` would make it 0600, and the rename would carry that to the checkpoint, so
+    the rest of a group sharing the folder could not read it. Not named after the target:
+    Lightning finds ``hpc_ckpt_<n>`` versions by the digits after that prefix, so a temporary file
+    left by a killed save must not carry it.
+    """
+    while True:
+        temporary = folder / f".partial-checkpoint-{secrets.token_hex(8)}.tmp"
+        try:
+            return os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666), temporary
+        except FileExistsError:
+            continue
