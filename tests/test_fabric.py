@@ -108,6 +108,16 @@ def test_a_layer_unfrozen_while_training_is_averaged_like_the_rest(checks: dict[
         assert result == {"same": True, "trained": True, "allreduces_per_step": [2.0, 4.0]}
 
 
+def test_schedulers_built_before_setup_set_every_ranks_rates(checks: dict[int, dict]) -> None:
+    """Horovod's wrapper is a new optimizer; a scheduler built on the one it wrapped must still reach it."""
+    expected = {"supported": True, "rates": [0.05, 0.025, 0.0125, 0.00625], "rates_everywhere": True, "same": True,
+                "warnings": []}  # fmt: skip
+    for rank in (0, 1):
+        result = value(checks, "schedulers_built_before_setup_set_every_ranks_rates", rank)
+        assert result["kept_by_the_loop"] == expected
+        assert result["handed_to_setup"] in (expected, {"supported": False})  # Fabric 2.4 added scheduler=
+
+
 def test_daso_is_refused_with_the_reason(checks: dict[int, dict]) -> None:
     message = value(checks, "daso_is_refused_at_construction", 0)
     assert message.startswith("sync='daso' is not available with Fabric")

@@ -205,6 +205,16 @@ def test_layers_unfrozen_between_epochs_are_averaged_like_the_rest(features: dic
             assert case["calls_per_epoch"] == [2 * steps, 4 * steps, 4 * steps], (name, case)
 
 
+def test_learning_rate_monitor_tells_two_optimizers_of_one_class_apart(features: dict[int, dict]) -> None:
+    """Horovod builds a class per wrapped optimizer; LearningRateMonitor numbers optimizers by class."""
+    for result in both(features, "learning_rate_schedules"):
+        assert result["rows"] == 4  # 16 samples a rank, batches of 4, logged every step
+        assert result["first"] == {"lr-SGD": 0.1, "lr-SGD-1": 0.2}
+        assert result["last"] == {"lr-SGD": 0.05, "lr-SGD-1": 0.1}  # StepLR halves every 2 steps
+        assert result["optimizer_types_shared"]
+        assert result["scheduler_warnings"] == []  # no "optimizer.step() has been overridden"
+
+
 def test_accumulation_change_inside_an_epoch_is_refused_clearly(features: dict[int, dict]) -> None:
     for result in both(features, "accumulation_change_mid_epoch"):
         assert result["error"] is not None

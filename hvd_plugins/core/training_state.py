@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+import functools
+import weakref
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from torch.nn import Module, Parameter
@@ -53,7 +56,40 @@ def wrap_optimizers(
     for scheduler in schedulers:
         if scheduler.optimizer in optimizers:
             scheduler.optimizer = wrapped[list(optimizers).index(scheduler.optimizer)]
+    for optimizer, wrapper in zip(optimizers, wrapped, strict=True):
+        mark_steps_for_schedulers(wrapper, optimizer)
     return wrapped
+
+
+def mark_steps_for_schedulers(wrapper: Optimizer, wrapped: Optimizer) -> None:
+    """Mark ``wrapper.step`` the way torch's LR schedulers mark the step of the optimizer they are built on.
+
+    A scheduler checks, at its first ``step()``, that its optimizer's step is marked and has run.
+    Pointed at the wrapper, it warned that ``optimizer.step()`` had been overridden; left on the
+    wrapped optimizer (built before ``fabric.setup``), it warned that it stepped before the
+    optimizer, whose own step never runs. A step of the wrapper now counts for both. Both of
+    torch's marks are set: ``_wrapped_by_lr_sched`` with ``_opt_called`` (torch 2.2 and later) and
+    ``_with_counter`` with ``_step_count`` (2.1).
+    """
+    step = wrapper.step
+    function = getattr(step, "__func__", None)
+    if function is None or hasattr(step, "_wrapped_by_lr_sched") or hasattr(step, "_with_counter"):
+        return  # marked already, or not a method this can rebind
+    owners = [weakref.ref(wrapper)] + ([weakref.ref(wrapped)] if wrapped is not wrapper else [])
+    wrapper._step_count = 0  # type: ignore[attr-defined]
+
+    @functools.wraps(function)
+    def marked_step(*args: Any, **kwargs: Any) -> Any:
+        for owner in owners:  # weak references: no cycle through the instance attribute, as torch does it
+            optimizer = owner()
+            if optimizer is not None:
+                optimizer._opt_called = True  # type: ignore[attr-defined]
+                optimizer._step_count = getattr(optimizer, "_step_count", 0) + 1  # type: ignore[attr-defined]
+        return function(owners[0](), *args, **kwargs)
+
+    marked_step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+    marked_step._with_counter = True  # type: ignore[attr-defined]
+    wrapper.step = marked_step  # type: ignore[method-assign]
 
 
 def broadcast_optimizer_states_(optimizers: Sequence[Optimizer], root_rank: int) -> None:
@@ -75,7 +111,30 @@ def broadcast_optimizer_state_(optimizer: Optimizer, root_rank: int, name: str) 
         optimizer.state_dict() if hvd.rank() == root_rank else None, root_rank=root_rank, name=f"{name}.state"
     )
     if hvd.rank() != root_rank:
-        optimizer.load_state_dict(state)
+        with param_groups_kept([optimizer]):
+            optimizer.load_state_dict(state)
+
+
+@contextlib.contextmanager
+def param_groups_kept(optimizers: Sequence[Optimizer]) -> Iterator[None]:
+    """Let ``load_state_dict`` run inside, and keep each optimizer's param-group dicts, filled with what it loaded.
+
+    Horovod's wrapper shares its param-group dicts with the optimizer it wrapped, and a learning-rate
+    scheduler built on that optimizer before the wrap (``scheduler = StepLR(optimizer)``, then
+    ``fabric.setup``) sets the rates in those dicts. ``load_state_dict`` puts new dicts in place, so
+    on the ranks that loaded, the wrapper no longer saw the scheduler's rates and they trained
+    with others.
+    """
+    kept = [(optimizer, list(optimizer.param_groups)) for optimizer in optimizers]
+    yield
+    for optimizer, groups in kept:
+        if len(groups) != len(optimizer.param_groups):
+            continue  # loading changed the groups themselves: nothing to keep
+        for old, loaded in zip(groups, optimizer.param_groups, strict=True):
+            if old is not loaded:
+                old.clear()
+                old.update(loaded)
+        optimizer.param_groups = groups
 
 
 def scale_learning_rates_(optimizers: Sequence[Optimizer], schedulers: Sequence[Any], factor: float) -> None:

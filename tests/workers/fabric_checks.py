@@ -7,7 +7,9 @@ model), so the checks compare what Horovod averaged with what one process would 
 from __future__ import annotations
 
 import hashlib
+import inspect
 import os
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -270,6 +272,44 @@ def check_a_layer_unfrozen_while_training_is_averaged() -> dict[str, Any]:
         "trained": not torch.equal(before, module[0].weight.detach()),
         "allreduces_per_step": [frozen["allreduces_per_step"], unfrozen["allreduces_per_step"]],
     }
+
+
+def check_schedulers_built_before_setup_set_every_ranks_rates() -> dict[str, Any]:
+    """A StepLR built on the optimizer before ``fabric.setup``, handed to setup (``scheduler=``, Fabric 2.4 and
+    later) or not: every rank follows its rates, before and after ``fabric.load``, with none of torch's warnings
+    about the order of the two steps."""
+    fabric = make_fabric()
+    cases = {}
+    for name in ("handed_to_setup", "kept_by_the_loop"):
+        if name == "handed_to_setup" and "scheduler" not in inspect.signature(fabric.setup).parameters:
+            cases[name] = {"supported": False}
+            continue
+        module = net(RANK_ZERO_SEED + hvd.rank())
+        optimizer = torch.optim.SGD(module.parameters(), lr=0.1, momentum=0.9)
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            if name == "handed_to_setup":
+                model, opt, scheduler = fabric.setup(module, optimizer, scheduler=scheduler)
+            else:
+                model, opt = fabric.setup(module, optimizer)
+            rates = []
+            for step in range(4):
+                if step == 2:  # save and load in the middle: loading replaces the optimizer's param groups
+                    path = OUT / f"scheduled_{name}.pt"
+                    fabric.save(path, {"model": model, "optimizer": opt})
+                    fabric.load(path, {"model": model, "optimizer": opt})
+                train(fabric, steps=1, start=step, model=model, opt=opt)
+                scheduler.step()
+                rates.append(opt.param_groups[0]["lr"])
+        cases[name] = {
+            "supported": True,
+            "rates": rates,
+            "rates_everywhere": same_on_every_rank(repr(rates)),
+            "same": same_on_every_rank(digest(module)),
+            "warnings": [str(w.message) for w in caught if "lr_scheduler" in str(w.message)],
+        }
+    return cases
 
 
 def check_daso_is_refused_at_construction() -> str:

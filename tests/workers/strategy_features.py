@@ -13,6 +13,7 @@ import hashlib
 import os
 import sys
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +24,14 @@ import torchmetrics
 from _common import parse_out, run_checks, write_result
 from adasum_checks import adasum_report
 from faults_checks import CHECKS as FAULT_CHECKS
-from lightning.pytorch.callbacks import BaseFinetuning, Callback, GradientAccumulationScheduler, ModelCheckpoint
+from lightning.pytorch.callbacks import (
+    BaseFinetuning,
+    Callback,
+    GradientAccumulationScheduler,
+    LearningRateMonitor,
+    ModelCheckpoint,
+)
+from lightning.pytorch.loggers import Logger
 from torch import nn
 from torch.utils.data import DataLoader, Subset, TensorDataset
 
@@ -613,6 +621,76 @@ def check_unfrozen_layers_are_averaged() -> dict[str, Any]:
     return cases
 
 
+class TwoSchedules(TwoHeads):
+    """Two SGD optimizers of one class, each with a StepLR (manual optimization, as two optimizers need)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        optimizers = self.optimizers()
+        loss = nn.functional.mse_loss(self(x), y)
+        for optimizer in optimizers:
+            optimizer.zero_grad()
+        self.manual_backward(loss)
+        for optimizer in optimizers:
+            optimizer.step()
+        for scheduler in self.lr_schedulers():
+            scheduler.step()
+        return loss
+
+    def configure_optimizers(self) -> Any:
+        first = torch.optim.SGD(self.layer.parameters(), lr=0.1)
+        second = torch.optim.SGD(self.extra.parameters(), lr=0.2)
+        steps = [torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5) for optimizer in (first, second)]
+        return [first, second], steps
+
+
+class MemoryLogger(Logger):
+    """Keeps what it is given on every rank (Lightning's own loggers write on rank 0 only)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.logged: list[dict[str, float]] = []
+
+    @property
+    def name(self) -> str:
+        return "memory"
+
+    @property
+    def version(self) -> int:
+        return 0
+
+    def log_hyperparams(self, params: Any, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        self.logged.append(dict(metrics))
+
+
+def check_learning_rate_schedules() -> dict[str, Any]:
+    """Two optimizers of one class with their own schedules: LearningRateMonitor tells them apart, and
+    the schedulers, pointed at the wrapped optimizers, raise no warning that their step was replaced."""
+    logger = MemoryLogger()
+    x, y = make_data(32)
+    monitor = LearningRateMonitor(logging_interval="step")
+    t = trainer(max_epochs=1, logger=logger, log_every_n_steps=1, callbacks=[monitor])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        t.fit(TwoSchedules(), DataLoader(TensorDataset(x, y), batch_size=4))
+    rates = [{k: v for k, v in row.items() if k.startswith("lr-")} for row in logger.logged]
+    rates = [row for row in rates if row]
+    return {
+        "first": rates[0] if rates else None,
+        "last": rates[-1] if rates else None,
+        "rows": len(rates),
+        "scheduler_warnings": [str(w.message) for w in caught if "lr_scheduler" in str(w.message)],
+        "optimizer_types_shared": type(t.optimizers[0]) is type(t.optimizers[1]),
+    }
+
+
 def check_accumulation_change_mid_epoch() -> dict[str, Any]:
     """A schedule that changes accumulation inside an epoch cannot be expressed: clear error."""
 
@@ -742,6 +820,7 @@ if __name__ == "__main__":
         "uneven_data": check_uneven_data,
         "accumulation_schedule": check_accumulation_schedule,
         "unfrozen_layers": check_unfrozen_layers_are_averaged,
+        "learning_rate_schedules": check_learning_rate_schedules,
         "accumulation_change_mid_epoch": check_accumulation_change_mid_epoch,
         "average_buffers": check_average_buffers,
         "float16_sum": check_float16_sum,

@@ -60,6 +60,27 @@ def forget_held_gradients(optimizer: Optimizer) -> None:
     handles.clear()
 
 
+_SHARED_CLASSES: dict[tuple[type, Any], type] = {}
+"""One DistributedOptimizer class per (wrapped optimizer class, Horovod flavour), see ``share_class``."""
+
+
+def share_class(optimizer: Optimizer) -> None:
+    """Give every DistributedOptimizer that wraps one optimizer class the same class object.
+
+    Horovod builds a new class for every optimizer it wraps (same name, same methods), so code that
+    tells optimizers apart by their class took two wrapped SGDs for two kinds: Lightning's
+    ``LearningRateMonitor`` numbers ``lr-SGD``, ``lr-SGD-1`` by class, and logged both learning
+    rates under ``lr-SGD``, one overwriting the other. The classes Horovod builds for one optimizer
+    class are alike (its ``_DistributedOptimizer`` or Adasum methods on that base), so the first
+    one serves them all.
+    """
+    horovod_class = type(optimizer)
+    if not hasattr(optimizer, "_requires_update") or len(horovod_class.__bases__) != 1:
+        return  # not a DistributedOptimizer
+    flavour = horovod_class.__dict__.get("synchronize")  # the same function in every class of one flavour
+    optimizer.__class__ = _SHARED_CLASSES.setdefault((horovod_class.__bases__[0], flavour), horovod_class)
+
+
 def make_zero_grad_wrapper_safe(optimizer: Optimizer) -> None:
     """Give a DistributedOptimizer's class a ``zero_grad`` that also works through a subclassing wrapper.
 

@@ -27,6 +27,7 @@ from hvd_plugins.core.backend.optimizer import (
     drop_gradient_hooks,
     follow_trainable_parameters,
     set_backward_passes,
+    share_class,
 )
 from hvd_plugins.core.backend.waits import wait_for_pending_allreduces
 from hvd_plugins.core.comm.compression import Compressor, CountingCompressor
@@ -129,6 +130,7 @@ class HorovodOptimizerSync(GradientSync):
             op=horovod_op(self.op),
             gradient_predivide_factor=self.gradient_predivide_factor,
         )
+        share_class(wrapped)
         self._late_names[id(wrapped)] = f"late{len(self._late_names)}"  # wrap order: equal on every rank
         return wrapped
 

@@ -14,7 +14,7 @@ DASO is a Trainer feature (its schedule follows epochs and the loss the Trainer 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Generator
+from collections.abc import Generator, Sequence
 from functools import partial
 from typing import Any
 
@@ -51,7 +51,7 @@ from hvd_plugins.core.config import (
     SyncMode,
 )
 from hvd_plugins.core.sync_modes import make_gradient_sync
-from hvd_plugins.core.training_state import broadcast_optimizer_state_, wrap_optimizers
+from hvd_plugins.core.training_state import broadcast_optimizer_state_, param_groups_kept, wrap_optimizers
 from hvd_plugins.fabric.plugins.environments.horovod import HorovodEnvironment
 from hvd_plugins.fabric.strategies.cluster_choice import choose_horovod_environment_for
 from hvd_plugins.fabric.strategies.launchers.horovod import HorovodFabricLauncher
@@ -187,20 +187,22 @@ class HorovodStrategy(HorovodStrategyShared, ParallelStrategy):
     def setup_module_and_optimizers(  # type: ignore[override]
         self, module: Module, optimizers: list[Optimizer], *scheduler: Any
     ) -> tuple[Any, ...]:
-        """Rank 0's module everywhere, each optimizer wrapped; ``scheduler`` passes through (Fabric 2.4 added it)."""
+        """Rank 0's module everywhere, each optimizer wrapped; ``scheduler`` (Fabric 2.4 added it) now drives the
+        wrapped optimizer it was built on."""
         module = self.setup_module(module)
-        return (module, self._wrap(optimizers, module), *scheduler)
+        schedulers = [given for given in scheduler if given is not None]
+        return (module, self._wrap(optimizers, module, schedulers), *scheduler)
 
     @override
     def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
         """An optimizer set up without its module (``fabric.setup_optimizers``): positional allreduce names."""
         return self._wrap([optimizer], Module())[0]
 
-    def _wrap(self, optimizers: list[Optimizer], module: Module) -> list[Optimizer]:
+    def _wrap(self, optimizers: list[Optimizer], module: Module, schedulers: Sequence[Any] = ()) -> list[Optimizer]:
         if self.gradient_sync is None:
             self.gradient_sync = make_gradient_sync(self.config, self.comm_counters)
         first = len(self._wrapped)
-        wrapped = wrap_optimizers(self.gradient_sync, optimizers, module, first_index=first)
+        wrapped = wrap_optimizers(self.gradient_sync, optimizers, module, schedulers, first_index=first)
         for index, optimizer in enumerate(wrapped, start=first):
             broadcast_optimizer_state_(optimizer, root_rank=0, name=f"opt{index}")
             horovod_optimizer.make_zero_grad_wrapper_safe(optimizer)
@@ -265,7 +267,8 @@ class HorovodStrategy(HorovodStrategyShared, ParallelStrategy):
         **kwargs: Any,
     ) -> dict[str, Any]:
         """Load on every worker, then take rank 0's modules and optimizer states, so all continue alike."""
-        remainder = super().load_checkpoint(path, state, strict, **kwargs)  # weights_only since Fabric 2.4
+        with param_groups_kept(self._wrapped):
+            remainder = super().load_checkpoint(path, state, strict, **kwargs)  # weights_only since Fabric 2.4
         objects = state.values() if isinstance(state, dict) else [state] if state is not None else []
         hvd = horovod_torch()
         for obj in objects:
