@@ -64,6 +64,15 @@ def test_no_backward_sync_accumulates_with_one_allreduce_per_step_and_equals_the
         assert value(checks, "hierarchical_accumulation_equals_the_large_batch", rank)["max_diff"] < EXACT
 
 
+def test_accumulating_without_no_backward_sync_allreduces_every_backward_and_equals_the_large_batch(
+    checks: dict[int, dict],
+) -> None:
+    for rank in (0, 1):
+        for op, result in value(checks, "accumulating_without_no_backward_sync_equals_the_large_batch", rank).items():
+            assert result["max_diff"] < EXACT and result["same"], (op, result)
+            assert result["allreduces_per_step"] == 12, (op, result)  # 4 parameter tensors, every micro-batch
+
+
 def test_clip_gradients_sees_the_averaged_gradients(checks: dict[int, dict]) -> None:
     for rank in (0, 1):
         result = value(checks, "clipping_sees_averaged_gradients", rank)

@@ -205,6 +205,15 @@ def test_layers_unfrozen_between_epochs_are_averaged_like_the_rest(features: dic
             assert case["calls_per_epoch"] == [2 * steps, 4 * steps, 4 * steps], (name, case)
 
 
+def test_manual_optimization_accumulates_without_no_backward_sync(features: dict[int, dict]) -> None:
+    """Lightning's manual accumulation (manual_backward each micro-batch, a step every k-th) equals the large batch."""
+    for result in both(features, "manual_accumulation"):
+        for op, case in result.items():
+            assert case["steps"] == 8, (op, case)  # 64 samples / 2 ranks / 4 a micro-batch / k=2, 2 epochs
+            assert case["max_diff_vs_large_batch"] < 1e-10, (op, case)
+            assert case["ranks_identical"], (op, case)
+
+
 def test_learning_rate_monitor_tells_two_optimizers_of_one_class_apart(features: dict[int, dict]) -> None:
     """Horovod builds a class per wrapped optimizer; LearningRateMonitor numbers optimizers by class."""
     for result in both(features, "learning_rate_schedules"):

@@ -15,7 +15,7 @@ import horovod.torch as hvd
 import lightning.pytorch as pl
 import torch
 from _common import parse_out, run_checks, write_result
-from lightning.pytorch.callbacks import BaseFinetuning
+from finetuning import UnfreezeExtra
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -117,23 +117,6 @@ class TwoLayers(pl.LightningModule):
     def configure_optimizers(self) -> torch.optim.Optimizer:
         parameters = self.parameters() if self.extra_in_optimizer else self.layer.parameters()
         return torch.optim.SGD(parameters, lr=0.02)
-
-
-class UnfreezeExtra(BaseFinetuning):
-    """Lightning's fine-tuning callback: ``extra`` unfrozen at epoch 1, in place or as a new param group."""
-
-    def __init__(self, new_group: bool) -> None:
-        super().__init__()
-        self.new_group = new_group
-
-    def freeze_before_training(self, pl_module: pl.LightningModule) -> None:
-        self.freeze(pl_module.extra)
-
-    def finetune_function(self, pl_module: pl.LightningModule, epoch: int, optimizer: torch.optim.Optimizer) -> None:
-        if epoch == 1 and self.new_group:
-            self.unfreeze_and_add_param_group(pl_module.extra, optimizer)
-        elif epoch == 1:
-            self.make_trainable(pl_module.extra)
 
 
 def check_unfrozen_layer() -> dict[str, Any]:

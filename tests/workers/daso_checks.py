@@ -19,12 +19,12 @@ from daso_resume import resume_matches_uninterrupted
 from daso_training import (
     Classifier,
     TwoOptimizers,
-    UnfreezeExtra,
     check_closing_average,
     check_merge_weight,
     fit,
     refuses_iterable_without_length,
 )
+from finetuning import UnfreezeExtra
 
 CYCLING = {"warmup_epochs": 1, "cooldown_epochs": 1, "stable_epochs": 2}
 SGD_BYTES = {"optimizer": "sgd", "batchnorm": False, "epochs": 2}
@@ -64,7 +64,7 @@ def two_by_one_checks(out: Any) -> dict[str, Callable[[], Any]]:
             epochs=4,
             daso={"warmup_epochs": 1, "cooldown_epochs": 1},
             model=Classifier("adam", True, frozen_extra=True),
-            callbacks=[UnfreezeExtra(epoch=2)],
+            callbacks=[UnfreezeExtra(new_group=True, epoch=2)],
         ),
         "iterable_without_length": refuses_iterable_without_length,  # last: the fit stops with an error
     }

@@ -11,7 +11,6 @@ from typing import Any
 import horovod.torch as hvd
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer, seed_everything
-from lightning.pytorch.callbacks import BaseFinetuning
 from sklearn.datasets import make_classification
 from torch import nn
 from torch.utils.data import DataLoader, IterableDataset, TensorDataset
@@ -89,21 +88,6 @@ class TwoOptimizers(Classifier):
 
     def configure_optimizers(self) -> list[torch.optim.Optimizer]:
         return [torch.optim.Adam(self.net[0].parameters(), lr=1e-2), torch.optim.SGD(self.net[-1].parameters(), lr=0.1)]
-
-
-class UnfreezeExtra(BaseFinetuning):
-    """Lightning's fine-tuning callback: ``extra`` frozen at the start, unfrozen at epoch ``epoch``."""
-
-    def __init__(self, epoch: int) -> None:
-        super().__init__()
-        self.epoch = epoch
-
-    def freeze_before_training(self, pl_module: LightningModule) -> None:
-        self.freeze(pl_module.extra)
-
-    def finetune_function(self, pl_module: LightningModule, epoch: int, optimizer: torch.optim.Optimizer) -> None:
-        if epoch == self.epoch:
-            self.unfreeze_and_add_param_group(pl_module.extra, optimizer)
 
 
 def model_state(model: LightningModule) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

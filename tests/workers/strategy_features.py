@@ -24,8 +24,8 @@ import torchmetrics
 from _common import parse_out, run_checks, write_result
 from adasum_checks import adasum_report
 from faults_checks import CHECKS as FAULT_CHECKS
+from finetuning import UnfreezeExtra
 from lightning.pytorch.callbacks import (
-    BaseFinetuning,
     Callback,
     GradientAccumulationScheduler,
     LearningRateMonitor,
@@ -191,6 +191,44 @@ def check_accumulation() -> dict[str, Any]:
         "max_diff_vs_large_batch": max_difference(model, reference),
         "ranks_identical": all_equal(digest(model)),
     }
+
+
+class ManualAccumulation(Regression):
+    """Manual optimization accumulating as Lightning's docs show it: ``manual_backward`` on every
+    micro-batch (no ``no_backward_sync``), a step on every k-th."""
+
+    def __init__(self, k: int) -> None:
+        super().__init__()
+        self.k = k
+        self.automatic_optimization = False
+
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        optimizer = self.optimizers()
+        self.manual_backward(nn.functional.mse_loss(self(x), y) / self.k)
+        if (batch_idx + 1) % self.k == 0:
+            optimizer.step()
+            optimizer.zero_grad()
+
+
+def check_manual_accumulation() -> dict[str, Any]:
+    """Several ``manual_backward`` calls before a step: the update of one process on the k*W batch, op average
+    and sum (Horovod's hooks refuse a second backward; the strategy settles the first one's allreduces)."""
+    world, micro, k, epochs = hvd.size(), 4, 2, 2
+    x, y = make_data(64)
+    cases = {}
+    for op, lr in (("average", 0.05), ("sum", 0.05 / world)):
+        model = ManualAccumulation(k)
+        model.lr = lr
+        t = trainer(max_epochs=epochs, strategy=HorovodStrategy(op=op), use_distributed_sampler=False)
+        t.fit(model, rank_loader(x, y, micro))
+        reference = reference_sgd(x, y, block=world * micro * k, epochs=epochs, lr=0.05, clip=None)
+        cases[op] = {
+            "steps": t.global_step,
+            "max_diff_vs_large_batch": max_difference(model, reference),
+            "ranks_identical": all_equal(digest(model)),
+        }
+    return cases
 
 
 def check_float16_sum() -> dict[str, Any]:
@@ -564,24 +602,6 @@ class TwoHeads(Regression):
         return self.layer(x) + self.extra(x)
 
 
-class UnfreezeExtra(BaseFinetuning):
-    """Lightning's fine-tuning callback: ``extra`` frozen before training, unfrozen at epoch 1,
-    either as a new param group (``unfreeze_and_add_param_group``) or in place (already in the optimizer)."""
-
-    def __init__(self, new_group: bool) -> None:
-        super().__init__()
-        self.new_group = new_group
-
-    def freeze_before_training(self, pl_module: pl.LightningModule) -> None:
-        self.freeze(pl_module.extra)
-
-    def finetune_function(self, pl_module: pl.LightningModule, epoch: int, optimizer: torch.optim.Optimizer) -> None:
-        if epoch == 1 and self.new_group:
-            self.unfreeze_and_add_param_group(pl_module.extra, optimizer)
-        elif epoch == 1:
-            self.make_trainable(pl_module.extra)
-
-
 class OwnOptimizerFor(TwoHeads):
     """Both heads in the optimizer from the start, ``extra`` frozen until the callback unfreezes it."""
 
@@ -807,6 +827,7 @@ if __name__ == "__main__":
     hvd.init()
     checks = {
         "accumulation": check_accumulation,
+        "manual_accumulation": check_manual_accumulation,
         "clipping": check_clipping,
         "scale_lr": check_scale_lr,
         "collectives": check_collectives,

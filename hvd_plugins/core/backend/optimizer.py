@@ -35,6 +35,11 @@ def delay_next_allreduce(optimizer: Optimizer) -> None:
         optimizer._allreduce_delay[parameter] += 1
 
 
+def started_allreduces(optimizer: Optimizer) -> bool:
+    """Whether a backward since the last ``synchronize`` had its hooks start allreduces (not held ones)."""
+    return any(handle is not None for handle, _ in getattr(optimizer, "_handles", {}).values())
+
+
 HELD_COUNTDOWN = 2**30
 """A countdown no run of backward passes reaches: the hooks only count, nothing starts."""
 

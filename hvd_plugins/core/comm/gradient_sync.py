@@ -28,6 +28,7 @@ from hvd_plugins.core.backend.optimizer import (
     follow_trainable_parameters,
     set_backward_passes,
     share_class,
+    started_allreduces,
 )
 from hvd_plugins.core.backend.waits import wait_for_pending_allreduces
 from hvd_plugins.core.comm.compression import Compressor, CountingCompressor
@@ -98,6 +99,9 @@ class GradientSync(TrainingLoopHooks, ABC):
     def hold_next_backward(self, optimizer: Optimizer) -> None:
         """The next backward only adds to the gradients (a loop's ``no_backward_sync``); explicit syncs wait anyway."""
 
+    def before_backward(self, optimizer: Optimizer) -> None:
+        """Before every backward: settle what an earlier backward of this step started, if anything."""
+
 
 class HorovodOptimizerSync(GradientSync):
     """Horovod's ``DistributedOptimizer``: one allreduce per gradient, started by backward hooks.
@@ -156,6 +160,25 @@ class HorovodOptimizerSync(GradientSync):
     def hold_next_backward(self, optimizer: Optimizer) -> None:
         delay_next_allreduce(optimizer)
 
+    def before_backward(self, optimizer: Optimizer) -> None:
+        """A second backward before the step (accumulating without ``no_backward_sync``, as DDP allows).
+
+        Horovod's hooks refuse to fire twice in one step, so the allreduces the earlier backward
+        started are completed here: the gradients become their average, the countdowns restart,
+        and this backward adds its own, which the step averages again. The average of what every
+        worker holds alike is itself, so the step sees the average over workers of the gradients
+        summed over the backward passes, as under DDP. With ``op="sum"`` the settled sum is divided
+        by the number of workers first, as the step sums it over every worker once more.
+        """
+        if not started_allreduces(optimizer):
+            return
+        self.synchronize(optimizer)
+        if self.op == "sum":
+            workers = horovod_torch().size()
+            for parameter in optimizer_parameters(optimizer, trainable_only=True):
+                if parameter.grad is not None:
+                    parameter.grad.div_(workers)
+
     def teardown(self, optimizers: Sequence[Optimizer]) -> None:
         for optimizer in optimizers:
             drop_gradient_hooks(optimizer)
@@ -188,6 +211,13 @@ class AdasumOptimizerSync(HorovodOptimizerSync):
             "op='adasum' cannot accumulate gradients (no_backward_sync): Horovod's Adasum optimizer steps inside "
             "the backward hooks. Step after every backward, or use op='average'."
         )
+
+    def before_backward(self, optimizer: Optimizer) -> None:
+        if started_allreduces(optimizer):
+            raise ValueError(
+                "op='adasum' cannot accumulate gradients (a second backward before the optimizer step): Horovod's "
+                "Adasum optimizer steps inside the backward hooks. Step after every backward, or use op='average'."
+            )
 
     def refuse_unsupported(self, accumulate_grad_batches: int, clips_gradients: bool) -> None:
         if accumulate_grad_batches > 1:

@@ -145,6 +145,10 @@ class HierarchicalGradientSync(GradientSync):
         if self._flat is not None and optimizer in self._hooked:
             self._flat.hold_next_backward(optimizer)
 
+    def before_backward(self, optimizer: Optimizer) -> None:
+        if self._flat is not None and optimizer in self._hooked:
+            self._flat.before_backward(optimizer)  # the flat route's hooks; held ones started nothing
+
     def on_train_epoch_start(self) -> None:
         self._last_sync_end = None  # the time since the last step holds an epoch end (validation)
 

@@ -250,6 +250,16 @@ class HorovodStrategy(HorovodStrategyShared, ParallelStrategy):
         self._averaging.check_gradients_of(self.optimizers, self.precision_plugin)
 
     @override
+    def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
+        """Before each backward, settle allreduces an earlier backward of the step started (manual
+        optimization calling ``manual_backward`` more than once before ``step``, as DDP allows)."""
+        if self.gradient_sync is not None:
+            for wrapped in self.optimizers:
+                with self._averaging.waiting("gradient allreduce"):
+                    self.gradient_sync.before_backward(wrapped)
+        return super().backward(closure_loss, optimizer, *args, **kwargs)
+
+    @override
     def optimizer_step(
         self,
         optimizer: Optimizer,
