@@ -91,7 +91,17 @@ def test_optimizers_set_up_in_separate_calls_get_distinct_allreduce_names(checks
 def test_collectives_and_dataloaders(checks: dict[int, dict]) -> None:
     for rank in (0, 1):
         result = value(checks, "collectives", rank)
-        assert result == {"mean": 1.5, "sum": 3.0, "max": 2.0, "gathered": [1.0, 2.0], "broadcast": {"from": 1}}
+        assert result == {
+            "mean": 1.5,
+            "sum": 3.0,
+            "max": 2.0,
+            "in_place": [[3.0], True],  # the input holds the sum, as torch.distributed.all_reduce leaves it
+            "integer_mean": ["torch.float64", [1.5], [rank + 1]],  # cannot go back into integers: left as it was
+            "gathered": [1.0, 2.0],
+            # d/dx of every rank's sum of squares of the gathered tensors: 2 * x * 2 ranks, as DDP's gather
+            "gathered_gradients": [[4.0 * (rank + 1), 4.0], [2.0, 2.0]],
+            "broadcast": {"from": 1},
+        }
         assert value(checks, "setup_dataloaders_split_the_data", rank) == {"counts": [20, 20], "union": True}
 
 

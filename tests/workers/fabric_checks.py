@@ -204,14 +204,29 @@ def check_two_optimizers_set_up_apart_keep_distinct_names() -> dict[str, Any]:
 
 
 def check_collectives() -> dict[str, Any]:
+    """Fabric's collectives as DDP answers them: all_reduce in place, all_gather's gradients summed over ranks."""
     fabric = make_fabric()
-    value = torch.tensor([float(hvd.rank() + 1)])
+
+    def own() -> torch.Tensor:
+        return torch.tensor([float(hvd.rank() + 1)])
+
     fabric.barrier()
+    summed = own()
+    returned = fabric.all_reduce(summed, reduce_op="sum")
+    integers = torch.tensor([hvd.rank() + 1])
+    integer_mean = fabric.all_reduce(integers, reduce_op="mean")
+    squared = torch.tensor([float(hvd.rank() + 1), 1.0], requires_grad=True)
+    (fabric.all_gather(squared, sync_grads=True) ** 2).sum().backward()
+    plain = torch.tensor([1.0, 2.0], requires_grad=True)
+    fabric.all_gather(plain, sync_grads=True).sum().backward()  # a non-contiguous gradient comes back
     return {
-        "mean": float(fabric.all_reduce(value, reduce_op="mean")),
-        "sum": float(fabric.all_reduce(value, reduce_op="sum")),
-        "max": float(fabric.all_reduce(value, reduce_op="max")),
-        "gathered": fabric.all_gather(value).reshape(-1).tolist(),
+        "mean": float(fabric.all_reduce(own(), reduce_op="mean")),
+        "sum": float(fabric.all_reduce(own(), reduce_op="sum")),
+        "max": float(fabric.all_reduce(own(), reduce_op="max")),
+        "in_place": [summed.tolist(), returned is summed],
+        "integer_mean": [str(integer_mean.dtype), integer_mean.tolist(), integers.tolist()],
+        "gathered": fabric.all_gather(own()).reshape(-1).tolist(),
+        "gathered_gradients": [squared.grad.tolist(), plain.grad.tolist()],
         "broadcast": fabric.broadcast({"from": hvd.rank()}, src=1),
     }
 

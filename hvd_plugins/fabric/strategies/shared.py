@@ -81,7 +81,7 @@ class HorovodStrategyShared:
         if not isinstance(tensor, Tensor) or self.world_size == 1:
             return tensor
         collectives.require_whole_world(method, group)
-        return collectives.reduce_tensor(tensor, reduce_op)
+        return collectives.reduce_in_place(tensor, reduce_op)
 
     def all_gather(self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor:
         """Stack ``tensor`` from every worker along a new first dimension."""
