@@ -69,6 +69,12 @@ def test_what_a_plain_process_launches() -> None:
     assert local_launch_size([cpu] * 4, num_nodes=1) == 4
     with pytest.raises(ValueError, match="CUDA_VISIBLE_DEVICES"):
         local_launch_size([torch.device("cuda", 1), torch.device("cuda", 3)], num_nodes=1)
+    with pytest.raises(ValueError, match=r"^Fabric\(num_nodes=2\) needs horovodrun"):  # errors name what was set
+        local_launch_size([cpu] * 2, num_nodes=2, front="Fabric")
+    environment = HorovodEnvironment(front="Fabric")
+    environment.launch_size = 2  # two workers of its own launch, not started yet
+    with pytest.raises(ValueError, match=r"^Fabric\(devices=3\) disagrees with the Horovod job, which runs 2 "):
+        environment.validate_settings(num_devices=3, num_nodes=1)
 
 
 # ---------------------------------------------------------------------- real jobs

@@ -65,22 +65,22 @@ def script_command() -> list[str]:
     return [sys.executable, os.path.abspath(script), *sys.argv[1:]]
 
 
-def local_launch_size(devices: Sequence[torch.device], num_nodes: int) -> int:
+def local_launch_size(devices: Sequence[torch.device], num_nodes: int, front: str = "Trainer") -> int:
     """How many workers this process must start itself: 0 when a launcher did, Horovod runs, or one device.
 
-    Checked when the Trainer is built, so what a plain process cannot launch fails before any work.
+    Checked when the Trainer (or Fabric, ``front``) is built, so what a plain process cannot launch fails first.
     """
     if len(devices) < 2 or launched_by_launcher() or horovod_torch().is_initialized():
         return 0
     if num_nodes > 1:
         raise ValueError(
-            f"Trainer(num_nodes={num_nodes}) needs horovodrun, which starts the workers on every host: "
+            f"{front}(num_nodes={num_nodes}) needs horovodrun, which starts the workers on every host: "
             "`horovodrun -np 8 -H node1:4,node2:4 python train.py` (or `-hostfile hosts`). A plain "
             "`python train.py` starts its workers on this machine only."
         )
     if devices[0].type == "cuda" and [device.index for device in devices] != list(range(len(devices))):
         raise ValueError(
-            f"A plain python launch puts worker i on cuda:i, but the Trainer asked for {list(map(str, devices))}. "
+            f"A plain python launch puts worker i on cuda:i, but the {front} asked for {list(map(str, devices))}. "
             "Choose the GPUs with CUDA_VISIBLE_DEVICES and pass devices=<count>."
         )
     script_command()

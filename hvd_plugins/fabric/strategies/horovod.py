@@ -122,7 +122,9 @@ class HorovodStrategy(HorovodStrategyShared, ParallelStrategy):
                 "epoch loss, which only the Trainer knows. Use sync='hierarchical' or 'allreduce' here, or "
                 "the Trainer's HorovodStrategy(sync='daso')."
             )
-        self._environment = HorovodEnvironment()
+        if sync not in FABRIC_SYNC_MODES:
+            raise ValueError(f"sync={sync!r} is not supported with Fabric; choose one of {list(FABRIC_SYNC_MODES)}")
+        self._environment = HorovodEnvironment(front="Fabric")
         super().__init__(accelerator, parallel_devices, self._environment, checkpoint_io, precision)
         self.config = HorovodConfig.build(
             compression=compression,
@@ -297,6 +299,9 @@ class HorovodStrategy(HorovodStrategyShared, ParallelStrategy):
             self.gradient_sync.teardown(self._wrapped)
         super().teardown()
 
+
+FABRIC_SYNC_MODES = ("allreduce", "hierarchical")
+"""The sync modes Fabric takes (DASO needs the Trainer's epochs)."""
 
 FABRIC_PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
     "horovod": ("Horovod: flat allreduce, no compression", {}),

@@ -43,7 +43,8 @@ class HorovodStrategyShared:
     def _plan_launch(self) -> None:
         """When the Trainer or Fabric is built: start Horovod now (for rank-zero output), unless this process
         starts the workers itself (``python train.py`` with ``devices=N``), which its launcher does later."""
-        self._environment.launch_size = local_launch_size(self.parallel_devices or [], self.num_nodes)
+        devices, nodes, front = self.parallel_devices or [], self.num_nodes, self._environment.front
+        self._environment.launch_size = local_launch_size(devices, nodes, front)
         if not self._environment.launch_size:
             init_horovod(self.config)
 

@@ -19,10 +19,12 @@ from hvd_plugins.core.backend.module import horovod_torch
 class HorovodEnvironment(ClusterEnvironment):
     """Rank and size queries answered by an initialised Horovod."""
 
-    def __init__(self) -> None:
+    def __init__(self, front: str = "Trainer") -> None:
         super().__init__()
         self.launch_size = 0
         """Workers this process starts itself (``python train.py`` with ``devices=N``); 0 under a launcher."""
+        self.front = front
+        """What the user configured ``devices`` and ``num_nodes`` on (``Trainer`` or ``Fabric``), for errors."""
 
     @property
     @override
@@ -88,16 +90,16 @@ class HorovodEnvironment(ClusterEnvironment):
 
     @override
     def validate_settings(self, num_devices: int, num_nodes: int) -> None:
-        """Check the Trainer's ``devices``/``num_nodes`` against what horovodrun started."""
+        """Check the Trainer's (or Fabric's) ``devices``/``num_nodes`` against what horovodrun started."""
         local_size, cross_size = self.local_size(), self.num_nodes()
         if num_nodes not in (1, cross_size):
             raise ValueError(
-                f"Trainer(num_nodes={num_nodes}) disagrees with the Horovod job, which runs on "
+                f"{self.front}(num_nodes={num_nodes}) disagrees with the Horovod job, which runs on "
                 f"{cross_size} node(s). Drop num_nodes (the launcher decides) or set it to {cross_size}."
             )
         if num_devices not in (1, local_size):
             raise ValueError(
-                f"Trainer(devices={num_devices}) disagrees with the Horovod job, which runs {local_size} "
+                f"{self.front}(devices={num_devices}) disagrees with the Horovod job, which runs {local_size} "
                 f"worker(s) on this node, one device each. Use devices=1 or devices={local_size}, and "
                 "choose the number of workers with `horovodrun -np`."
             )
