@@ -71,6 +71,21 @@ def test_line_progress_bar_prints_one_line_per_epoch_and_no_carriage_return() ->
     assert len(lines) == 3
 
 
+def test_line_progress_bar_shows_the_step_loss_not_the_one_divided_for_accumulation() -> None:
+    """Lightning hands callbacks the loss divided by accumulate_grad_batches; the line shows the steps' own mean."""
+    stream = io.StringIO()
+    model = _Tiny()
+    torch.manual_seed(3)
+    loader = _loader()
+    frozen = torch.optim.SGD(model.parameters(), lr=0.0)  # the model does not move: the losses can be recomputed
+    model.configure_optimizers = lambda: frozen  # type: ignore[method-assign]
+    _trainer(callbacks=[LineProgressBar(stream=stream)], max_epochs=1, accumulate_grad_batches=4).fit(model, loader)
+    printed = float(re.search(r"\| loss ([\d.e+-]+)", stream.getvalue().splitlines()[-1]).group(1))
+    with torch.no_grad():
+        expected = sum(float(model.training_step(batch, 0)) for batch in loader) / len(loader)
+    assert printed == pytest.approx(expected, rel=1e-3)
+
+
 def test_line_progress_bar_refreshes_inside_epochs_and_validations() -> None:
     stream = io.StringIO()
     bar = LineProgressBar(refresh_seconds=1e-9, stream=stream)

@@ -27,14 +27,20 @@ from hvd_plugins.core.comm.gradient_sync import GradientSync
 from hvd_plugins.core.epoch_end import EpochEndPolicy
 
 
-def batch_loss(outputs: Any) -> float | None:
-    """The loss a training step returned (a tensor, or a dict with ``"loss"``), if any."""
+def batch_loss(outputs: Any, trainer: Trainer, pl_module: LightningModule) -> float | None:
+    """The loss a training step returned (a tensor, or a dict with ``"loss"``), if any.
+
+    Under automatic optimization Lightning hands callbacks that loss divided by
+    ``accumulate_grad_batches`` (what backward sees); this gives back the step's own.
+    """
     loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
     if isinstance(loss, torch.Tensor) and loss.numel() == 1:
-        return float(loss.detach())
-    if isinstance(loss, (int, float)):
-        return float(loss)
-    return None
+        value = float(loss.detach())
+    elif isinstance(loss, (int, float)):
+        value = float(loss)
+    else:
+        return None
+    return value * trainer.accumulate_grad_batches if pl_module.automatic_optimization else value
 
 
 def is_last_batch(trainer: Trainer, batch_idx: int) -> bool:
@@ -118,7 +124,7 @@ class TrainingLoopEvents(Callback):
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        loss = batch_loss(outputs)
+        loss = batch_loss(outputs, trainer, pl_module)
         if loss is not None and math.isfinite(loss):
             self._loss_sum += loss
             self._loss_count += 1

@@ -117,9 +117,9 @@ class LineProgressBar(ProgressBar):
     def print(self, *args: Any, **kwargs: Any) -> None:
         """What ``LightningModule.print`` shows, written like the progress lines."""
         if self._enabled:
-            kwargs.setdefault("file", self._stream())
-            kwargs.setdefault("flush", True)
-            print(*args, **kwargs)
+            sep, end = kwargs.get("sep", " "), kwargs.get("end", "\n")
+            text = (" " if sep is None else sep).join(map(str, args)) + ("\n" if end is None else end)
+            _write_whole(kwargs.get("file") or self._stream(), text)
 
     # ------------------------------------------------------------------ lines
     def _stream(self) -> TextIO:
@@ -127,7 +127,7 @@ class LineProgressBar(ProgressBar):
 
     def _write(self, line: str) -> None:
         if self._enabled:
-            print(line, file=self._stream(), flush=True)
+            _write_whole(self._stream(), line + "\n")
             self._last_line = time.monotonic()
 
     def _due(self) -> bool:
@@ -168,7 +168,7 @@ class LineProgressBar(ProgressBar):
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        loss = batch_loss(outputs)
+        loss = batch_loss(outputs, trainer, pl_module)
         self._epoch.add(loss)
         self._since_line.add(loss)
         if self._due() and self._epoch.batches < self.total_train_batches:  # the epoch's end prints its own
@@ -325,3 +325,10 @@ def use_line_progress_bar(trainer: Trainer, bar_given: bool | None, world_size: 
         return False
     trainer.callbacks[trainer.callbacks.index(bar)] = LineProgressBar()
     return True
+
+
+def _write_whole(stream: TextIO, text: str) -> None:
+    """``text`` in one write, then flushed: ``print`` writes the line and its newline apart, and on an
+    unbuffered stream OpenMPI's per-rank output tagging (``horovodrun --mpi``) cut the line in two."""
+    stream.write(text)
+    stream.flush()
