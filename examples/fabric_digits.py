@@ -22,10 +22,14 @@ from hvd_plugins.fabric import HorovodStrategy
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("--devices", type=int, default=1, help="workers to start from plain python (default 1)")
-parser.add_argument("--epochs", type=int, default=10)
+parser.add_argument("--epochs", type=int, default=10, help="passes over the data (default 10)")
 parser.add_argument("--accumulate", type=int, default=2, help="micro-batches per optimizer step (default 2)")
-parser.add_argument("--compression", choices=["none", "fp16"], default="none", help="gradients on the wire")
-parser.add_argument("--precision", default="32-true", help='e.g. "bf16-mixed", or "16-mixed" on a GPU')
+parser.add_argument(
+    "--compression", choices=["none", "fp16"], default="none", help="gradients on the wire (default none)"
+)
+parser.add_argument(
+    "--precision", default="32-true", help='e.g. "bf16-mixed", or "16-mixed" on a GPU (default 32-true)'
+)
 args = parser.parse_args()
 
 # 1. Fabric on Horovod: under horovodrun/mpirun/srun each process is one worker; from plain python

@@ -110,7 +110,8 @@ class HorovodTimeline(Callback):
     def _stop(self, trainer: Trainer) -> None:
         horovod_torch().stop_timeline()
         self.recording = False
+        last = min(trainer.global_step, self.stop_step) - 1  # stop_step itself is not recorded
         rank_zero_info(
-            f"Horovod timeline of steps {self.start_step}..{min(trainer.global_step, self.stop_step)} -> {self.path} "
+            f"Horovod timeline of steps {self.start_step} to {last} -> {self.path} "
             "(open in chrome://tracing or https://ui.perfetto.dev)"
         )
