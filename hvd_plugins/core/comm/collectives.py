@@ -38,7 +38,7 @@ def reduce_in_place(tensor: Tensor, reduce_op: Any) -> Tensor:
     is float64, or ``tensor``'s memory takes no write, as an expanded tensor's) ``tensor`` is left as it was
     and the result is returned on its own."""
     result = reduce_tensor(tensor, reduce_op)
-    if result.dtype != tensor.dtype or result.shape != tensor.shape:
+    if result.dtype != tensor.dtype:
         return result
     try:
         with torch.inference_mode() if tensor.is_inference() else torch.no_grad():
@@ -63,7 +63,7 @@ def gather_stacked(tensor: Tensor, sync_grads: bool = False) -> Tensor:
 
 def _allgather_stacked(wire: Tensor, name: str) -> Tensor:
     with torch.inference_mode(False):  # Horovod resizes the output on its own thread
-        return horovod_torch().allgather(wire.detach().clone().unsqueeze(0), name=name)
+        return horovod_torch().allgather(wire.clone().unsqueeze(0), name=name)
 
 
 class _GatherSummingGradients(torch.autograd.Function):

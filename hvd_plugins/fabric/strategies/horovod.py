@@ -216,12 +216,10 @@ class HorovodStrategy(HorovodStrategyShared, ParallelStrategy):
     @override
     def backward(self, tensor: Tensor, module: Module | None, *args: Any, **kwargs: Any) -> None:
         """New gradients: each optimizer averages again at its next clip or step; none inside no_backward_sync."""
-        if self.gradient_sync is not None:
+        self._settle_earlier_backward(self._wrapped)
+        if self.holding and self.gradient_sync is not None:
             for optimizer in self._wrapped:
-                with self._averaging.waiting("gradient allreduce"):
-                    self.gradient_sync.before_backward(optimizer)  # a second backward without no_backward_sync
-                if self.holding:
-                    self.gradient_sync.hold_next_backward(optimizer)  # this backward only accumulates
+                self.gradient_sync.hold_next_backward(optimizer)  # this backward only accumulates
         self._averaged.clear()
         super().backward(tensor, module, *args, **kwargs)
 

@@ -8,18 +8,21 @@ and on the strategy's ``config``, ``_environment`` and ``_averaging`` (the watch
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from types import ModuleType
 from typing import Any, TypeVar
 
 import torch
 from lightning.fabric.plugins import CheckpointIO
 from torch import Tensor
+from torch.optim import Optimizer
 
 from hvd_plugins.core.averaging import GradientAveraging
 from hvd_plugins.core.backend.module import horovod_torch
 from hvd_plugins.core.backend.runner import local_launch_size
 from hvd_plugins.core.backend.startup import init_horovod
 from hvd_plugins.core.comm import collectives
+from hvd_plugins.core.comm.gradient_sync import GradientSync
 from hvd_plugins.core.config import HorovodConfig
 from hvd_plugins.core.worker import prepare_worker
 from hvd_plugins.fabric.plugins.environments.horovod import HorovodEnvironment
@@ -32,6 +35,7 @@ class HorovodStrategyShared:
     """Starting Horovod, device, checkpoint IO and Horovod collectives, the same for the Trainer and for Fabric."""
 
     config: HorovodConfig
+    gradient_sync: GradientSync | None
     _environment: HorovodEnvironment
     _averaging: GradientAveraging
     _checkpoint_io: CheckpointIO | None
@@ -60,6 +64,15 @@ class HorovodStrategyShared:
         )
         prepare_worker(self.config, hvd, self.root_device)
         return hvd
+
+    def _settle_earlier_backward(self, optimizers: Sequence[Optimizer]) -> None:
+        """Before a backward: complete what an earlier backward of this step started (accumulating without
+        ``no_backward_sync``, or several ``manual_backward`` calls before a step), bounded like every wait."""
+        if self.gradient_sync is None:
+            return
+        for optimizer in optimizers:
+            with self._averaging.waiting("gradient allreduce"):
+                self.gradient_sync.before_backward(optimizer)
 
     @property
     def checkpoint_io(self) -> CheckpointIO:

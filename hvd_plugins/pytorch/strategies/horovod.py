@@ -253,10 +253,7 @@ class HorovodStrategy(HorovodStrategyShared, ParallelStrategy):
     def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
         """Before each backward, settle allreduces an earlier backward of the step started (manual
         optimization calling ``manual_backward`` more than once before ``step``, as DDP allows)."""
-        if self.gradient_sync is not None:
-            for wrapped in self.optimizers:
-                with self._averaging.waiting("gradient allreduce"):
-                    self.gradient_sync.before_backward(wrapped)
+        self._settle_earlier_backward(self.optimizers)
         return super().backward(closure_loss, optimizer, *args, **kwargs)
 
     @override
