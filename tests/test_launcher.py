@@ -90,6 +90,8 @@ def test_plain_python_with_two_devices_runs_two_workers_that_match_horovodrun(tm
         assert result["world_size"] == result["horovod_size"] == result["local_size"] == 2
         assert result["global_step"] == 12  # 64 samples / 2 ranks / batches of 8, 3 epochs
     assert rank1["parent_pid"] == rank0["pid"]  # rank 1 was started by the process we started
+    # the rendezvous server and Gloo listen while the job runs, on loopback only: nothing beyond this machine
+    assert rank0["listening"] and all(address.startswith("127.") for address in rank0["listening"]), rank0
     assert rank0["parameters"] == rank1["parameters"]
     assert rank0["parameters"] != rank0["initial"]  # it trained
 

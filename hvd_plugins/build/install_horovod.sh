@@ -29,7 +29,7 @@
 set -euo pipefail
 
 HOROVOD_VERSION="0.28.1"
-PATCH_LEVEL="p5"   # bump when the source patches below change
+PATCH_LEVEL="p6"   # bump when the source patches below change
 PYTHON="${PYTHON:-python}"
 CACHE_DIR="${HVD_WHEEL_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/hvd_plugins/wheels}"
 
@@ -269,6 +269,87 @@ for path, anchor, addition in edits:
     if text.count(anchor) != 1:
         sys.exit(f"{path.name} does not look as expected; cannot add the includes GCC 13 needs")
     path.write_text(text.replace(anchor, anchor + addition))
+PY
+
+    # Elastic jobs: a worker whose Horovod loop failed kept the sockets of its process-set Gloo
+    # contexts open (GlooContext::Finalize returned early for contexts never "enabled", which is
+    # every process set's, the global set's included), so its peers noticed nothing until Gloo's
+    # 30 s timeout. Finalize now drops every context, and the peers see the connection close.
+    "$PYTHON" - "$SRC/horovod/common/gloo/gloo_context.cc" <<'PY'
+import pathlib, sys
+path = pathlib.Path(sys.argv[1])
+text = path.read_text()
+old = """void GlooContext::Finalize() {
+  if (!enabled_) {
+    return;
+  }
+
+  global_ctx.reset();
+  ctx.reset();
+  cross_ctx.reset();
+  local_ctx.reset();
+  reset_ = true;
+}"""
+new = """void GlooContext::Finalize() {
+  global_ctx.reset();
+  ctx.reset();
+  cross_ctx.reset();
+  local_ctx.reset();
+  if (enabled_) {
+    reset_ = true;
+  }
+}"""
+if text.count(old) != 1:
+    sys.exit("gloo_context.cc does not look as expected; cannot make Finalize close process-set contexts")
+path.write_text(text.replace(old, new))
+PY
+
+    # horovodrun's rendezvous server and each elastic worker's notification service listened on
+    # every interface (unauthenticated HTTP for the rendezvous). They now listen on the address of
+    # the interface the job uses: the driver's address on the common interface for the rendezvous
+    # (the elastic launch finds that interface before it starts the server), the address of
+    # HOROVOD_GLOO_IFACE for a worker's service. Services given several interfaces, or none (the
+    # interface probes at start-up), still listen on all.
+    "$PYTHON" - "$SRC/horovod/runner" <<'PY'
+import pathlib, sys
+runner = pathlib.Path(sys.argv[1])
+edits = [
+    (runner / "util/network.py", "def find_port(server_factory):\n", "def find_port(server_factory, address=''):\n"),
+    (runner / "util/network.py", "            addr = ('', port)\n", "            addr = (address, port)\n"),
+    (runner / "http/http_server.py",
+     "    def start(self, handler_cls=RendezvousHandler):\n        self._httpd, port = find_port(\n"
+     "            lambda addr: RendezvousHTTPServer(\n                addr, handler_cls, self._verbose))\n",
+     "    def start(self, handler_cls=RendezvousHandler, address=''):\n        self._httpd, port = find_port(\n"
+     "            lambda addr: RendezvousHTTPServer(\n                addr, handler_cls, self._verbose), address)\n"),
+    (runner / "common/util/network.py", "class BasicService(object):\n",
+     "def _bind_address(nics):\n"
+     "    \"\"\"The IPv4 address of the one interface a service is given; '' (every interface) otherwise.\"\"\"\n"
+     "    names = [nics] if isinstance(nics, str) else list(nics or [])\n"
+     "    if len(names) != 1:\n"
+     "        return ''\n"
+     "    for addr in psutil.net_if_addrs().get(names[0], []):\n"
+     "        if addr.family == socket.AF_INET:\n"
+     "            return addr.address\n"
+     "    return ''\n\n\n"
+     "class BasicService(object):\n"),
+    (runner / "common/util/network.py",
+     "            lambda addr: socketserver.ThreadingTCPServer(\n                addr, self._make_handler()))\n",
+     "            lambda addr: socketserver.ThreadingTCPServer(\n                addr, self._make_handler()),\n"
+     "            _bind_address(nics))\n"),
+    (runner / "gloo_run.py", "    global_rendezv_port = rendezvous.start()\n",
+     "    global_rendezv_port = rendezvous.start(address=server_ip)\n"),
+    (runner / "gloo_run.py",
+     "    global_rendezv_port = rendezvous.start(handler)\n    driver.wait_for_available_slots(settings.num_proc)\n\n"
+     "    nics = get_common_interfaces(driver)\n    server_ip = network.get_driver_ip(nics)\n",
+     "    driver.wait_for_available_slots(settings.num_proc)\n\n"
+     "    nics = get_common_interfaces(driver)\n    server_ip = network.get_driver_ip(nics)\n"
+     "    global_rendezv_port = rendezvous.start(handler, address=server_ip)\n"),
+]
+for path, old, new in edits:
+    text = path.read_text()
+    if text.count(old) != 1:
+        sys.exit(f"{path.name} does not look as expected; cannot make the runner listen on the job's interface")
+    path.write_text(text.replace(old, new))
 PY
 
     # Process-set Gloo contexts must use the network interface of the global context.

@@ -32,6 +32,11 @@ class GradientAveraging:
         if self.config.stall_timeout_seconds is not None and self.watchdog is None:
             self.watchdog = CollectiveWatchdog(self.config.stall_timeout_seconds, rank, size)
 
+    def follow_world(self, rank: int, size: int) -> None:
+        """After an elastic reset: the watchdog names the new rank and size in its report."""
+        if self.watchdog is not None:
+            self.watchdog.follow_world(rank, size)
+
     def waiting(self, what: str) -> AbstractContextManager[None]:
         """Bound a wait with ``stall_timeout_seconds`` when it is set."""
         return self.watchdog.waiting(what) if self.watchdog is not None else nullcontext()

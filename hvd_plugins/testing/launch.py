@@ -187,6 +187,30 @@ def horovodrun(
     return run_bounded(command, timeout, env=full_env, cwd=cwd, out_dir=out_dir)
 
 
+def elastic_horovodrun(
+    worker: Sequence[str],
+    *,
+    np: int,
+    min_np: int,
+    max_np: int,
+    discovery_script: Path,
+    timeout: float = 300,
+    env: Mapping[str, str] | None = None,
+    cwd: Path | None = None,
+) -> JobResult:
+    """``horovodrun -np N --min-np A --max-np B --host-discovery-script S <worker>``: an elastic Gloo job.
+
+    Its hosts are what ``discovery_script`` prints, and may change while the job runs.
+    """
+    command = [
+        *horovodrun_command(),
+        "-np", str(np), "--min-np", str(min_np), "--max-np", str(max_np),
+        "--host-discovery-script", str(discovery_script), *worker,
+    ]  # fmt: skip
+    full_env = {"HOROVOD_GLOO_TIMEOUT_SECONDS": os.environ.get("HOROVOD_GLOO_TIMEOUT_SECONDS", GLOO_TIMEOUT_SECONDS)}
+    return run_bounded(command, timeout, env={**full_env, **(env or {})}, cwd=cwd)
+
+
 MPI_RANKS_SHARE_CORES = {"OMPI_MCA_mpi_yield_when_idle": "1"}
 """OpenMPI busy-polls while a rank waits in MPI; with more ranks than cores (every job these helpers
 start on a small host) the polling ranks take the CPU from those computing. Yielding took the suite's

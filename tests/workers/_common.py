@@ -27,6 +27,21 @@ def write_result(out: Path, rank: int, data: dict[str, Any]) -> None:
     (out / f"rank{rank}.json").write_text(json.dumps(data, default=float))
 
 
+def listening_addresses(root_pid: int) -> list[str]:
+    """``address:port`` of every TCP socket listening in the process tree of ``root_pid`` (the job's sockets)."""
+    import psutil
+
+    root = psutil.Process(root_pid)
+    found: set[str] = set()
+    for process in [root, *root.children(recursive=True)]:
+        try:
+            connections = process.net_connections(kind="inet")
+        except psutil.Error:
+            continue  # ended meanwhile
+        found.update(f"{c.laddr.ip}:{c.laddr.port}" for c in connections if c.status == psutil.CONN_LISTEN)
+    return sorted(found)
+
+
 def run_checks(
     checks: dict[str, Callable[[], Any]],
     time_limits: dict[str, float] | None = None,

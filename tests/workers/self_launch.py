@@ -20,7 +20,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from _common import parse_out, write_result
+from _common import listening_addresses, parse_out, write_result
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -40,6 +40,8 @@ class Net(pl.LightningModule):
 
     def on_train_start(self) -> None:
         (OUT / f"pid{self.global_rank}.txt").write_text(str(os.getpid()))
+        if self.global_rank == 0:  # started by plain python: rank 0 is the job's root, its workers are children
+            self.listening = listening_addresses(os.getpid())
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         if self.global_step == 2:
@@ -94,5 +96,6 @@ if __name__ == "__main__":
             "parameters": [p.detach().flatten().tolist() for p in model.parameters()],
             "pid": os.getpid(),
             "parent_pid": os.getppid(),
+            "listening": getattr(model, "listening", []),
         },
     )

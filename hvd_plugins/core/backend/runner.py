@@ -30,7 +30,7 @@ import torch
 
 from hvd_plugins.core.backend.launch_env import launched_by_launcher
 from hvd_plugins.core.backend.module import horovod_torch
-from hvd_plugins.core.backend.rendezvous import rendezvous_arrivals
+from hvd_plugins.core.backend.rendezvous import LOOPBACK, rendezvous_arrivals, start_loopback_rendezvous
 
 log = logging.getLogger(__name__)
 
@@ -93,8 +93,7 @@ class LocalJob:
     def __init__(self, size: int) -> None:
         from horovod.runner.common.util.hosts import get_host_assignments, parse_hosts
         from horovod.runner.gloo_run import create_run_env_vars, create_slot_env_vars
-        from horovod.runner.http.http_server import RendezvousServer
-        from horovod.runner.util.network import get_driver_ip, get_local_intfs
+        from horovod.runner.util.network import get_local_intfs
 
         command = script_command()
         nics = get_local_intfs()  # the interfaces holding 127.0.0.1, which horovodrun picks for local hosts
@@ -104,11 +103,10 @@ class LocalJob:
         self.workers: dict[int, subprocess.Popen[bytes]] = {}
         self._stopped: set[int] = set()  # ranks this process terminated: their status is no failure of theirs
         self._lock = threading.Lock()
-        self.server = RendezvousServer()
-        port = self.server.start()
+        self.server, port = start_loopback_rendezvous()  # the workers are on this machine: nothing else may reach it
         plan = get_host_assignments(parse_hosts(f"{HOSTNAME}:{size}"), size)
         self.server.init(plan)
-        job_env = {name: str(value) for name, value in create_run_env_vars(get_driver_ip(nics), nics, port).items()}
+        job_env = {name: str(value) for name, value in create_run_env_vars(LOOPBACK, nics, port).items()}
         guard = [sys.executable, "-I", "-S", str(_DIE_WITH_PARENT), str(os.getpid())]  # -I -S: stdlib only, fast
         try:
             for slot in plan[1:]:

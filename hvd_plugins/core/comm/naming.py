@@ -22,6 +22,12 @@ class CollectiveNames:
     def next(self, kind: str) -> str:
         return f"{self.prefix}.{kind}.{self.generation}.{next(self._sequence)}"
 
+    def restart(self) -> None:
+        """Start again from the first name, on every rank at the same program point: an elastic reset, where
+        workers that just joined meet workers that named many collectives before."""
+        self.generation = 0
+        self._sequence = itertools.count()
+
     def resync(self) -> None:
         """Call on every rank at the same program point (all ranks have joined)."""
         self.generation += 1

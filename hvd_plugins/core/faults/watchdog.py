@@ -35,6 +35,10 @@ class CollectiveWatchdog:
         self._thread = threading.Thread(target=self._watch, name="hvd_plugins-collective-watchdog", daemon=True)
         self._thread.start()
 
+    def follow_world(self, rank: int, size: int) -> None:
+        """After an elastic reset: report with this worker's new rank and the new size."""
+        self._rank, self._size = rank, size
+
     @contextmanager
     def waiting(self, what: str) -> Iterator[None]:
         """Mark the wait for one collective; nothing is held between collectives."""

@@ -38,8 +38,10 @@ from hvd_plugins.core.comm.counters import CommCounters
 from hvd_plugins.core.comm.gradient_sync import GradientSync
 from hvd_plugins.core.comm.topology import Topology
 from hvd_plugins.core.config import (
+    DEFAULT_COMMIT_EVERY_N_STEPS,
     CompressionName,
     CpuThreads,
+    Elastic,
     GradientOp,
     HierarchicalImpl,
     HorovodConfig,
@@ -48,6 +50,7 @@ from hvd_plugins.core.config import (
     SyncMode,
 )
 from hvd_plugins.core.daso.config import DasoConfig
+from hvd_plugins.core.elastic.launch import runs_elastic
 from hvd_plugins.core.epoch_end import EpochEndPolicy
 from hvd_plugins.core.faults.fingerprints import job_fingerprint, optimizer_fingerprint
 from hvd_plugins.core.faults.preemption import slurm_job_id
@@ -58,10 +61,12 @@ from hvd_plugins.core.training_state import broadcast_optimizer_states_, scale_l
 from hvd_plugins.fabric.plugins.environments.horovod import HorovodEnvironment
 from hvd_plugins.fabric.strategies.shared import HorovodStrategyShared
 from hvd_plugins.pytorch.callbacks.progress import progress_bar_given_to_trainer, use_line_progress_bar
+from hvd_plugins.pytorch.elastic import COMMIT_PATH, ElasticCommitCallback, ElasticFit
 from hvd_plugins.pytorch.loop_events import TrainingLoopEvents, training_position
 from hvd_plugins.pytorch.plugins.layer_sync import HorovodSyncBatchNorm
 from hvd_plugins.pytorch.preemption import RequeueOnPreemption
 from hvd_plugins.pytorch.resume_position import ResumePosition
+from hvd_plugins.pytorch.strategies.launchers.elastic import HorovodElasticLauncher
 from hvd_plugins.pytorch.strategies.launchers.horovod import HorovodScriptLauncher
 from hvd_plugins.pytorch.utilities.namespace import describe_strategy, require_own_namespace
 from hvd_plugins.pytorch.utilities.rank_zero import follow_rank
@@ -96,6 +101,9 @@ class HorovodStrategy(HorovodStrategyShared, ParallelStrategy):
         check_finite_gradients: stop every rank at the first NaN/Inf gradient (one small allreduce per step).
         auto_requeue: in a Slurm job, save, requeue and stop at SIGUSR1 or SIGTERM (``RequeueOnPreemption``).
         cpu_threads: torch's threads per worker; ``"auto"``: the host's cores shared among its workers.
+        elastic: go on in place when workers die or join (``horovodrun --host-discovery-script``); ``"auto"``:
+            whenever horovodrun started an elastic job. See docs/elastic.rst.
+        commit_every_n_steps: in an elastic job, commit the training state to host memory this often (steps).
         accelerator: Lightning's; the Trainer sets it from ``Trainer(accelerator=...)``.
         parallel_devices: Lightning's; the Trainer sets it from ``Trainer(devices=...)``.
         checkpoint_io: how checkpoints are written; ``None``: ``AtomicCheckpointIO`` (temporary file, fsync, rename).
@@ -125,6 +133,8 @@ class HorovodStrategy(HorovodStrategyShared, ParallelStrategy):
         check_finite_gradients: bool = False,
         auto_requeue: bool = True,
         cpu_threads: CpuThreads = "auto",
+        elastic: Elastic = "auto",
+        commit_every_n_steps: int = DEFAULT_COMMIT_EVERY_N_STEPS,
         accelerator: Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         checkpoint_io: CheckpointIO | None = None,
@@ -143,6 +153,8 @@ class HorovodStrategy(HorovodStrategyShared, ParallelStrategy):
         self._restored_sync_state: dict[str, Any] = {}  # from a checkpoint, until the sync exists
         self._progress_bar_given: bool | None = None
         self._resume_position = ResumePosition()  # a mid-epoch resume continues at the next batch
+        self.elastic = ElasticFit(self, self.config.commit_every_n_steps) if runs_elastic(self.config) else None
+        """With an elastic launch: the commits and resets of this strategy's fits (``elastic.resets`` counts)."""
 
     def __repr__(self) -> str:
         """Named with its Lightning package: Lightning prints it when a Trainer of the other package refuses it."""
@@ -171,8 +183,8 @@ class HorovodStrategy(HorovodStrategyShared, ParallelStrategy):
     # ------------------------------------------------------------------ ranks and devices
     @property
     def is_distributed(self) -> bool:
-        """Lightning asks this to add a DistributedSampler and to honour ``sync_dist``."""
-        return self.world_size > 1
+        """Lightning asks this to add a DistributedSampler and to honour ``sync_dist`` (elastic: at any size)."""
+        return self.world_size > 1 or self.elastic is not None
 
     @property
     @override
@@ -194,6 +206,8 @@ class HorovodStrategy(HorovodStrategyShared, ParallelStrategy):
     def _configure_launcher(self) -> None:
         size = self._environment.launch_size
         self._launcher = HorovodScriptLauncher(size, partial(init_horovod, self.config)) if size else None
+        if self.elastic is not None:
+            self._launcher = HorovodElasticLauncher(self.elastic)
 
     @override
     def setup_environment(self) -> None:
@@ -235,6 +249,8 @@ class HorovodStrategy(HorovodStrategyShared, ParallelStrategy):
                 trainer, EpochEndPolicy(self.config, self.all_gather), self.gradient_sync, self.reduce
             )
             RequeueOnPreemption.install(trainer, slurm_job_id() if self.config.auto_requeue else None)
+            if self.elastic is not None:
+                ElasticCommitCallback.install(trainer, self.elastic)  # after the loop events: commits see a step done
 
     @override
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
@@ -284,10 +300,28 @@ class HorovodStrategy(HorovodStrategyShared, ParallelStrategy):
         self._resume_position.record(self._trainer, checkpoint)
         super().save_checkpoint(checkpoint, filepath, storage_options)
 
+    def checkpoint_content(self, trainer: pl.Trainer) -> dict[str, Any]:
+        """What a checkpoint saved now would hold (Lightning's content and the gradient sync's state)."""
+        checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+        if self.gradient_sync is not None and (own := self.gradient_sync.state_dict()):
+            checkpoint[CHECKPOINT_KEY] = own
+        return checkpoint
+
+    def forget_world(self) -> None:
+        """After an elastic reset: what the old ranks and size shaped is built again at the next setup."""
+        self.gradient_sync = None
+        self.topology = None
+        self._averaging.follow_world(self.global_rank, self.world_size)
+
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, *args: Any, **kwargs: Any) -> dict[str, Any]:
-        """Hand the gradient sync its state; Lightning restores checkpoints before ``setup`` builds the sync."""
-        checkpoint = super().load_checkpoint(checkpoint_path, *args, **kwargs)
+        """Hand the gradient sync its state; Lightning restores checkpoints before ``setup`` builds the sync.
+
+        In an elastic fit ``COMMIT_PATH`` names the last commit, in host memory."""
+        if self.elastic is not None and checkpoint_path == COMMIT_PATH:
+            checkpoint = self.elastic.restore(self._trainer, scale_lr=self.config.scale_lr)
+        else:
+            checkpoint = super().load_checkpoint(checkpoint_path, *args, **kwargs)
         self._restored_sync_state = dict(checkpoint.get(CHECKPOINT_KEY, {}))
         self._resume_position.restore(self._trainer, checkpoint)
         if self.gradient_sync is not None:
@@ -301,6 +335,8 @@ class HorovodStrategy(HorovodStrategyShared, ParallelStrategy):
 
     @override
     def process_dataloader(self, dataloader: object) -> object:
+        if self.elastic is not None:
+            return self.elastic.prepare(self._trainer, dataloader, self.global_rank, self.world_size)
         return self._resume_position.prepare(self._trainer, dataloader)
 
     # ------------------------------------------------------------------ collectives for Lightning

@@ -1,0 +1,200 @@
+"""What elastic training costs and how fast it recovers, on the large benchmark MLP.
+
+An elastic ``horovodrun`` (``--host-discovery-script``) runs four workers on two hosts of this
+machine (``localhost:2`` and ``127.0.0.1:2``), one intra-op thread each, training the MLP
+256-1024-512-10 (793,098 parameters) with Adam on 32 samples per worker and step, through
+``Trainer(strategy=HorovodStrategy(...))``.
+
+- **Commit cost**: a run without failures. Each commit (Lightning's checkpoint content copied to
+  host memory, then Horovod's check for host changes) is timed in the workers, and so is every
+  step that did not commit. Cost = commit time / (interval x step time), at the default interval.
+- **Recovery**: a run in which the worker of rank 3 kills itself (SIGKILL) at step ``--kill-step``
+  and its host leaves the discovery output. Recovery is the time from its death to the survivors'
+  next completed step, split into noticing it (the reset), starting Horovod again and restoring
+  the commit, and that first step. Steps redone = the step it died at - the commit it resumed from.
+
+    python benchmarks/elastic.py            # writes docs/benchmarks/elastic.txt
+    python benchmarks/elastic.py --smoke    # a small model, one recovery; writes no report
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hvd_plugins.core.config import DEFAULT_COMMIT_EVERY_N_STEPS
+from hvd_plugins.core.tables import format_table
+from hvd_plugins.testing import benchmarking as bench
+from hvd_plugins.testing.launch import elastic_horovodrun
+from hvd_plugins.testing.reports import publish_report
+
+FULL_WIDTHS = (256, 1024, 512, 10)
+SMOKE_WIDTHS = (16, 32, 4)
+BATCH = 32
+HOSTS = "localhost:2,127.0.0.1:2"
+HOSTS_AFTER = "localhost:2"
+RECOVERY_AIM_SECONDS = 15.0
+COMMIT_AIM_PERCENT = 3.0
+
+
+# ------------------------------------------------------------------------------------------ worker
+class Events:
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def write(self, kind: str, **fields: Any) -> None:
+        with self.path.open("a") as file:
+            file.write(json.dumps({"kind": kind, "time": time.time(), "pid": os.getpid(), **fields}) + "\n")
+
+
+def worker(args: argparse.Namespace) -> None:
+    import horovod.torch as hvd
+    import lightning.pytorch as pl
+
+    from hvd_plugins.pytorch import HorovodStrategy
+
+    bench.one_thread_per_worker()
+    events = Events(args.out / "events.jsonl")
+    widths = SMOKE_WIDTHS if args.smoke else FULL_WIDTHS
+
+    class Clock(pl.Callback):
+        """Every step's time and whether it committed; the victim's death at ``--kill-step``."""
+
+        def on_train_start(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
+            events.write("train_start", rank=hvd.rank(), size=hvd.size(), step=trainer.global_step)
+
+        def on_train_batch_start(self, trainer: pl.Trainer, module: pl.LightningModule, *rest: Any) -> None:
+            step = trainer.global_step
+            marker = args.out / "killed"
+            if step == args.kill_step and hvd.rank() == args.kill_rank and not marker.exists():
+                marker.write_text(str(step))
+                args.hosts_file.write_text(HOSTS_AFTER + "\n")
+                events.write("killed", step=step)
+                os.kill(os.getpid(), signal.SIGKILL)
+            self.commits_before = len(strategy.elastic.commit_seconds) if strategy.elastic else 0
+            self.start = time.perf_counter()
+
+        def on_train_batch_end(self, trainer: pl.Trainer, module: pl.LightningModule, *rest: Any) -> None:
+            committed = strategy.elastic is not None and len(strategy.elastic.commit_seconds) > self.commits_before
+            seconds = time.perf_counter() - self.start
+            events.write("step", rank=hvd.rank(), step=trainer.global_step, seconds=seconds, committed=committed)
+
+    strategy = HorovodStrategy(commit_every_n_steps=args.commit_every)
+    module = bench.Classifier(widths[0], widths[1:-1], widths[-1], lr=1e-3)
+    module.configure_optimizers = lambda: torch.optim.Adam(module.parameters(), lr=1e-3)  # type: ignore[method-assign]
+    trainer = bench.cpu_trainer(strategy, [Clock()], max_epochs=-1)
+    trainer.fit_loop.epoch_loop.max_steps = args.steps
+    data = bench.random_classification(BATCH * 4 * 16, widths[0], widths[-1])
+    trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=BATCH, shuffle=True))
+    assert strategy.elastic is not None
+    events.write("end", rank=hvd.rank(), size=hvd.size(), commits=strategy.elastic.commit_seconds)
+
+
+# ------------------------------------------------------------------------------------------ driver
+def launch(folder: Path, args: argparse.Namespace, kill_step: int) -> list[dict[str, Any]]:
+    folder.mkdir(parents=True, exist_ok=True)
+    hosts_file = folder / "hosts"
+    hosts_file.write_text(HOSTS.replace(",", "\n") + "\n")
+    discovery = folder / "discover_hosts.sh"
+    discovery.write_text(f"#!/bin/sh\ncat {hosts_file}\n")
+    discovery.chmod(0o755)
+    command = [sys.executable, __file__, "--worker", "--out", str(folder), "--hosts-file", str(hosts_file)]
+    command += ["--steps", str(args.steps), "--commit-every", str(args.commit_every), "--kill-step", str(kill_step)]
+    command += ["--smoke"] if args.smoke else []
+    job = elastic_horovodrun(command, np=4, min_np=2, max_np=4, discovery_script=discovery, timeout=600)
+    if job.returncode != 0:
+        raise RuntimeError(f"the elastic job failed (exit {job.returncode}):\n{job.output[-4000:]}")
+    return [json.loads(line) for line in (folder / "events.jsonl").read_text().splitlines()]
+
+
+def commit_cost(events: list[dict[str, Any]], interval: int) -> dict[str, float]:
+    steps = [e for e in events if e["kind"] == "step" and e["step"] > 2]
+    plain = bench.median([e["seconds"] for e in steps if not e["committed"]])
+    commits = [seconds for e in events if e["kind"] == "end" for seconds in e["commits"]]
+    commit = bench.median(commits)
+    return {"step_ms": plain * 1e3, "commit_ms": commit * 1e3, "percent": 100 * commit / (interval * plain)}
+
+
+def recovery(events: list[dict[str, Any]]) -> dict[str, float]:
+    (death,) = [e for e in events if e["kind"] == "killed"]
+    resumed = [e for e in events if e["kind"] == "train_start" and e["time"] > death["time"]]
+    first = min(resumed, key=lambda e: e["time"])
+    after = min((e for e in events if e["kind"] == "step" and e["time"] > first["time"]), key=lambda e: e["time"])
+    return {
+        "restart_s": first["time"] - death["time"],
+        "first_step_s": after["time"] - first["time"],
+        "total_s": after["time"] - death["time"],
+        "redone": death["step"] - first["step"],
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--smoke", action="store_true", help="a small model and one recovery; no report")
+    parser.add_argument("--repeats", type=int, default=3, help="recoveries measured (default 3)")
+    parser.add_argument("--steps", type=int, default=0, help="steps per run (default 120, smoke 30)")
+    parser.add_argument("--commit-every", type=int, default=DEFAULT_COMMIT_EVERY_N_STEPS)
+    parser.add_argument("--kill-step", type=int, default=-1)
+    parser.add_argument("--report", type=Path, default=None, help="where to write the report")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--hosts-file", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--kill-rank", type=int, default=3, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    args.steps = args.steps or (30 if args.smoke else 120)
+    if args.worker:
+        worker(args)
+        return 0
+    repeats = 1 if args.smoke else args.repeats
+    kill_step = args.commit_every * 2 + args.commit_every // 2 + 1  # the middle of an interval, after two commits
+    with tempfile.TemporaryDirectory(prefix="hvd_elastic_bench_") as folder:
+        steady = commit_cost(launch(Path(folder) / "steady", args, kill_step=-1), args.commit_every)
+        recoveries = [recovery(launch(Path(folder) / f"kill{i}", args, kill_step)) for i in range(repeats)]
+    total = statistics.median(r["total_s"] for r in recoveries)
+    rows = [
+        ["step (no commit)", f"{steady['step_ms']:.1f} ms", ""],
+        ["commit", f"{steady['commit_ms']:.1f} ms", ""],
+        [
+            f"commit cost, every {args.commit_every} steps",
+            f"{steady['percent']:.2f} %",
+            f"aim < {COMMIT_AIM_PERCENT:g} %: {bench.target_verdict(steady['percent'], COMMIT_AIM_PERCENT, False)}",
+        ],
+        ["death to Horovod restarted, commit restored", fmt_spread([r["restart_s"] for r in recoveries]), ""],
+        ["first step after it", fmt_spread([r["first_step_s"] for r in recoveries]), ""],
+        [
+            "recovery: death to next completed step",
+            fmt_spread([r["total_s"] for r in recoveries]),
+            f"aim < {RECOVERY_AIM_SECONDS:g} s: {bench.target_verdict(total, RECOVERY_AIM_SECONDS, False)}",
+        ],
+        ["steps redone", " ".join(str(r["redone"]) for r in recoveries), ""],
+    ]
+    widths = SMOKE_WIDTHS if args.smoke else FULL_WIDTHS
+    title = (
+        f"elastic: 4 workers on 2 hosts of this machine, MLP {'-'.join(map(str, widths))}, Adam, {BATCH} samples "
+        f"per worker and step; rank 3 killed at step {kill_step}, its host leaves, 2 workers go on "
+        f"({repeats} recoveries; medians, the runs in brackets)"
+    )
+    table = format_table(["", "measured", ""], rows)
+    publish_report(
+        f"{title}\n\n{table}", __file__, argv or sys.argv[1:], args.report, None if args.smoke else "elastic.txt"
+    )
+    return 0
+
+
+def fmt_spread(values: list[float]) -> str:
+    runs = ", ".join(f"{value:.2f}" for value in values)
+    return f"{statistics.median(values):.2f} s" + (f" ({runs})" if len(values) > 1 else "")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

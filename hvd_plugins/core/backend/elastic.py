@@ -1,0 +1,72 @@
+"""Elastic Horovod, the parts that touch Horovod: is this an elastic launch, the commit, the retry loop.
+
+``horovodrun --min-np A --max-np B --host-discovery-script S`` starts workers with
+``HOROVOD_ELASTIC=1`` and keeps a driver that starts new workers when hosts appear. A worker whose
+peer dies sees ``HorovodInternalError`` from its next collective; a worker told that hosts changed
+sees ``HostsUpdatedInterrupt`` at its next commit. Either way Horovod is shut down and started again
+(new ranks, new size) and the training function runs again from the last commit. Horovod's own
+loop (``horovod.torch.elastic.run``) does this; ``ElasticCommits`` is the state it keeps: one
+snapshot in host memory, handed to new workers by a broadcast from rank 0.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
+
+from hvd_plugins.core.backend.module import horovod_torch
+
+ELASTIC_ENV = "HOROVOD_ELASTIC"
+"""Set to ``1`` by horovodrun for every worker of an elastic job (``--host-discovery-script``)."""
+
+T = TypeVar("T")
+
+
+def elastic_launch(environ: Mapping[str, str] = os.environ) -> bool:
+    """True inside a worker that ``horovodrun --host-discovery-script`` started."""
+    return environ.get(ELASTIC_ENV) == "1"
+
+
+def horovod_error_types() -> tuple[type[BaseException], type[BaseException]]:
+    """``(HorovodInternalError, HostsUpdatedInterrupt)``: what a failed collective and a host change raise."""
+    from horovod.common.exceptions import HorovodInternalError, HostsUpdatedInterrupt
+
+    return HorovodInternalError, HostsUpdatedInterrupt
+
+
+class ElasticCommits:
+    """The elastic job's last commit: one snapshot (a dict in host memory), kept by Horovod's ``ObjectState``.
+
+    ``commit(snapshot)`` keeps it, then checks for host changes with one broadcast from rank 0, so
+    every worker raises ``HostsUpdatedInterrupt`` at the same commit. After a failed collective
+    Horovod's loop puts the last committed snapshot back; before each attempt it gives every worker
+    rank 0's, so a worker that just joined starts where the others are. Snapshots must be copies:
+    training goes on changing the tensors they were taken from.
+    """
+
+    def __init__(self) -> None:
+        from horovod.common.elastic import ObjectState
+
+        hvd = horovod_torch()
+        self.state = ObjectState(bcast_object=hvd.broadcast_object, get_rank=hvd.rank, snapshot=None)
+        self.count = 0
+
+    @property
+    def snapshot(self) -> dict[str, Any] | None:
+        """The snapshot the next attempt starts from (None before the first commit)."""
+        return self.state.snapshot
+
+    def commit(self, snapshot: dict[str, Any]) -> None:
+        self.state.snapshot = snapshot
+        self.state.commit()  # may raise HostsUpdatedInterrupt, after keeping the snapshot
+        self.count += 1
+
+
+def run_elastic(attempt: Callable[[], T], commits: ElasticCommits, on_reset: Callable[[], None]) -> T:
+    """Run ``attempt()`` until it returns, starting Horovod again and calling ``on_reset`` after each failure
+    of a peer or change of hosts (Horovod's own elastic loop, with its shutdown-and-init reset)."""
+    import horovod.torch.elastic as hvd_elastic
+
+    commits.state.register_reset_callbacks([on_reset])
+    return hvd_elastic.run(lambda _state: attempt())(commits.state)

@@ -1,0 +1,140 @@
+"""Elastic training with real elastic horovodrun jobs: workers killed, hosts leaving and joining, rank 0 lost.
+
+Hosts ``localhost`` and ``127.0.0.1`` are two hosts of one machine; the discovery script prints a
+file the worker rewrites when it kills itself (its host leaves) or when hosts should join. Every
+worker appends its events to ``events.jsonl`` (tests/workers/elastic_training.py).
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import sys
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hvd_launch import WORKERS
+
+from hvd_plugins.testing.launch import JobResult, elastic_horovodrun
+
+pytestmark = pytest.mark.multiprocess
+
+SAMPLES = 480  # tests/workers/elastic_training.py
+MAX_STEPS = 40
+
+
+class ElasticJob:
+    """One elastic launch of the test worker, and what its workers wrote."""
+
+    def __init__(self, folder: Path, hosts_before: str) -> None:
+        self.folder = folder
+        self.hosts_file = folder / "hosts"
+        self.hosts_file.write_text(hosts_before.replace(",", "\n") + "\n")
+        self.discovery = folder / "discover_hosts.sh"
+        self.discovery.write_text(f"#!/bin/sh\ncat {self.hosts_file}\n")
+        self.discovery.chmod(0o755)
+        self.result: JobResult | None = None
+
+    def run(self, np: int, min_np: int, max_np: int, *args: str, timeout: float = 240) -> ElasticJob:
+        worker = [sys.executable, str(WORKERS / "elastic_training.py"), "--out", str(self.folder)]
+        worker += ["--hosts-file", str(self.hosts_file), "--max-steps", str(MAX_STEPS), *args]
+        self.result = elastic_horovodrun(
+            worker, np=np, min_np=min_np, max_np=max_np, discovery_script=self.discovery, timeout=timeout
+        )
+        assert self.result.returncode == 0, self.result.output[-6000:]
+        return self
+
+    def events(self, kind: str) -> list[dict[str, Any]]:
+        lines = (self.folder / "events.jsonl").read_text().splitlines()
+        return [event for event in map(json.loads, lines) if event["kind"] == kind]
+
+    def ends(self) -> list[dict[str, Any]]:
+        return sorted(self.events("end"), key=lambda event: event["rank"])
+
+    def kept_batches(self) -> list[dict[str, Any]]:
+        """Batches not rolled back: a batch trained before a reset counts only if it is older than the commit
+        the reset went back to (the step the fit resumed at)."""
+        resumes = [event for event in self.events("train_start") if event["step"] > 0]
+        return [
+            batch
+            for batch in self.events("batch")
+            if all(batch["time"] > resume["time"] or batch["step"] < resume["step"] for resume in resumes)
+        ]
+
+
+def assert_one_finished_job(job: ElasticJob, workers: int) -> list[dict[str, Any]]:
+    ends = job.ends()
+    assert [end["rank"] for end in ends] == list(range(workers)), job.result.output[-4000:] if job.result else ""
+    assert {end["size"] for end in ends} == {workers}
+    assert {end["step"] for end in ends} == {MAX_STEPS}
+    first = ends[0]["weights"]
+    for end in ends[1:]:
+        assert end["weights"] == first, f"rank {end['rank']} holds other weights than rank 0"
+    return ends
+
+
+def assert_epoch_trained_once(job: ElasticJob, epoch: int) -> None:
+    """Every sample of ``epoch`` was trained exactly once by the batches that were kept (no padding here)."""
+    counts = Counter(index for batch in job.kept_batches() if batch["epoch"] == epoch for index in batch["indices"])
+    missing = sorted(set(range(SAMPLES)) - set(counts))
+    twice = sorted(index for index, count in counts.items() if count > 1)
+    assert not missing, f"{len(missing)} samples of epoch {epoch} were never trained, e.g. {missing[:10]}"
+    assert not twice, f"{len(twice)} samples of epoch {epoch} were trained more than once, e.g. {twice[:10]}"
+
+
+def test_a_killed_worker_and_its_host_leave_and_the_fit_goes_on(tmp_path: Path) -> None:
+    """4 workers on 2 hosts; rank 3 is killed in epoch 0 and its host leaves: 2 workers finish the same fit."""
+    job = ElasticJob(tmp_path, "localhost:2,127.0.0.1:2").run(
+        4, 2, 4, "--kill-rank", "3", "--kill-step", "7"
+    )
+    ends = assert_one_finished_job(job, workers=2)
+    assert {end["resets"] for end in ends} == {1}
+    resets = job.events("reset")
+    assert sorted((reset["old_size"], reset["new_size"]) for reset in resets) == [(4, 2), (4, 2)]
+    resumed = {event["step"] for event in job.events("train_start") if event["step"] > 0}
+    assert resumed == {5}, "the fit resumes at the last commit (every 5 steps), not from the start"
+    assert_epoch_trained_once(job, epoch=0)
+    (listening,) = job.events("listening")  # horovodrun's rendezvous, its workers' services, Gloo
+    assert listening["addresses"] and all(a.startswith("127.") for a in listening["addresses"]), listening
+    # scale_lr=True: learning rates follow the number of workers (StepLR's epoch decay does not reach 20 epochs)
+    assert [end["lr"][0] for end in ends] == pytest.approx([0.01 * 2] * 2)
+
+
+def test_hosts_that_join_get_the_state_and_train_in_step(tmp_path: Path) -> None:
+    """2 workers on 2 hosts of one slot; both hosts grow to 2 slots: the fit ends with 4 identical workers."""
+    job = ElasticJob(tmp_path, "localhost:1,127.0.0.1:1").run(
+        2, 2, 4, "--grow-step", "3", "--hosts-after", "localhost:2,127.0.0.1:2"
+    )
+    ends = assert_one_finished_job(job, workers=4)
+    joined = [event for event in job.events("train_start") if event["size"] == 4]
+    assert len(joined) == 4 and len({event["step"] for event in joined}) == 1, joined
+    assert joined[0]["step"] > 0, "the workers that joined started from the commit, not from step 0"
+    assert [end["lr"][0] for end in ends] == pytest.approx([0.01 * 4] * 4)
+
+
+def test_rank_zero_killed_another_worker_logs_and_checkpoints(tmp_path: Path) -> None:
+    job = ElasticJob(tmp_path, "localhost:1,127.0.0.1:1").run(
+        2, 1, 2, "--kill-rank", "0", "--kill-step", "12"
+    )
+    (end,) = assert_one_finished_job(job, workers=1)
+    killed = job.events("killed")
+    assert killed and killed[0]["rank"] == 0
+    assert end["pid"] != killed[0]["pid"]
+    log_dir = Path(end["log_dir"])
+    assert log_dir.name == "version_0", "the new rank 0 logs on in the same folder"
+    with (log_dir / "metrics.csv").open() as file:
+        steps = [int(row["step"]) for row in csv.DictReader(file) if row.get("train_loss")]
+    assert max(steps, default=-1) > killed[0]["step"] + 5, f"no metrics logged after rank 0 died: {steps}"
+    saved = sorted(path.name for path in (tmp_path / "checkpoints").iterdir())
+    assert any(name.endswith(f"step={MAX_STEPS}.ckpt") for name in saved), saved
+
+
+@pytest.mark.parametrize("sync", ["hierarchical", "daso"])
+def test_node_aware_syncs_survive_a_shrink(tmp_path: Path, sync: str) -> None:
+    job = ElasticJob(tmp_path, "localhost:2,127.0.0.1:2").run(
+        4, 2, 4, "--sync", sync, "--kill-rank", "3", "--kill-step", "7"
+    )
+    assert_one_finished_job(job, workers=2)
+    assert_epoch_trained_once(job, epoch=0)
