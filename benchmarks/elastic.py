@@ -8,8 +8,8 @@ machine (``localhost:2`` and ``127.0.0.1:2``), one intra-op thread each, trainin
 - **Commit cost**: a run without failures. Each commit (Lightning's checkpoint content copied to
   host memory, then Horovod's check for host changes) is timed in the workers, and so is every
   step that did not commit. Cost = commit time / (interval x step time), at the default interval.
-- **Recovery**: a run in which the worker of rank 3 kills itself (SIGKILL) at step ``--kill-step``
-  and its host leaves the discovery output. Recovery is the time from its death to the survivors'
+- **Recovery**: a run in which the worker of rank 3 kills itself (SIGKILL) in the middle of the
+  second commit interval and its host leaves the discovery output. Recovery is the time from its death to the survivors'
   next completed step, split into noticing it (the reset), starting Horovod again and restoring
   the commit, and that first step. Steps redone = the step it died at - the commit it resumed from.
 
@@ -42,7 +42,7 @@ FULL_WIDTHS = (256, 1024, 512, 10)
 SMOKE_WIDTHS = (16, 32, 4)
 BATCH = 32
 HOSTS = "localhost:2,127.0.0.1:2"
-HOSTS_AFTER = "localhost:2"
+DISCOVERY = Path(__file__).resolve().parents[1] / "examples" / "elastic" / "discover_hosts_file.sh"
 RECOVERY_AIM_SECONDS = 15.0
 COMMIT_AIM_PERCENT = 3.0
 
@@ -78,7 +78,9 @@ def worker(args: argparse.Namespace) -> None:
             marker = args.out / "killed"
             if step == args.kill_step and hvd.rank() == args.kill_rank and not marker.exists():
                 marker.write_text(str(step))
-                args.hosts_file.write_text(HOSTS_AFTER + "\n")
+                host = os.environ["HOROVOD_HOSTNAME"]  # its host leaves the job with it
+                others = [line for line in args.hosts_file.read_text().split() if line.split(":")[0] != host]
+                args.hosts_file.write_text("\n".join(others) + "\n")
                 events.write("killed", step=step)
                 os.kill(os.getpid(), signal.SIGKILL)
             self.commits_before = len(strategy.elastic.commit_seconds) if strategy.elastic else 0
@@ -97,7 +99,8 @@ def worker(args: argparse.Namespace) -> None:
     data = bench.random_classification(BATCH * 4 * 16, widths[0], widths[-1])
     trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=BATCH, shuffle=True))
     assert strategy.elastic is not None
-    events.write("end", rank=hvd.rank(), size=hvd.size(), commits=strategy.elastic.commit_seconds)
+    elastic = strategy.elastic
+    events.write("end", rank=hvd.rank(), size=hvd.size(), commits=elastic.commit_seconds, copies=elastic.copy_seconds)
 
 
 # ------------------------------------------------------------------------------------------ driver
@@ -105,13 +108,12 @@ def launch(folder: Path, args: argparse.Namespace, kill_step: int) -> list[dict[
     folder.mkdir(parents=True, exist_ok=True)
     hosts_file = folder / "hosts"
     hosts_file.write_text(HOSTS.replace(",", "\n") + "\n")
-    discovery = folder / "discover_hosts.sh"
-    discovery.write_text(f"#!/bin/sh\ncat {hosts_file}\n")
-    discovery.chmod(0o755)
     command = [sys.executable, __file__, "--worker", "--out", str(folder), "--hosts-file", str(hosts_file)]
     command += ["--steps", str(args.steps), "--commit-every", str(args.commit_every), "--kill-step", str(kill_step)]
     command += ["--smoke"] if args.smoke else []
-    job = elastic_horovodrun(command, np=4, min_np=2, max_np=4, discovery_script=discovery, timeout=600)
+    job = elastic_horovodrun(
+        command, np=4, min_np=2, max_np=4, discovery_script=DISCOVERY, env={"HOSTS_FILE": str(hosts_file)}, timeout=600
+    )
     if job.returncode != 0:
         raise RuntimeError(f"the elastic job failed (exit {job.returncode}):\n{job.output[-4000:]}")
     return [json.loads(line) for line in (folder / "events.jsonl").read_text().splitlines()]
@@ -122,7 +124,13 @@ def commit_cost(events: list[dict[str, Any]], interval: int) -> dict[str, float]
     plain = bench.median([e["seconds"] for e in steps if not e["committed"]])
     commits = [seconds for e in events if e["kind"] == "end" for seconds in e["commits"]]
     commit = bench.median(commits)
-    return {"step_ms": plain * 1e3, "commit_ms": commit * 1e3, "percent": 100 * commit / (interval * plain)}
+    copy = bench.median([seconds for e in events if e["kind"] == "end" for seconds in e["copies"]])
+    return {
+        "step_ms": plain * 1e3,
+        "commit_ms": commit * 1e3,
+        "copy_ms": copy * 1e3,
+        "percent": 100 * commit / (interval * plain),
+    }
 
 
 def recovery(events: list[dict[str, Any]]) -> dict[str, float]:
@@ -143,8 +151,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--smoke", action="store_true", help="a small model and one recovery; no report")
     parser.add_argument("--repeats", type=int, default=3, help="recoveries measured (default 3)")
     parser.add_argument("--steps", type=int, default=0, help="steps per run (default 120, smoke 30)")
-    parser.add_argument("--commit-every", type=int, default=DEFAULT_COMMIT_EVERY_N_STEPS)
-    parser.add_argument("--kill-step", type=int, default=-1)
+    parser.add_argument("--commit-every", type=int, default=0, help=f"default {DEFAULT_COMMIT_EVERY_N_STEPS}, smoke 5")
+    parser.add_argument("--kill-step", type=int, default=-1, help=argparse.SUPPRESS)
     parser.add_argument("--report", type=Path, default=None, help="where to write the report")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
@@ -152,11 +160,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kill-rank", type=int, default=3, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     args.steps = args.steps or (30 if args.smoke else 120)
+    args.commit_every = args.commit_every or (5 if args.smoke else DEFAULT_COMMIT_EVERY_N_STEPS)
     if args.worker:
         worker(args)
         return 0
     repeats = 1 if args.smoke else args.repeats
-    kill_step = args.commit_every * 2 + args.commit_every // 2 + 1  # the middle of an interval, after two commits
+    kill_step = args.commit_every + args.commit_every // 2 + 1  # the middle of the second interval
     with tempfile.TemporaryDirectory(prefix="hvd_elastic_bench_") as folder:
         steady = commit_cost(launch(Path(folder) / "steady", args, kill_step=-1), args.commit_every)
         recoveries = [recovery(launch(Path(folder) / f"kill{i}", args, kill_step)) for i in range(repeats)]
@@ -164,6 +173,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = [
         ["step (no commit)", f"{steady['step_ms']:.1f} ms", ""],
         ["commit", f"{steady['commit_ms']:.1f} ms", ""],
+        ["  of it: snapshot copied to host memory", f"{steady['copy_ms']:.1f} ms", ""],
         [
             f"commit cost, every {args.commit_every} steps",
             f"{steady['percent']:.2f} %",

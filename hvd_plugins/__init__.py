@@ -18,7 +18,7 @@ from hvd_plugins.core.daso.config import DasoConfig
 from hvd_plugins.core.faults.finite import NonFiniteGradientError
 from hvd_plugins.core.faults.preemption import note_early_warning_signal
 
-__version__ = "0.3.0"
+__version__ = "0.4.0"
 
 
 def _log_to_stderr() -> None:

@@ -28,7 +28,16 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))  # `benchmarks` is a package of the checkout, not of the installed project
 
-from benchmarks import background_progress, comm_volume, duplex, emulated_cluster, gloo_allreduce, overhead, transport  # noqa: E402
+from benchmarks import (  # noqa: E402
+    background_progress,
+    comm_volume,
+    duplex,
+    elastic,
+    emulated_cluster,
+    gloo_allreduce,
+    overhead,
+    transport,
+)
 from hvd_plugins.testing.netns_cluster import SKIP_EXIT_CODE, process_tag  # noqa: E402
 
 pytestmark = pytest.mark.multiprocess
@@ -134,6 +143,22 @@ def test_gloo_allreduce_refuses_zero_iterations(capsys: pytest.CaptureFixture[st
     with pytest.raises(SystemExit) as stop:
         gloo_allreduce.main(["--smoke", "--iterations", "0"])
     assert stop.value.code == 2 and "--iterations 0 must be >= 1" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------------------ elastic
+def test_elastic_smoke_times_commits_and_a_recovery_from_a_killed_worker(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["--smoke", "--report", str(tmp_path / "elastic.txt")]
+    code, printed = run_main(elastic, argv, capsys)
+    assert code == 0, printed
+    recovery = printed.split("recovery: death to next completed step", 1)[1].split()
+    assert 0 < float(recovery[0]) < 60, printed
+    redone = int(printed.split("steps redone", 1)[1].split()[0])
+    assert 0 < redone <= 5, printed  # killed in the middle of the second interval of 5 steps
+    assert float(printed.split("commit cost, every 5 steps", 1)[1].split()[0]) > 0
+    body = assert_dated_report(tmp_path / "elastic.txt", "elastic.py", argv)
+    assert body.startswith("elastic: 4 workers on 2 hosts of this machine")
 
 
 # ------------------------------------------------------------------------------------------ background_progress

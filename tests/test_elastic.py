@@ -1,7 +1,8 @@
 """Elastic training with real elastic horovodrun jobs: workers killed, hosts leaving and joining, rank 0 lost.
 
-Hosts ``localhost`` and ``127.0.0.1`` are two hosts of one machine; the discovery script prints a
-file the worker rewrites when it kills itself (its host leaves) or when hosts should join. Every
+Hosts ``localhost`` and ``127.0.0.1`` are two hosts of one machine; the discovery script
+(examples/elastic/discover_hosts_file.sh) prints a file the worker rewrites when it kills itself
+(its host leaves) or when hosts should join. Every
 worker appends its events to ``events.jsonl`` (tests/workers/elastic_training.py).
 """
 
@@ -15,12 +16,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from hvd_launch import WORKERS
+from hvd_launch import REPO, WORKERS
 
 from hvd_plugins.testing.launch import JobResult, elastic_horovodrun
 
 pytestmark = pytest.mark.multiprocess
 
+DISCOVERY = REPO / "examples" / "elastic" / "discover_hosts_file.sh"
 SAMPLES = 480  # tests/workers/elastic_training.py
 MAX_STEPS = 40
 
@@ -32,16 +34,19 @@ class ElasticJob:
         self.folder = folder
         self.hosts_file = folder / "hosts"
         self.hosts_file.write_text(hosts_before.replace(",", "\n") + "\n")
-        self.discovery = folder / "discover_hosts.sh"
-        self.discovery.write_text(f"#!/bin/sh\ncat {self.hosts_file}\n")
-        self.discovery.chmod(0o755)
         self.result: JobResult | None = None
 
     def run(self, np: int, min_np: int, max_np: int, *args: str, timeout: float = 240) -> ElasticJob:
         worker = [sys.executable, str(WORKERS / "elastic_training.py"), "--out", str(self.folder)]
         worker += ["--hosts-file", str(self.hosts_file), "--max-steps", str(MAX_STEPS), *args]
         self.result = elastic_horovodrun(
-            worker, np=np, min_np=min_np, max_np=max_np, discovery_script=self.discovery, timeout=timeout
+            worker,
+            np=np,
+            min_np=min_np,
+            max_np=max_np,
+            discovery_script=DISCOVERY,  # the example script, reading the file the workers rewrite
+            env={"HOSTS_FILE": str(self.hosts_file)},
+            timeout=timeout,
         )
         assert self.result.returncode == 0, self.result.output[-6000:]
         return self

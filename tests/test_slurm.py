@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -93,3 +94,17 @@ def test_time_limit_and_sigterm_checkpoint_requeue_and_resume_to_the_uninterrupt
         assert {run["digest"] for run in second} == {expected}, f"{name} resumed to other weights\n{log[-3000:]}"
         assert f"{signal_name} at epoch" in log and "requeued" in log, log[-3000:]
         assert (folder / name / "hpc_ckpt_1.ckpt").exists()
+
+
+def test_the_elastic_discovery_script_lists_the_allocations_usable_nodes(slurm: OneNodeSlurm, tmp_path: Path) -> None:
+    script = ROOT / "examples" / "elastic" / "discover_hosts_slurm.sh"
+    env = {**slurm.env, "SLURM_JOB_NODELIST": slurm.host, "SLURM_NTASKS_PER_NODE": "2(x1)"}
+    listed = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True, timeout=60)
+    assert listed.returncode == 0 and listed.stdout == f"{slurm.host}:2\n", listed
+    # a node that Slurm reports down and not responding leaves the job
+    down = tmp_path / "sinfo"
+    down.write_text("#!/bin/sh\necho 'down*'\n")
+    down.chmod(0o755)
+    env["PATH"] = f"{tmp_path}:{env['PATH']}"
+    listed = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True, timeout=60)
+    assert listed.returncode == 0 and listed.stdout == "", listed

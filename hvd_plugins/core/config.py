@@ -35,7 +35,7 @@ GRADIENT_OPS: tuple[str, ...] = get_args(GradientOp)
 SYNC_MODES: tuple[str, ...] = get_args(SyncMode)
 HIERARCHICAL_IMPLS: tuple[str, ...] = get_args(HierarchicalImpl)
 
-DEFAULT_COMMIT_EVERY_N_STEPS = 20
+DEFAULT_COMMIT_EVERY_N_STEPS = 50
 """Elastic commits: at most this many steps are trained again after a worker dies (docs/elastic.rst has
 what a commit costs; the default keeps it under 3 % of a step's time on the benchmarks' large MLP)."""
 

@@ -57,6 +57,8 @@ class ElasticFit:
         """Elastic resets this worker went through (a worker that joined counts from its start)."""
         self.commit_seconds: list[float] = []
         """How long each of this worker's commits took (snapshot, copy, host check)."""
+        self.copy_seconds: list[float] = []
+        """Of that, taking the snapshot and copying it to host memory (the rest: the check for host changes)."""
         self._epoch = EpochSegments()  # the segments of the epoch under way before this attempt's
         self._segment_start = 0  # the epoch's batches done when this attempt's segment began
         self._batch_size = 0  # of the training batch sampler
@@ -115,8 +117,10 @@ class ElasticFit:
             "batches_done": batch_idx + 1,
             "logger_versions": [getattr(logger, "version", None) for logger in trainer.loggers],
         }
+        snapshot = host_copy(snapshot)
+        self.copy_seconds.append(time.perf_counter() - start)
         try:
-            self.commits.commit(host_copy(snapshot))
+            self.commits.commit(snapshot)
         finally:
             self.commit_seconds.append(time.perf_counter() - start)
 
