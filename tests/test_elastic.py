@@ -30,14 +30,15 @@ MAX_STEPS = 40
 class ElasticJob:
     """One elastic launch of the test worker, and what its workers wrote."""
 
-    def __init__(self, folder: Path, hosts_before: str) -> None:
+    def __init__(self, folder: Path, hosts_before: str, script: str = "elastic_training.py") -> None:
         self.folder = folder
+        self.script = WORKERS / script
         self.hosts_file = folder / "hosts"
         self.hosts_file.write_text(hosts_before.replace(",", "\n") + "\n")
         self.result: JobResult | None = None
 
     def run(self, np: int, min_np: int, max_np: int, *args: str, timeout: float = 240) -> ElasticJob:
-        worker = [sys.executable, str(WORKERS / "elastic_training.py"), "--out", str(self.folder)]
+        worker = [sys.executable, str(self.script), "--out", str(self.folder)]
         worker += ["--hosts-file", str(self.hosts_file), "--max-steps", str(MAX_STEPS), *args]
         self.result = elastic_horovodrun(
             worker,
@@ -91,9 +92,7 @@ def assert_epoch_trained_once(job: ElasticJob, epoch: int) -> None:
 
 def test_a_killed_worker_and_its_host_leave_and_the_fit_goes_on(tmp_path: Path) -> None:
     """4 workers on 2 hosts; rank 3 is killed in epoch 0 and its host leaves: 2 workers finish the same fit."""
-    job = ElasticJob(tmp_path, "localhost:2,127.0.0.1:2").run(
-        4, 2, 4, "--kill-rank", "3", "--kill-step", "7"
-    )
+    job = ElasticJob(tmp_path, "localhost:2,127.0.0.1:2").run(4, 2, 4, "--kill-rank", "3", "--kill-step", "7")
     ends = assert_one_finished_job(job, workers=2)
     assert {end["resets"] for end in ends} == {1}
     resets = job.events("reset")
@@ -120,9 +119,7 @@ def test_hosts_that_join_get_the_state_and_train_in_step(tmp_path: Path) -> None
 
 
 def test_rank_zero_killed_another_worker_logs_and_checkpoints(tmp_path: Path) -> None:
-    job = ElasticJob(tmp_path, "localhost:1,127.0.0.1:1").run(
-        2, 1, 2, "--kill-rank", "0", "--kill-step", "12"
-    )
+    job = ElasticJob(tmp_path, "localhost:1,127.0.0.1:1").run(2, 1, 2, "--kill-rank", "0", "--kill-step", "12")
     (end,) = assert_one_finished_job(job, workers=1)
     killed = job.events("killed")
     assert killed and killed[0]["rank"] == 0
@@ -143,3 +140,14 @@ def test_node_aware_syncs_survive_a_shrink(tmp_path: Path, sync: str) -> None:
     )
     assert_one_finished_job(job, workers=2)
     assert_epoch_trained_once(job, epoch=0)
+
+
+def test_a_fabric_loop_goes_on_after_a_worker_and_its_host_leave(tmp_path: Path) -> None:
+    """``hvd_plugins.fabric.ElasticLoop``: the same shrink as the Trainer's, in a loop written by hand."""
+    job = ElasticJob(tmp_path, "localhost:2,127.0.0.1:2", script="elastic_fabric.py")
+    ends = assert_one_finished_job(job.run(4, 2, 4, "--kill-rank", "3", "--kill-step", "7"), workers=2)
+    assert {end["resets"] for end in ends} == {1}
+    resumed = {event["step"] for event in job.events("train_start") if event["step"] > 0}
+    assert resumed == {5}, "the loop resumes at the last commit (every 5 steps)"
+    assert_epoch_trained_once(job, epoch=0)
+    assert {end["trained"] for end in ends} == {MAX_STEPS}, "plain values are committed and rolled back too"

@@ -50,6 +50,12 @@ is why the default, ``flat_below_mb="auto"``, times both routes for the larger b
 """
 
 
+def validate_commit_interval(steps: object) -> None:
+    """``commit_every_n_steps`` must be a whole number of steps, at least one."""
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"commit_every_n_steps={steps!r} must be a whole number >= 1")
+
+
 def _choice(argument: str, value: Any, allowed: tuple[str, ...]) -> str:
     if value not in allowed:
         raise ValueError(f"{argument}={value!r} is not supported; choose one of {list(allowed)}")
@@ -155,10 +161,7 @@ class HorovodConfig:
         validate_cpu_threads(self.cpu_threads)
         if self.elastic not in (True, False, "auto"):
             raise ValueError(f"elastic={self.elastic!r} must be True, False or 'auto'")
-        if isinstance(self.commit_every_n_steps, bool) or not (
-            isinstance(self.commit_every_n_steps, int) and self.commit_every_n_steps >= 1
-        ):
-            raise ValueError(f"commit_every_n_steps={self.commit_every_n_steps!r} must be a whole number >= 1")
+        validate_commit_interval(self.commit_every_n_steps)
         if self.elastic is True and self.op == "adasum":
             raise ValueError(
                 "op='adasum' does not work with elastic=True: Adasum needs Horovod's MPI controller, and elastic "

@@ -1,15 +1,17 @@
 """The Fabric face: ``Fabric(strategy="horovod")`` and the plugins a Trainer strategy and a Fabric strategy share.
 
 Importing it registers ``"horovod"``, ``"horovod_fp16"`` and ``"horovod_hierarchical"`` with Fabric's
-STRATEGY_REGISTRY. The same source serves ``lightning_fabric`` as ``hvd_plugins.lightning_fabric``.
+STRATEGY_REGISTRY; ``ElasticLoop`` runs a Fabric loop elastically (docs/elastic.rst). The same source
+serves ``lightning_fabric`` as ``hvd_plugins.lightning_fabric``.
 """
 
 from lightning.fabric.strategies import STRATEGY_REGISTRY
 
+from hvd_plugins.fabric.elastic import ElasticLoop
 from hvd_plugins.fabric.plugins.environments.horovod import HorovodEnvironment
 from hvd_plugins.fabric.plugins.io.atomic import AtomicCheckpointIO
 from hvd_plugins.fabric.strategies import HorovodStrategy, register_named_strategies
 
 register_named_strategies(STRATEGY_REGISTRY)
 
-__all__ = ["AtomicCheckpointIO", "HorovodEnvironment", "HorovodStrategy"]
+__all__ = ["AtomicCheckpointIO", "ElasticLoop", "HorovodEnvironment", "HorovodStrategy"]

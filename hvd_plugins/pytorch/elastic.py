@@ -61,7 +61,7 @@ class ElasticFit:
         """Of that, taking the snapshot and copying it to host memory (the rest: the check for host changes)."""
         self._epoch = EpochSegments()  # the segments of the epoch under way before this attempt's
         self._segment_start = 0  # the epoch's batches done when this attempt's segment began
-        self._batch_size = 0  # of the training batch sampler
+        self._batch_size = 0  # of the training batch sampler (0: not a loader whose epoch can be re-split)
         self._share = 0  # samples this worker trains in this segment
         self._world_size = 0  # when the attempt started
 
@@ -129,10 +129,7 @@ class ElasticFit:
 
     def should_commit(self, trainer: Trainer, stepped: bool, batch_idx: int) -> bool:
         return (
-            stepped
-            and trainer.global_step % self.commit_every_n_steps == 0
-            and not is_last_batch(trainer, batch_idx)
-            and self._batch_size > 0
+            stepped and trainer.global_step % self.commit_every_n_steps == 0 and not is_last_batch(trainer, batch_idx)
         )
 
     def restore(self, trainer: Trainer | None, scale_lr: bool) -> dict[str, Any]:
@@ -173,7 +170,8 @@ class ElasticFit:
         if type(sampler) is not DistributedSampler:
             log.warning(
                 f"elastic training re-splits an epoch after a resize only for Lightning's DistributedSampler; the "
-                f"training loader has {type(sampler).__name__}: after a resize its epoch starts over"
+                f"training loader has {type(sampler).__name__}: after a resize the rest of its epoch is taken "
+                "from the start of its order again"
             )
             return dataloader
         assert isinstance(batch_sampler, BatchSampler)

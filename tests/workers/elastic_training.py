@@ -2,62 +2,27 @@
 
 Every worker appends one JSON line per event to ``<out>/events.jsonl``: each trained batch (epoch,
 global step, the sample indices), each elastic reset (the step it resumed from), its end (final
-weights, world). ``--kill-rank R --kill-step S`` makes the worker of rank R SIGKILL itself at
-global step S (once per job), after rewriting the discovery file ``--hosts-file`` without its own
-host; ``--grow-step S`` has rank 0 write ``--hosts-after`` there at step S instead, so hosts join.
+weights, world). ``--kill-rank``/``--kill-step`` and ``--grow-step`` make a worker
+leave or hosts join (``elastic_common.leave_or_grow``).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import signal
-import socket
-import time
-from pathlib import Path
 from typing import Any
 
 import horovod.torch as hvd
 import psutil
 import torch
 from _common import listening_addresses
+from elastic_common import FEATURES, Events, IndexedData, leave_or_grow, parser
 from lightning.pytorch import LightningModule, Trainer, seed_everything
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 from torch import nn
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader
 
 from hvd_plugins.pytorch import HorovodStrategy
-
-SAMPLES, FEATURES = 480, 8
-
-
-class IndexedData(Dataset):
-    """Regression samples that carry their own index, so the test can count who trained what."""
-
-    def __init__(self) -> None:
-        generator = torch.Generator().manual_seed(0)
-        self.x = torch.randn(SAMPLES, FEATURES, generator=generator)
-        self.y = self.x @ torch.linspace(-1, 1, FEATURES) + 0.1 * torch.randn(SAMPLES, generator=generator)
-
-    def __len__(self) -> int:
-        return SAMPLES
-
-    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor, int]:
-        return self.x[index], self.y[index], index
-
-
-class Events:
-    """One JSON line per event, appended by every worker of the job to one file."""
-
-    def __init__(self, out: Path) -> None:
-        self.path = out / "events.jsonl"
-
-    def write(self, kind: str, **fields: Any) -> None:
-        record = {"kind": kind, "time": time.time(), "pid": os.getpid(), **fields}
-        with self.path.open("a") as file:
-            file.write(json.dumps(record) + "\n")
 
 
 class Regressor(LightningModule):
@@ -68,7 +33,7 @@ class Regressor(LightningModule):
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         x, y, index = batch
-        self._maybe_leave()
+        leave_or_grow(self.args, self.events, self.global_step)
         loss = nn.functional.mse_loss(self.net(x).squeeze(-1), y)
         self.log("train_loss", loss, sync_dist=True)
         self.events.write(
@@ -98,36 +63,11 @@ class Regressor(LightningModule):
             launcher = next(p for p in psutil.Process().parents() if "horovodrun" in " ".join(p.cmdline()))
             self.events.write("listening", addresses=listening_addresses(launcher.pid))
 
-    def _maybe_leave(self) -> None:
-        args = self.args
-        marker = args.out / "changed"
-        if marker.exists():
-            return
-        if args.kill_step >= 0 and self.global_step == args.kill_step and hvd.rank() == args.kill_rank:
-            marker.write_text("killed")
-            host = os.environ["HOROVOD_HOSTNAME"]  # this worker's host leaves the job with it
-            others = [line for line in args.hosts_file.read_text().split() if line.split(":")[0] != host]
-            args.hosts_file.write_text("\n".join(others) + "\n")
-            self.events.write("killed", rank=hvd.rank(), step=self.global_step, host=socket.gethostname())
-            os.kill(os.getpid(), signal.SIGKILL)
-        if args.grow_step >= 0 and self.global_step == args.grow_step and hvd.rank() == 0:
-            marker.write_text("grown")
-            args.hosts_file.write_text(args.hosts_after.replace(",", "\n") + "\n")
-            self.events.write("grown", rank=hvd.rank(), step=self.global_step)
-
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--hosts-file", type=Path, required=True)
-    parser.add_argument("--hosts-after", default="", help="the discovery file's hosts from --grow-step on")
-    parser.add_argument("--kill-rank", type=int, default=-1)
-    parser.add_argument("--kill-step", type=int, default=-1)
-    parser.add_argument("--grow-step", type=int, default=-1)
-    parser.add_argument("--max-steps", type=int, default=60)
-    parser.add_argument("--sync", default="allreduce")
-    parser.add_argument("--commit-every", type=int, default=5)
-    args = parser.parse_args()
+    arguments = parser()
+    arguments.add_argument("--sync", default="allreduce")
+    args = arguments.parse_args()
     events = Events(args.out)
     seed_everything(0, verbose=False)
     strategy = HorovodStrategy(sync=args.sync, commit_every_n_steps=args.commit_every, scale_lr=True)

@@ -65,6 +65,15 @@ def forget_held_gradients(optimizer: Optimizer) -> None:
     handles.clear()
 
 
+def forget_failed_allreduces(optimizer: Optimizer) -> None:
+    """After an elastic reset: drop the handles of allreduces the old Horovod started (they will never complete)
+    and start each parameter's countdown again, so the next backward starts its allreduces as usual."""
+    getattr(optimizer, "_handles", {}).clear()
+    passes = getattr(optimizer, "backward_passes_per_step", 1)
+    for parameter in getattr(optimizer, "_allreduce_delay", {}):
+        optimizer._allreduce_delay[parameter] = passes
+
+
 _SHARED_CLASSES: dict[tuple[type, Any], type] = {}
 """One DistributedOptimizer class per (wrapped optimizer class, Horovod flavour), see ``share_class``."""
 

@@ -36,7 +36,6 @@ from typing_extensions import override
 from hvd_plugins.core.averaging import GradientAveraging
 from hvd_plugins.core.backend import capabilities
 from hvd_plugins.core.backend import optimizer as horovod_optimizer
-from hvd_plugins.core.backend.elastic import elastic_launch
 from hvd_plugins.core.backend.module import horovod_torch
 from hvd_plugins.core.backend.startup import init_horovod
 from hvd_plugins.core.comm.counters import CommCounters
@@ -125,12 +124,6 @@ class HorovodStrategy(HorovodStrategyShared, ParallelStrategy):
             )
         if sync not in FABRIC_SYNC_MODES:
             raise ValueError(f"sync={sync!r} is not supported with Fabric; choose one of {list(FABRIC_SYNC_MODES)}")
-        if elastic_launch():
-            raise ValueError(
-                "horovodrun started an elastic job (--host-discovery-script), but a Fabric loop cannot go on "
-                "when workers leave or join: the Trainer's HorovodStrategy can (docs/elastic.rst). Launch this "
-                "script without --host-discovery-script."
-            )
         self._environment = HorovodEnvironment(front="Fabric")
         super().__init__(accelerator, parallel_devices, self._environment, checkpoint_io, precision)
         self.config = HorovodConfig.build(
@@ -146,7 +139,6 @@ class HorovodStrategy(HorovodStrategyShared, ParallelStrategy):
             cpu_threads=cpu_threads,
             average_buffers=False,  # no epochs here; Fabric loops average what they need with all_reduce
             auto_requeue=False,
-            elastic=False,
         )
         capabilities.require_build_supports(self.config)
         self._num_nodes = 1  # set by Fabric's connector
@@ -297,6 +289,13 @@ class HorovodStrategy(HorovodStrategyShared, ParallelStrategy):
         self, tensor: Tensor | Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean"
     ) -> Any:
         return self._reduce_over_workers("all_reduce", tensor, group, reduce_op)
+
+    def forget_world(self) -> None:
+        """After an elastic reset (``hvd_plugins.fabric.ElasticLoop``): the new rank in rank-zero output and the
+        watchdog's reports, and no step's gradients counted as averaged."""
+        rank_zero_only.rank = self.global_rank
+        self._averaging.follow_world(self.global_rank, self.world_size)
+        self._averaged.clear()
 
     @override
     def teardown(self) -> None:

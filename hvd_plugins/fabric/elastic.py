@@ -1,0 +1,172 @@
+"""Elastic training for a Fabric loop: commit its state in memory, go on in place when workers die or join.
+
+A Fabric loop is the user's own code, so the helper owns what the Trainer's strategy owns there:
+the epochs and the batches. ``ElasticLoop`` keeps the named modules, optimizers and schedulers
+(anything with ``state_dict``) and plain values, and hands out the epochs and each epoch's batches;
+after every ``commit_every_n_steps`` batches it commits all of it to host memory. When workers die
+or hosts join, Horovod starts again and the loop function runs again from the commit, with the rest
+of the epoch dealt over the new workers (``core.elastic.epoch_split``)::
+
+    fabric = Fabric(strategy="horovod")
+    fabric.launch()
+    model, optimizer = fabric.setup(model, optimizer)
+    loop = ElasticLoop(fabric, model=model, optimizer=optimizer)
+
+    @loop.run
+    def train(loop: ElasticLoop) -> None:
+        for epoch in loop.epochs(10):
+            for x, y in loop.batches(dataset, batch_size=32):
+                ...  # forward, fabric.backward, optimizer.step(): one optimizer step per batch
+
+Without an elastic launch the same script runs once, with no commits.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator, Sized
+from typing import Any, TypeVar
+
+from lightning.fabric import Fabric
+from torch.utils.data import DataLoader, Dataset
+
+from hvd_plugins.core.backend.elastic import ElasticCommits, elastic_launch, run_elastic
+from hvd_plugins.core.backend.module import horovod_torch
+from hvd_plugins.core.backend.optimizer import forget_failed_allreduces
+from hvd_plugins.core.comm.naming import COLLECTIVE_NAMES
+from hvd_plugins.core.config import DEFAULT_COMMIT_EVERY_N_STEPS, validate_commit_interval
+from hvd_plugins.core.elastic.epoch_split import ElasticDistributedSampler, EpochSegments
+from hvd_plugins.core.elastic.snapshot import host_copy
+from hvd_plugins.fabric.strategies.horovod import HorovodStrategy
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+LOOP_KEY = "hvd_plugins_loop"
+
+
+class ElasticLoop:
+    """The epochs, batches and state of a Fabric loop that an elastic Horovod job commits and restores.
+
+    Args:
+        fabric: a launched ``Fabric(strategy="horovod")`` (flat allreduce: ``sync="allreduce"``).
+        commit_every_n_steps: commit after this many batches (one optimizer step each).
+        state: what a commit keeps, by name: objects with ``state_dict``/``load_state_dict`` (modules,
+            optimizers, schedulers set up by Fabric) and plain values, read and set as attributes.
+    """
+
+    def __init__(self, fabric: Fabric, commit_every_n_steps: int = DEFAULT_COMMIT_EVERY_N_STEPS, **state: Any):
+        strategy = fabric.strategy
+        if not isinstance(strategy, HorovodStrategy):
+            raise ValueError(f"ElasticLoop needs Fabric(strategy='horovod'), not {type(strategy).__name__}")
+        if strategy.config.sync != "allreduce":
+            raise ValueError(
+                f"ElasticLoop works with sync='allreduce', not sync={strategy.config.sync!r}: the node layout of "
+                "the two-level allreduce is fixed when Fabric sets up the optimizers"
+            )
+        validate_commit_interval(commit_every_n_steps)
+        self.fabric = fabric
+        self.commit_every_n_steps = commit_every_n_steps
+        self._stateful = {name: value for name, value in state.items() if hasattr(value, "state_dict")}
+        self._plain = [name for name in state if name not in self._stateful]
+        for name in self._plain:
+            setattr(self, name, state[name])
+        self.epoch = 0
+        """The epoch under way (``epochs`` counts it)."""
+        self.step = 0
+        """Batches trained so far, over all epochs."""
+        self.resets = 0
+        self.commits: ElasticCommits | None = None
+        self._segments: list[tuple[int, int]] = []  # the epoch's segments before this attempt's
+        self._batches_done = 0  # of the epoch under way
+
+    # ------------------------------------------------------------------ running
+    def run(self, loop: Callable[[ElasticLoop], T]) -> Callable[[], T]:
+        """Decorate the loop function: calling it runs the loop, elastically under an elastic launch."""
+
+        def run_loop() -> T:
+            if not elastic_launch():
+                return loop(self)
+            commits = self.commits = ElasticCommits()
+
+            def attempt() -> T:
+                if commits.snapshot is not None:
+                    self._restore(commits.snapshot)
+                COLLECTIVE_NAMES.restart()  # old and new workers name their next collectives alike
+                return loop(self)
+
+            return run_elastic(attempt, commits, self._after_reset)
+
+        return run_loop
+
+    def _after_reset(self) -> None:
+        hvd = horovod_torch()
+        self.resets += 1
+        strategy = self.fabric.strategy
+        assert isinstance(strategy, HorovodStrategy)
+        strategy.forget_world()
+        for value in self._stateful.values():
+            forget_failed_allreduces(getattr(value, "optimizer", value))
+        log.info(f"elastic reset {self.resets}: {hvd.size()} workers; this worker is rank {hvd.rank()}")
+
+    # ------------------------------------------------------------------ the loop
+    def epochs(self, max_epochs: int) -> Iterator[int]:
+        """The epochs from the one under way (after a reset: the committed one) up to ``max_epochs``."""
+        while self.epoch < max_epochs:
+            yield self.epoch
+            self.epoch += 1
+            self._segments, self._batches_done = [], 0
+
+    def batches(
+        self,
+        dataset: Dataset,
+        batch_size: int,
+        shuffle: bool = True,
+        seed: int = 0,
+        drop_last: bool = False,
+        **loader: Any,
+    ) -> Iterator[Any]:
+        """This worker's batches of the epoch under way, on Fabric's device; commits between them.
+
+        ``DistributedSampler``'s split (``seed + epoch``), continued over the new workers after a resize.
+        ``loader`` goes to the ``DataLoader`` (``num_workers``, ``collate_fn``...).
+        """
+        if not isinstance(dataset, Sized):
+            raise ValueError(f"ElasticLoop.batches needs a dataset with a length, not {type(dataset).__name__}")
+        size, rank = self.fabric.world_size, self.fabric.global_rank
+        progress = EpochSegments(self.epoch, list(self._segments))
+        sampler = ElasticDistributedSampler(dataset, size, rank, shuffle, seed, drop_last, progress)
+        sampler.set_epoch(self.epoch)
+        batches = DataLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=drop_last, **loader)
+        share, start, count = len(sampler), self._batches_done, len(batches)
+        for index, batch in enumerate(batches):
+            yield self.fabric.to_device(batch)
+            self._batches_done += 1
+            self.step += 1
+            if self.step % self.commit_every_n_steps == 0 and index + 1 < count:
+                done = min((self._batches_done - start) * batch_size, share)
+                self.commit([*self._segments, (size, done)])
+
+    def commit(self, segments: list[tuple[int, int]]) -> None:
+        """Commit the state and the position in the epoch (a no-op without an elastic launch)."""
+        if self.commits is None:
+            return
+        snapshot = {name: value.state_dict() for name, value in self._stateful.items()}
+        snapshot[LOOP_KEY] = {
+            "epoch": self.epoch,
+            "step": self.step,
+            "batches_done": self._batches_done,
+            "segments": segments,
+            "plain": {name: getattr(self, name) for name in self._plain},
+        }
+        self.commits.commit(host_copy(snapshot))
+
+    def _restore(self, snapshot: dict[str, Any]) -> None:
+        snapshot = host_copy(snapshot)  # the commit stays as it was
+        for name, value in self._stateful.items():
+            value.load_state_dict(snapshot[name])
+        position = snapshot[LOOP_KEY]
+        self.epoch, self.step = int(position["epoch"]), int(position["step"])
+        self._batches_done = int(position["batches_done"])
+        self._segments = [(int(n), int(c)) for n, c in position["segments"]]
+        for name, value in position["plain"].items():
+            setattr(self, name, value)

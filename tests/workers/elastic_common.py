@@ -1,0 +1,77 @@
+"""What the elastic test workers share: data that carries its indices, the event log, and leaving or growing
+on cue (tests/test_elastic.py)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import horovod.torch as hvd
+import torch
+from torch.utils.data import Dataset
+
+SAMPLES, FEATURES = 480, 8
+
+
+class IndexedData(Dataset):
+    """Regression samples that carry their own index, so the test can count who trained what."""
+
+    def __init__(self) -> None:
+        generator = torch.Generator().manual_seed(0)
+        self.x = torch.randn(SAMPLES, FEATURES, generator=generator)
+        self.y = self.x @ torch.linspace(-1, 1, FEATURES) + 0.1 * torch.randn(SAMPLES, generator=generator)
+
+    def __len__(self) -> int:
+        return SAMPLES
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+        return self.x[index], self.y[index], index
+
+
+class Events:
+    """One JSON line per event, appended by every worker of the job to one file."""
+
+    def __init__(self, out: Path) -> None:
+        self.path = out / "events.jsonl"
+
+    def write(self, kind: str, **fields: Any) -> None:
+        record = {"kind": kind, "time": time.time(), "pid": os.getpid(), **fields}
+        with self.path.open("a") as file:
+            file.write(json.dumps(record) + "\n")
+
+
+def parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--hosts-file", type=Path, required=True)
+    parser.add_argument("--hosts-after", default="", help="the discovery file's hosts from --grow-step on")
+    parser.add_argument("--kill-rank", type=int, default=-1)
+    parser.add_argument("--kill-step", type=int, default=-1)
+    parser.add_argument("--grow-step", type=int, default=-1)
+    parser.add_argument("--max-steps", type=int, default=60)
+    parser.add_argument("--commit-every", type=int, default=5)
+    return parser
+
+
+def leave_or_grow(args: argparse.Namespace, events: Events, step: int) -> None:
+    """At ``--kill-step`` the worker of ``--kill-rank`` drops its host from the discovery file and SIGKILLs
+    itself; at ``--grow-step`` rank 0 writes ``--hosts-after`` there. Once per job."""
+    marker = args.out / "changed"
+    if marker.exists():
+        return
+    if args.kill_step >= 0 and step == args.kill_step and hvd.rank() == args.kill_rank:
+        marker.write_text("killed")
+        host = os.environ["HOROVOD_HOSTNAME"]  # this worker's host leaves the job with it
+        others = [line for line in args.hosts_file.read_text().split() if line.split(":")[0] != host]
+        args.hosts_file.write_text("\n".join(others) + "\n")
+        events.write("killed", rank=hvd.rank(), step=step, host=host)
+        os.kill(os.getpid(), signal.SIGKILL)
+    if args.grow_step >= 0 and step == args.grow_step and hvd.rank() == 0:
+        marker.write_text("grown")
+        args.hosts_file.write_text(args.hosts_after.replace(",", "\n") + "\n")
+        events.write("grown", rank=hvd.rank(), step=step)
