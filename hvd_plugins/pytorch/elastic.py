@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.trainer.states import RunningStage
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler
 from typing_extensions import override
@@ -31,6 +31,7 @@ from hvd_plugins.core.comm.naming import COLLECTIVE_NAMES
 from hvd_plugins.core.elastic.epoch_split import ElasticDistributedSampler, EpochSegments
 from hvd_plugins.core.elastic.snapshot import host_copy, rescale_learning_rates
 from hvd_plugins.pytorch.loop_events import is_last_batch
+from hvd_plugins.pytorch.utilities.callbacks import StepAwareCallback, replace_callback
 from hvd_plugins.pytorch.utilities.rank_zero import follow_rank
 
 if TYPE_CHECKING:
@@ -190,27 +191,21 @@ class ElasticFit:
         return dataloader
 
 
-class ElasticCommitCallback(Callback):
+class ElasticCommitCallback(StepAwareCallback):
     """Commits every ``commit_every_n_steps`` steps; installed by the strategy in an elastic launch."""
 
     def __init__(self, elastic: ElasticFit) -> None:
         self.elastic = elastic
-        self._step_at_batch_start = 0
 
     @classmethod
     def install(cls, trainer: Trainer, elastic: ElasticFit) -> None:
-        kept = [callback for callback in trainer.callbacks if not isinstance(callback, cls)]
-        trainer.callbacks = [*kept, cls(elastic)]
-
-    @override
-    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
-        self._step_at_batch_start = trainer.global_step
+        replace_callback(trainer, cls, cls(elastic))
 
     @override
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        if self.elastic.should_commit(trainer, trainer.global_step > self._step_at_batch_start, batch_idx):
+        if self.elastic.should_commit(trainer, self.stepped(trainer), batch_idx):
             self.elastic.commit(trainer, batch_idx)
 
     @override

@@ -20,11 +20,12 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch import LightningModule, Trainer
 from typing_extensions import override
 
 from hvd_plugins.core.comm.gradient_sync import GradientSync
 from hvd_plugins.core.epoch_end import EpochEndPolicy
+from hvd_plugins.pytorch.utilities.callbacks import StepAwareCallback, replace_callback
 
 
 def batch_loss(outputs: Any, trainer: Trainer, pl_module: LightningModule) -> float | None:
@@ -65,7 +66,7 @@ def training_data_name(trainer: Trainer) -> str:
     return "the training data" if dataset is None else f"the training dataset ({type(dataset).__name__})"
 
 
-class TrainingLoopEvents(Callback):
+class TrainingLoopEvents(StepAwareCallback):
     """Drives the epoch-end policy and the gradient sync's hooks from Lightning's loop; installed by HorovodStrategy.
 
     ``reduce`` is the strategy's (``reduce(tensor, reduce_op="sum")`` over every worker).
@@ -76,7 +77,6 @@ class TrainingLoopEvents(Callback):
         self.gradient_sync = gradient_sync
         self.reduce = reduce
         self._epoch_open = False
-        self._step_at_batch_start = 0
         self._loss_sum = 0.0
         self._loss_count = 0
 
@@ -89,8 +89,7 @@ class TrainingLoopEvents(Callback):
         reduce: Callable[..., torch.Tensor],
     ) -> None:
         """Add a new owner of the loop events to ``trainer``, replacing the one of an earlier fit."""
-        kept = [callback for callback in trainer.callbacks if not isinstance(callback, cls)]
-        trainer.callbacks = [*kept, cls(epoch_end, gradient_sync, reduce)]
+        replace_callback(trainer, cls, cls(epoch_end, gradient_sync, reduce))
 
     @override
     def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -109,7 +108,7 @@ class TrainingLoopEvents(Callback):
                 "accumulation schedules that change at epoch starts (GradientAccumulationScheduler), not within "
                 "an epoch."
             )
-        self._step_at_batch_start = trainer.global_step
+        super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
         self.gradient_sync.on_train_batch_start()
 
     def _follow_accumulation(self, trainer: Trainer) -> None:
@@ -129,7 +128,7 @@ class TrainingLoopEvents(Callback):
             self._loss_sum += loss
             self._loss_count += 1
         last = is_last_batch(trainer, batch_idx)
-        if trainer.global_step > self._step_at_batch_start:
+        if self.stepped(trainer):
             self.gradient_sync.after_optimizer_step(last_batch_of_epoch=last)
         if last:
             self._close_epoch(trainer, pl_module)

@@ -17,7 +17,7 @@ import signal
 from pathlib import Path
 from typing import Any
 
-from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch import LightningModule, Trainer
 from typing_extensions import override
 
 from hvd_plugins.core.backend.module import horovod_torch
@@ -27,6 +27,7 @@ from hvd_plugins.core.faults.preemption import (
     forget_early_warning_signal,
     requeue_slurm_job,
 )
+from hvd_plugins.pytorch.utilities.callbacks import StepAwareCallback, replace_callback
 
 log = logging.getLogger(__name__)
 
@@ -38,19 +39,17 @@ def next_hpc_checkpoint(folder: str | Path) -> Path:
     return Path(folder) / f"hpc_ckpt_{max(numbers, default=0) + 1}.ckpt"
 
 
-class RequeueOnPreemption(Callback):
+class RequeueOnPreemption(StepAwareCallback):
     """Installed by HorovodStrategy while fitting inside a Slurm job (``auto_requeue=True``)."""
 
     def __init__(self, job_id: str) -> None:
         self.job_id = job_id
         self.notice = PreemptionNotice()
-        self._step_at_batch_start = 0
 
     @classmethod
     def install(cls, trainer: Trainer, job_id: str | None) -> None:
         """Add one to ``trainer`` (replacing an earlier fit's); nothing outside a Slurm job."""
-        kept = [callback for callback in trainer.callbacks if not isinstance(callback, cls)]
-        trainer.callbacks = kept + ([cls(job_id)] if job_id else [])
+        replace_callback(trainer, cls, cls(job_id) if job_id else None)
         if not job_id:
             forget_early_warning_signal()
 
@@ -60,14 +59,10 @@ class RequeueOnPreemption(Callback):
         self.notice.install()
 
     @override
-    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
-        self._step_at_batch_start = trainer.global_step
-
-    @override
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        if trainer.global_step == self._step_at_batch_start:
+        if not self.stepped(trainer):
             return  # inside an accumulation: its gradients are not in any checkpoint
         signum = self.notice.agreed_signal(horovod_torch())
         if signum:

@@ -205,9 +205,10 @@ class HorovodStrategy(HorovodStrategyShared, ParallelStrategy):
     @override
     def _configure_launcher(self) -> None:
         size = self._environment.launch_size
-        self._launcher = HorovodScriptLauncher(size, partial(init_horovod, self.config)) if size else None
-        if self.elastic is not None:
+        if self.elastic is not None:  # horovodrun started the workers; fits run elastically
             self._launcher = HorovodElasticLauncher(self.elastic)
+        else:
+            self._launcher = HorovodScriptLauncher(size, partial(init_horovod, self.config)) if size else None
 
     @override
     def setup_environment(self) -> None:
@@ -295,17 +296,19 @@ class HorovodStrategy(HorovodStrategyShared, ParallelStrategy):
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
-        if self.gradient_sync is not None and (own := self.gradient_sync.state_dict()):
-            checkpoint[CHECKPOINT_KEY] = own
+        self._add_sync_state(checkpoint)
         self._resume_position.record(self._trainer, checkpoint)
         super().save_checkpoint(checkpoint, filepath, storage_options)
 
     def checkpoint_content(self, trainer: pl.Trainer) -> dict[str, Any]:
         """What a checkpoint saved now would hold (Lightning's content and the gradient sync's state)."""
         checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+        self._add_sync_state(checkpoint)
+        return checkpoint
+
+    def _add_sync_state(self, checkpoint: dict[str, Any]) -> None:
         if self.gradient_sync is not None and (own := self.gradient_sync.state_dict()):
             checkpoint[CHECKPOINT_KEY] = own
-        return checkpoint
 
     def forget_world(self) -> None:
         """After an elastic reset: what the old ranks and size shaped is built again at the next setup."""
