@@ -135,11 +135,16 @@ def test_rank_zero_killed_another_worker_logs_and_checkpoints(tmp_path: Path) ->
 
 @pytest.mark.parametrize("sync", ["hierarchical", "daso"])
 def test_node_aware_syncs_survive_a_shrink(tmp_path: Path, sync: str) -> None:
+    """Killed in epoch 1 (15 steps an epoch on 4 workers): the resumed fit keeps DASO's schedule of epoch 0."""
     job = ElasticJob(tmp_path, "localhost:2,127.0.0.1:2").run(
-        4, 2, 4, "--sync", sync, "--kill-rank", "3", "--kill-step", "7"
+        4, 2, 4, "--sync", sync, "--kill-rank", "3", "--kill-step", "22"
     )
     assert_one_finished_job(job, workers=2)
-    assert_epoch_trained_once(job, epoch=0)
+    assert_epoch_trained_once(job, epoch=1)
+    resumed = [event for event in job.events("train_start") if event["step"] > 0]
+    assert {event["step"] for event in resumed} == {20}
+    if sync == "daso":
+        assert {event["daso_epoch"] for event in resumed} == {1}, "DASO's schedule went on from the commit"
 
 
 def test_a_fabric_loop_goes_on_after_a_worker_and_its_host_leave(tmp_path: Path) -> None:

@@ -58,7 +58,11 @@ class Regressor(LightningModule):
         self.events.write("reset", rank=hvd.rank(), old_size=old_size, new_size=new_size)
 
     def on_train_start(self) -> None:
-        self.events.write("train_start", rank=hvd.rank(), size=hvd.size(), step=self.global_step)
+        daso = self.trainer.strategy.daso_sync  # DASO's schedule as restored from the commit
+        self.events.write(
+            "train_start", rank=hvd.rank(), size=hvd.size(), step=self.global_step,
+            daso_epoch=daso.schedule.epoch if daso is not None else None,
+        )  # fmt: skip
         if hvd.rank() == 0 and self.global_step == 0:  # the sockets of the whole job, horovodrun's included
             launcher = next(p for p in psutil.Process().parents() if "horovodrun" in " ".join(p.cmdline()))
             self.events.write("listening", addresses=listening_addresses(launcher.pid))
