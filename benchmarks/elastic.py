@@ -42,6 +42,7 @@ FULL_WIDTHS = (256, 1024, 512, 10)
 SMOKE_WIDTHS = (16, 32, 4)
 BATCH = 32
 HOSTS = "localhost:2,127.0.0.1:2"
+GROW_FROM = "localhost:1,127.0.0.1:1"
 DISCOVERY = Path(__file__).resolve().parents[1] / "examples" / "elastic" / "discover_hosts_file.sh"
 RECOVERY_AIM_SECONDS = 15.0
 COMMIT_AIM_PERCENT = 3.0
@@ -83,13 +84,19 @@ def worker(args: argparse.Namespace) -> None:
                 args.hosts_file.write_text("\n".join(others) + "\n")
                 events.write("killed", step=step)
                 os.kill(os.getpid(), signal.SIGKILL)
+            if step == args.grow_step and hvd.rank() == 0 and not marker.exists():
+                marker.write_text(str(step))
+                args.hosts_file.write_text(HOSTS.replace(",", "\n") + "\n")  # both hosts get a second slot
+                events.write("grown", step=step)
             self.commits_before = len(strategy.elastic.commit_seconds) if strategy.elastic else 0
             self.start = time.perf_counter()
 
         def on_train_batch_end(self, trainer: pl.Trainer, module: pl.LightningModule, *rest: Any) -> None:
             committed = strategy.elastic is not None and len(strategy.elastic.commit_seconds) > self.commits_before
             seconds = time.perf_counter() - self.start
-            events.write("step", rank=hvd.rank(), step=trainer.global_step, seconds=seconds, committed=committed)
+            events.write(
+                "step", rank=hvd.rank(), size=hvd.size(), step=trainer.global_step, seconds=seconds, committed=committed
+            )
 
     strategy = HorovodStrategy(commit_every_n_steps=args.commit_every)
     module = bench.Classifier(widths[0], widths[1:-1], widths[-1], lr=1e-3)
@@ -104,15 +111,24 @@ def worker(args: argparse.Namespace) -> None:
 
 
 # ------------------------------------------------------------------------------------------ driver
-def launch(folder: Path, args: argparse.Namespace, kill_step: int) -> list[dict[str, Any]]:
+def launch(
+    folder: Path, args: argparse.Namespace, kill_step: int = -1, grow_step: int = -1, steps: int = 0
+) -> list[dict[str, Any]]:
+    """One elastic job: 4 workers on ``HOSTS``, or with ``grow_step`` 2 workers on ``GROW_FROM`` that grow to 4."""
     folder.mkdir(parents=True, exist_ok=True)
     hosts_file = folder / "hosts"
-    hosts_file.write_text(HOSTS.replace(",", "\n") + "\n")
+    hosts_file.write_text((GROW_FROM if grow_step >= 0 else HOSTS).replace(",", "\n") + "\n")
     command = [sys.executable, __file__, "--worker", "--out", str(folder), "--hosts-file", str(hosts_file)]
-    command += ["--steps", str(args.steps), "--commit-every", str(args.commit_every), "--kill-step", str(kill_step)]
-    command += ["--smoke"] if args.smoke else []
+    command += ["--steps", str(steps or args.steps), "--commit-every", str(args.commit_every)]
+    command += ["--kill-step", str(kill_step), "--grow-step", str(grow_step)] + (["--smoke"] if args.smoke else [])
     job = elastic_horovodrun(
-        command, np=4, min_np=2, max_np=4, discovery_script=DISCOVERY, env={"HOSTS_FILE": str(hosts_file)}, timeout=600
+        command,
+        np=2 if grow_step >= 0 else 4,
+        min_np=2,
+        max_np=4,
+        discovery_script=DISCOVERY,
+        env={"HOSTS_FILE": str(hosts_file)},
+        timeout=600,
     )
     if job.returncode != 0:
         raise RuntimeError(f"the elastic job failed (exit {job.returncode}):\n{job.output[-4000:]}")
@@ -146,6 +162,15 @@ def recovery(events: list[dict[str, Any]]) -> dict[str, float]:
     }
 
 
+def joining(events: list[dict[str, Any]]) -> dict[str, float]:
+    """From the hosts' second slots appearing to the first step of four workers."""
+    (grown,) = [e for e in events if e["kind"] == "grown"]
+    four = [e for e in events if e["kind"] == "train_start" and e["size"] == 4]
+    started = min(e["time"] for e in four)
+    stepped = min(e["time"] for e in events if e["kind"] == "step" and e["size"] == 4)
+    return {"noticed_s": started - grown["time"], "first_step_s": stepped - started, "total_s": stepped - grown["time"]}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--smoke", action="store_true", help="a small model and one recovery; no report")
@@ -153,6 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=0, help="steps per run (default 120, smoke 30)")
     parser.add_argument("--commit-every", type=int, default=0, help=f"default {DEFAULT_COMMIT_EVERY_N_STEPS}, smoke 5")
     parser.add_argument("--kill-step", type=int, default=-1, help=argparse.SUPPRESS)
+    parser.add_argument("--grow-step", type=int, default=-1, help=argparse.SUPPRESS)
     parser.add_argument("--report", type=Path, default=None, help="where to write the report")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
@@ -169,6 +195,11 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="hvd_elastic_bench_") as folder:
         steady = commit_cost(launch(Path(folder) / "steady", args, kill_step=-1), args.commit_every)
         recoveries = [recovery(launch(Path(folder) / f"kill{i}", args, kill_step)) for i in range(repeats)]
+        # the hosts grow at step 2 and are noticed at a commit: enough steps for the new workers to start first
+        grow_steps = 200 if args.smoke else 2 * args.steps
+        joins = [
+            joining(launch(Path(folder) / f"grow{i}", args, grow_step=2, steps=grow_steps)) for i in range(repeats)
+        ]
     total = statistics.median(r["total_s"] for r in recoveries)
     rows = [
         ["step (no commit)", f"{steady['step_ms']:.1f} ms", ""],
@@ -187,12 +218,15 @@ def main(argv: list[str] | None = None) -> int:
             f"aim < {RECOVERY_AIM_SECONDS:g} s: {bench.target_verdict(total, RECOVERY_AIM_SECONDS, False)}",
         ],
         ["steps redone", " ".join(str(r["redone"]) for r in recoveries), ""],
+        ["hosts grow: listed to 4 workers restored", fmt_spread([j["noticed_s"] for j in joins]), ""],
+        ["join: listed to the first step of 4 workers", fmt_spread([j["total_s"] for j in joins]), ""],
     ]
     widths = SMOKE_WIDTHS if args.smoke else FULL_WIDTHS
     title = (
         f"elastic: 4 workers on 2 hosts of this machine, MLP {'-'.join(map(str, widths))}, Adam, {BATCH} samples "
         f"per worker and step; rank 3 killed at step {kill_step}, its host leaves, 2 workers go on "
-        f"({repeats} recoveries; medians, the runs in brackets)"
+        f"({repeats} recoveries; medians, the runs in brackets). Join: 2 workers on {GROW_FROM}, both hosts get a "
+        f"second slot at step 2, noticed at the next commit"
     )
     table = format_table(["", "measured", ""], rows)
     publish_report(

@@ -157,6 +157,7 @@ def test_elastic_smoke_times_commits_and_a_recovery_from_a_killed_worker(
     redone = int(printed.split("steps redone", 1)[1].split()[0])
     assert 0 < redone <= 5, printed  # killed in the middle of the second interval of 5 steps
     assert float(printed.split("commit cost, every 5 steps", 1)[1].split()[0]) > 0
+    assert 0 < float(printed.split("join: listed to the first step of 4 workers", 1)[1].split()[0]) < 120
     body = assert_dated_report(tmp_path / "elastic.txt", "elastic.py", argv)
     assert body.startswith("elastic: 4 workers on 2 hosts of this machine")
 
