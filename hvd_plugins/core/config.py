@@ -162,11 +162,6 @@ class HorovodConfig:
         if self.elastic not in (True, False, "auto"):
             raise ValueError(f"elastic={self.elastic!r} must be True, False or 'auto'")
         validate_commit_interval(self.commit_every_n_steps)
-        if self.elastic is True and self.op == "adasum":
-            raise ValueError(
-                "op='adasum' does not work with elastic=True: Adasum needs Horovod's MPI controller, and elastic "
-                "Horovod runs only with the Gloo controller; use op='average'"
-            )
 
     @staticmethod
     def argument_names() -> tuple[str, ...]:

@@ -30,13 +30,6 @@ def elastic_launch(environ: Mapping[str, str] = os.environ) -> bool:
     return environ.get(ELASTIC_ENV) == "1"
 
 
-def horovod_error_types() -> tuple[type[BaseException], type[BaseException]]:
-    """``(HorovodInternalError, HostsUpdatedInterrupt)``: what a failed collective and a host change raise."""
-    from horovod.common.exceptions import HorovodInternalError, HostsUpdatedInterrupt
-
-    return HorovodInternalError, HostsUpdatedInterrupt
-
-
 class ElasticCommits:
     """The elastic job's last commit: one snapshot (a dict in host memory), kept by Horovod's ``ObjectState``.
 
