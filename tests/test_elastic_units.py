@@ -116,3 +116,11 @@ def test_elastic_settings_are_checked(monkeypatch: pytest.MonkeyPatch) -> None:
         HorovodConfig(commit_every_n_steps=0)
     with pytest.raises(ValueError, match="elastic='yes' must be True, False or 'auto'"):
         HorovodConfig(elastic="yes")  # type: ignore[arg-type]
+
+
+def test_where_an_epoch_stands_travels_in_a_commit_as_plain_values() -> None:
+    progress = EpochSegments(epoch=3, segments=[(4, 5), (2, 7)])
+    plain = progress.as_dict()
+    assert plain == {"epoch": 3, "segments": [[4, 5], [2, 7]]}
+    assert EpochSegments.from_dict(plain) == progress
+    assert EpochSegments.from_dict({}) == EpochSegments()

@@ -30,11 +30,11 @@ from typing import Any, TypeVar
 from lightning.fabric import Fabric
 from torch.utils.data import DataLoader, Dataset
 
-from hvd_plugins.core.backend.elastic import ElasticCommits, elastic_launch, run_elastic
+from hvd_plugins.core.backend.elastic import ElasticCommits, elastic_launch
 from hvd_plugins.core.backend.module import horovod_torch
 from hvd_plugins.core.backend.optimizer import forget_failed_allreduces
-from hvd_plugins.core.comm.naming import COLLECTIVE_NAMES
 from hvd_plugins.core.config import DEFAULT_COMMIT_EVERY_N_STEPS, validate_commit_interval
+from hvd_plugins.core.elastic.attempts import run_attempts
 from hvd_plugins.core.elastic.epoch_split import ElasticDistributedSampler, EpochSegments
 from hvd_plugins.core.elastic.snapshot import host_copy
 from hvd_plugins.fabric.strategies.horovod import HorovodStrategy
@@ -91,10 +91,9 @@ class ElasticLoop:
             def attempt() -> T:
                 if commits.snapshot is not None:
                     self._restore(commits.snapshot)
-                COLLECTIVE_NAMES.restart()  # old and new workers name their next collectives alike
                 return loop(self)
 
-            return run_elastic(attempt, commits, self._after_reset)
+            return run_attempts(attempt, commits, self._after_reset)
 
         return run_loop
 
@@ -152,10 +151,9 @@ class ElasticLoop:
             return
         snapshot = {name: value.state_dict() for name, value in self._stateful.items()}
         snapshot[LOOP_KEY] = {
-            "epoch": self.epoch,
+            **EpochSegments(self.epoch, segments).as_dict(),
             "step": self.step,
             "batches_done": self._batches_done,
-            "segments": segments,
             "plain": {name: getattr(self, name) for name in self._plain},
         }
         self.commits.commit(host_copy(snapshot))
@@ -165,8 +163,8 @@ class ElasticLoop:
         for name, value in self._stateful.items():
             value.load_state_dict(snapshot[name])
         position = snapshot[LOOP_KEY]
-        self.epoch, self.step = int(position["epoch"]), int(position["step"])
-        self._batches_done = int(position["batches_done"])
-        self._segments = [(int(n), int(c)) for n, c in position["segments"]]
+        progress = EpochSegments.from_dict(position)
+        self.epoch, self._segments = progress.epoch, progress.segments
+        self.step, self._batches_done = int(position["step"]), int(position["batches_done"])
         for name, value in position["plain"].items():
             setattr(self, name, value)

@@ -25,9 +25,9 @@ from lightning.pytorch.trainer.states import RunningStage
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler
 from typing_extensions import override
 
-from hvd_plugins.core.backend.elastic import ElasticCommits, run_elastic
+from hvd_plugins.core.backend.elastic import ElasticCommits
 from hvd_plugins.core.backend.module import horovod_torch
-from hvd_plugins.core.comm.naming import COLLECTIVE_NAMES
+from hvd_plugins.core.elastic.attempts import run_attempts
 from hvd_plugins.core.elastic.epoch_split import ElasticDistributedSampler, EpochSegments
 from hvd_plugins.core.elastic.snapshot import host_copy, rescale_learning_rates
 from hvd_plugins.pytorch.loop_events import is_last_batch
@@ -76,10 +76,9 @@ class ElasticFit:
             if commits.snapshot is not None:
                 bound.arguments["ckpt_path"] = COMMIT_PATH
             self._world_size = horovod_torch().size()
-            COLLECTIVE_NAMES.restart()  # old and new workers name their next collectives alike
             return function(*bound.args, **bound.kwargs)
 
-        return run_elastic(attempt, commits, lambda: self._after_reset(trainer))
+        return run_attempts(attempt, commits, lambda: self._after_reset(trainer))
 
     def _after_reset(self, trainer: Trainer) -> None:
         """Horovod runs again, with new ranks: drop what the old world shaped, tell user code."""
@@ -113,8 +112,7 @@ class ElasticFit:
         segments = [*self._epoch.segments, (self._world_size, self._samples_done(batch_idx))]
         snapshot[ELASTIC_KEY] = {
             "world_size": self._world_size,
-            "epoch": trainer.current_epoch,
-            "segments": [list(segment) for segment in segments],
+            **EpochSegments(trainer.current_epoch, segments).as_dict(),
             "batches_done": batch_idx + 1,
             "logger_versions": [getattr(logger, "version", None) for logger in trainer.loggers],
         }
@@ -144,7 +142,7 @@ class ElasticFit:
         committed_size, size = int(elastic.get("world_size", 0)), horovod_torch().size()
         if scale_lr and committed_size and committed_size != size:
             rescale_learning_rates(checkpoint, size / committed_size)
-        self._epoch = EpochSegments(int(elastic.get("epoch", 0)), [(n, c) for n, c in elastic.get("segments", [])])
+        self._epoch = EpochSegments.from_dict(elastic)
         self._segment_start = int(elastic.get("batches_done", 0))
         loggers = trainer.loggers if trainer is not None else []
         for logger, version in zip(loggers, elastic.get("logger_versions", []), strict=False):

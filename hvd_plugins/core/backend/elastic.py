@@ -45,7 +45,6 @@ class ElasticCommits:
 
         hvd = horovod_torch()
         self.state = ObjectState(bcast_object=_broadcast, get_rank=hvd.rank, snapshot=None)
-        self.count = 0
 
     @property
     def snapshot(self) -> dict[str, Any] | None:
@@ -55,7 +54,6 @@ class ElasticCommits:
     def commit(self, snapshot: dict[str, Any]) -> None:
         self.state.snapshot = snapshot
         self.state.commit()  # may raise HostsUpdatedInterrupt, after keeping the snapshot
-        self.count += 1
 
 
 def _broadcast(value: Any, root_rank: int = 0) -> Any:

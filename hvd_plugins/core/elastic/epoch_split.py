@@ -12,8 +12,9 @@ sample. Samples trained after the last commit are rolled back with it and traine
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Sequence, Sized
+from collections.abc import Iterator, Mapping, Sequence, Sized
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch.utils.data import Sampler
@@ -26,14 +27,14 @@ class EpochSegments:
     epoch: int = 0
     segments: list[tuple[int, int]] = field(default_factory=list)
 
-    def as_dict(self) -> dict[str, object]:
+    def as_dict(self) -> dict[str, Any]:
+        """For a commit: plain lists and numbers."""
         return {"epoch": self.epoch, "segments": [list(segment) for segment in self.segments]}
 
     @classmethod
-    def from_dict(cls, value: dict[str, object]) -> EpochSegments:
-        segments = value.get("segments", [])
-        assert isinstance(segments, list)
-        return cls(int(value.get("epoch", 0)), [(int(n), int(c)) for n, c in segments])  # type: ignore[call-overload]
+    def from_dict(cls, value: Mapping[str, Any]) -> EpochSegments:
+        """From ``as_dict``'s keys (missing ones: epoch 0, no segments)."""
+        return cls(int(value.get("epoch", 0)), [(int(n), int(c)) for n, c in value.get("segments", [])])
 
 
 def epoch_order(length: int, epoch: int, shuffle: bool, seed: int) -> list[int]:
