@@ -14,8 +14,8 @@ import torch
 from hvd_plugins.core.config import HorovodConfig
 from hvd_plugins.core.daso import DasoConfig, DasoSchedule, Phase, StepPlan
 from hvd_plugins.core.daso.gradient_sync import DasoGradientSync
+from hvd_plugins.core.daso.parameter_sync import optimizer_state_to_average
 from hvd_plugins.core.daso.schedule import improves
-from hvd_plugins.core.daso.sync import optimizer_state_to_average
 
 
 def run_epoch(schedule: DasoSchedule, batches: int) -> list[StepPlan]:

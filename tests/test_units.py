@@ -356,7 +356,7 @@ def test_waits_poll_only_where_horovods_own_wait_spins(
 def test_daso_sharding_takes_only_cross_node_pairs_whose_sum_ends_in_the_wire_type() -> None:
     """The merge gathers the cross-node sum in its wire type: a relaying pair's sum is in it, an exchanging
     pair's (float32 of two float16 pieces) is not, and gathering that would round it."""
-    from hvd_plugins.core.daso.sync import CrossNodeSharding
+    from hvd_plugins.core.daso.parameter_sync import CrossNodeSharding
 
     groups = build_node_groups(Topology(rank=0, nodes=((0, 1), (2, 3))))
     assert groups.cross is not None and groups.cross.relays

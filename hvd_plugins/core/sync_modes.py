@@ -8,27 +8,36 @@ from hvd_plugins.core.comm.counters import CommCounters, Scope
 from hvd_plugins.core.comm.gradient_sync import AdasumOptimizerSync, GradientSync, HorovodOptimizerSync
 from hvd_plugins.core.comm.hierarchical_sync import HierarchicalGradientSync
 from hvd_plugins.core.comm.topology import build_node_groups, discover_topology
-from hvd_plugins.core.config import HorovodConfig
+from hvd_plugins.core.config import HIERARCHICAL_IMPLS, SYNC_MODES, HorovodConfig
 from hvd_plugins.core.daso.gradient_sync import DasoGradientSync
 
 
 def make_gradient_sync(config: HorovodConfig, counters: CommCounters) -> GradientSync:
-    """The gradient sync ``config`` asks for. Node-aware modes learn the layout here: a collective."""
+    """The gradient sync ``config.sync`` names. Node-aware modes learn the layout here: a collective."""
     compressor = compressor_by_name(config.compression)
-    if config.node_aware:
-        groups = build_node_groups(discover_topology())
-        if config.daso is not None:
+    match config.sync, config.hierarchical_impl:
+        case ("allreduce", _) | ("hierarchical", "native"):  # native: Horovod's own two-level allreduce
+            scope = Scope.CROSS_NODE if horovod_torch().cross_size() > 1 else Scope.NODE_LOCAL
+            flat = AdasumOptimizerSync if config.op == "adasum" else HorovodOptimizerSync
+            return flat(
+                compressor, config.op, counters, scope, gradient_predivide_factor=config.gradient_predivide_factor
+            )
+        case ("hierarchical", "portable"):
+            return HierarchicalGradientSync(
+                build_node_groups(discover_topology()),
+                compressor,
+                config.op,
+                counters,
+                compress_node_local=config.compress_node_local,
+                bucket_bytes=config.bucket_bytes,
+                flat_below_bytes=config.flat_below_bytes,
+                tune_route=config.tune_hierarchical_route,
+            )
+        case ("daso", _):
+            assert config.daso is not None  # HorovodConfig fills it in for sync="daso"
+            groups = build_node_groups(discover_topology())
             return DasoGradientSync(config.daso, groups, compressor, config.op, counters, config.bucket_bytes)
-        return HierarchicalGradientSync(
-            groups,
-            compressor,
-            config.op,
-            counters,
-            compress_node_local=config.compress_node_local,
-            bucket_bytes=config.bucket_bytes,
-            flat_below_bytes=config.flat_below_bytes,
-            tune_route=config.tune_hierarchical_route,
-        )
-    scope = Scope.CROSS_NODE if horovod_torch().cross_size() > 1 else Scope.NODE_LOCAL
-    flat = AdasumOptimizerSync if config.op == "adasum" else HorovodOptimizerSync
-    return flat(compressor, config.op, counters, scope, gradient_predivide_factor=config.gradient_predivide_factor)
+    raise ValueError(
+        f"sync={config.sync!r} with hierarchical_impl={config.hierarchical_impl!r} is not a known pair; "
+        f"sync is one of {SYNC_MODES}, hierarchical_impl one of {HIERARCHICAL_IMPLS}"
+    )

@@ -1,7 +1,7 @@
 """DASO fits and probes run under horovodrun on emulated nodes (entry point: tests/workers/daso_checks.py).
 
 Consistency after every step and every epoch, rounds per step from the counters, final loss,
-bytes on the wire, and the merge weight driven directly on a DasoSync.
+bytes on the wire, and the merge weight driven directly on a DasoParameterSync.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 from hvd_plugins.core.comm.counters import CommCounters
 from hvd_plugins.core.comm.topology import build_node_groups, start_horovod_and_discover
 from hvd_plugins.core.daso.config import DasoConfig
-from hvd_plugins.core.daso.sync import DasoSync
+from hvd_plugins.core.daso.parameter_sync import DasoParameterSync
 from hvd_plugins.pytorch import HorovodStrategy
 from hvd_plugins.pytorch.callbacks import DasoScheduleCallback
 
@@ -293,19 +293,19 @@ def set_parameters(model: nn.Module, values: torch.Tensor) -> None:
 
 
 def check_merge_weight() -> dict[str, Any]:
-    """DasoSync's non-blocking merge is exactly ``p = (2B * p_local + S) / (2B + N)``, for B = 1 and B = 2.
+    """DasoParameterSync's non-blocking merge is exactly ``p = (2B * p_local + S) / (2B + N)``, for B = 1 and B = 2.
 
-    Drives a DasoSync directly with parameters set to known per-node values: what each node holds
+    Drives a DasoParameterSync directly with parameters set to known per-node values: what each node holds
     when it sends (``sent``) and when the sum arrives B steps later (``local``). Values are multiples
     of 1/4, so float64 parameters with an fp32 wire give the formula exactly. Constant epoch losses
     walk the schedule (patience 0) from its cycling start (4, 1, 1) over (2, 1, 1) and (1, 1, 1) to its reset (8, 2, 2).
     """
-    topology = start_horovod_and_discover(hvd)  # the layout DasoSync reaches its partners by
+    topology = start_horovod_and_discover(hvd)  # the layout DasoParameterSync reaches its partners by
     groups = build_node_groups(topology)
     config = DasoConfig(
         warmup_epochs=0, cooldown_epochs=0, stable_epochs=0, max_global_skips=8, local_skip_factor=4, downcast="fp32"
     )
-    daso = DasoSync(config, groups, CommCounters(), total_epochs=None)
+    daso = DasoParameterSync(config, groups, CommCounters(), total_epochs=None)
     model = nn.Linear(4, 3).double()  # 15 parameters: an odd count, so the shards of a node are padded
     numel = sum(p.numel() for p in model.parameters())
     set_parameters(model, torch.full((numel,), 0.5, dtype=torch.float64))  # equal everywhere, as setup requires
@@ -357,7 +357,7 @@ def check_merge_weight() -> dict[str, Any]:
                     "error_if_local_kept": error(local),
                 }
             )
-        daso.on_train_epoch_end(1.0)  # closes the epoch with a blocking sync; a constant loss is a plateau
+        daso.on_train_epoch_end(lambda: 1.0)  # closes the epoch with a blocking sync; a constant loss is a plateau
     return {"cases": cases, "nodes": nodes, "merges": daso.merges, "downcast": config.downcast}
 
 
@@ -382,7 +382,7 @@ def check_closing_average() -> dict[str, Any]:
 def _closing_average(topology: Any, dtype: torch.dtype, downcast: str) -> dict[str, Any]:
     counters = CommCounters()
     config = DasoConfig(warmup_epochs=0, cooldown_epochs=0, downcast=downcast)
-    daso = DasoSync(config, build_node_groups(topology), counters, total_epochs=None)
+    daso = DasoParameterSync(config, build_node_groups(topology), counters, total_epochs=None)
     model = nn.Sequential(nn.Linear(4, 3), nn.BatchNorm1d(3)).to(dtype)  # 21 parameters: shards are padded
     numel = sum(p.numel() for p in model.parameters())
     set_parameters(model, torch.zeros(numel, dtype=dtype))  # equal everywhere, as setup requires

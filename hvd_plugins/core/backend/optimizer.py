@@ -17,12 +17,11 @@ from hvd_plugins.core.backend.module import horovod_torch
 def set_backward_passes(optimizer: Optimizer, passes: int) -> None:
     """Change how many backward passes a DistributedOptimizer accumulates before it allreduces.
 
-    Safe between steps only: no allreduce is pending, so the per-parameter countdowns can restart.
+    Safe between steps only: no allreduce is pending, so the per-parameter countdowns can restart
+    (Horovod's public ``set_backward_passes_per_step`` restarts them).
     """
-    if hasattr(optimizer, "backward_passes_per_step"):
-        optimizer.backward_passes_per_step = passes
-        for parameter in optimizer._allreduce_delay:
-            optimizer._allreduce_delay[parameter] = passes
+    if hasattr(optimizer, "set_backward_passes_per_step"):
+        optimizer.set_backward_passes_per_step(passes)
 
 
 def delay_next_allreduce(optimizer: Optimizer) -> None:
@@ -69,9 +68,7 @@ def forget_failed_allreduces(optimizer: Optimizer) -> None:
     """After an elastic reset: drop the handles of allreduces the old Horovod started (they will never complete)
     and start each parameter's countdown again, so the next backward starts its allreduces as usual."""
     getattr(optimizer, "_handles", {}).clear()
-    passes = getattr(optimizer, "backward_passes_per_step", 1)
-    for parameter in getattr(optimizer, "_allreduce_delay", {}):
-        optimizer._allreduce_delay[parameter] = passes
+    set_backward_passes(optimizer, getattr(optimizer, "backward_passes_per_step", 1))
 
 
 _SHARED_CLASSES: dict[tuple[type, Any], type] = {}

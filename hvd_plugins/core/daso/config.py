@@ -2,7 +2,7 @@
 
 Defaults follow the reference implementation except ``downcast``: the reference sends bfloat16,
 we default to fp16. Horovod cannot reduce bfloat16, so here bf16 is only emulated (rounded, then
-sent as float32) and saves no bytes; fp16 halves them, and because ``daso.sync`` sends the drift
+sent as float32) and saves no bytes; fp16 halves them, and because ``daso.parameter_sync`` sends the drift
 since the last sync rather than the weights, fp16's rounding stays small.
 """
 

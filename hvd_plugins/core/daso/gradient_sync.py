@@ -1,7 +1,7 @@
 """DASO as a sync mode: its gradient average, and the parameter syncer and schedule it owns and drives.
 
 The gradient half runs after every backward: over ALL workers in warmup and cooldown, inside the
-node while cycling. The parameter half (``DasoSync``) runs after each optimizer step and at each
+node while cycling. The parameter half (``DasoParameterSync``) runs after each optimizer step and at each
 epoch's end; the schedule it holds is what a checkpoint keeps.
 """
 
@@ -22,7 +22,7 @@ from hvd_plugins.core.comm.gradient_sync import GradientSync, gradients_of
 from hvd_plugins.core.comm.partners import group_sum
 from hvd_plugins.core.comm.topology import NodeGroups
 from hvd_plugins.core.daso.config import DasoConfig
-from hvd_plugins.core.daso.sync import DasoSync
+from hvd_plugins.core.daso.parameter_sync import DasoParameterSync
 
 
 class DasoGradientSync(GradientSync):
@@ -55,7 +55,7 @@ class DasoGradientSync(GradientSync):
         self.op = op
         self.counters = counters
         self.bucket_bytes = bucket_bytes
-        self.daso: DasoSync | None = None
+        self.daso: DasoParameterSync | None = None
         """The running fit's parameter syncer; ``daso.schedule`` is public for callbacks."""
         self._restored_schedule: Mapping[str, Any] | None = None
         self._names: dict[int, str] = {}  # by optimizer, in wrap order: equal on every rank
@@ -88,7 +88,7 @@ class DasoGradientSync(GradientSync):
     # ------------------------------------------------------------------ training-loop hooks
     def setup(self, model: Module, optimizers: Sequence[Optimizer], total_epochs: int | None) -> None:
         """A fresh syncer per fit; its schedule continues from a checkpoint when one was loaded."""
-        self.daso = DasoSync(self.config, self.groups, self.counters, total_epochs=total_epochs)
+        self.daso = DasoParameterSync(self.config, self.groups, self.counters, total_epochs=total_epochs)
         self.daso.setup(model, optimizers)
         if self._restored_schedule is not None:
             self.daso.schedule.load_state_dict(dict(self._restored_schedule))
@@ -108,8 +108,7 @@ class DasoGradientSync(GradientSync):
 
     def on_train_epoch_end(self, epoch_loss: Callable[[], float | None]) -> None:
         if self.daso is not None:
-            # Every worker takes part, so every worker's schedule sees the same loss.
-            self.daso.on_train_epoch_end(epoch_loss())
+            self.daso.on_train_epoch_end(epoch_loss)
 
     def state_dict(self) -> dict[str, Any]:
         return {"daso_schedule": self.daso.schedule.state_dict()} if self.daso is not None else {}

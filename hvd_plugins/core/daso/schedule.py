@@ -4,7 +4,7 @@ No Horovod, Lightning or torch here, so every transition can be unit-tested on a
 sequence. One object owns every counter (epoch, step in the epoch, the message in flight).
 
 Phases. Warmup and cooldown epochs are synchronous data parallelism: the gradients of every
-step are averaged over ALL workers (see ``DasoSync.gradients_over_all_workers``), so parameters
+step are averaged over ALL workers (see ``DasoParameterSync.gradients_over_all_workers``), so parameters
 and optimizer state never differ and no parameter sync runs; they are written
 ``global_skips=1, batches_to_wait=0``. Cycling epochs average gradients inside the node only and
 sync parameters across nodes every ``global_skips`` steps, the result arriving

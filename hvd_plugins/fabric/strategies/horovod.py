@@ -33,7 +33,6 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from hvd_plugins.core.averaging import GradientAveraging
 from hvd_plugins.core.backend import capabilities
 from hvd_plugins.core.backend import optimizer as horovod_optimizer
 from hvd_plugins.core.backend.module import horovod_torch
@@ -50,6 +49,7 @@ from hvd_plugins.core.config import (
     StallTimeout,
     SyncMode,
 )
+from hvd_plugins.core.sync_guards import SyncGuards
 from hvd_plugins.core.sync_modes import make_gradient_sync
 from hvd_plugins.core.training_state import broadcast_optimizer_state_, param_groups_kept, wrap_optimizers
 from hvd_plugins.fabric.plugins.environments.horovod import HorovodEnvironment
@@ -144,7 +144,7 @@ class HorovodStrategy(HorovodStrategyShared, ParallelStrategy):
         self._num_nodes = 1  # set by Fabric's connector
         self.comm_counters = CommCounters()
         self.gradient_sync: GradientSync | None = None  # built at the first setup (node-aware: a collective)
-        self._averaging = GradientAveraging(self.config)
+        self._guards = SyncGuards(self.config)
         self._backward_sync_control = _HoldAllreduces(self)
         self._wrapped: list[Optimizer] = []  # every optimizer set up so far, in order (names opt0, opt1, ...)
         self._averaged: set[int] = set()  # optimizers whose gradients are averaged for the coming step
@@ -228,7 +228,7 @@ class HorovodStrategy(HorovodStrategyShared, ParallelStrategy):
         optimizer = getattr(optimizer, "optimizer", optimizer)  # Fabric's wrapper
         if self.gradient_sync is None or id(optimizer) in self._averaged:
             return
-        with self._averaging.waiting("gradient allreduce"):
+        with self._guards.waiting("gradient allreduce"):
             self.gradient_sync.synchronize(optimizer)
         self._averaged.add(id(optimizer))
 
@@ -294,12 +294,12 @@ class HorovodStrategy(HorovodStrategyShared, ParallelStrategy):
         """After an elastic reset (``hvd_plugins.fabric.ElasticLoop``): the new rank in rank-zero output and the
         watchdog's reports, and no step's gradients counted as averaged."""
         rank_zero_only.rank = self.global_rank
-        self._averaging.follow_world(self.global_rank, self.world_size)
+        self._guards.follow_world(self.global_rank, self.world_size)
         self._averaged.clear()
 
     @override
     def teardown(self) -> None:
-        self._averaging.stop_checking()
+        self._guards.stop_checking()
         if self.gradient_sync is not None:
             self.gradient_sync.teardown(self._wrapped)
         super().teardown()

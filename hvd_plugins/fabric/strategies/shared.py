@@ -3,7 +3,7 @@ collectives.
 
 A mixin placed before Lightning's ``ParallelStrategy`` (of either Lightning package) in each class;
 it relies on what that base provides (``world_size``, ``parallel_devices``, ``local_rank``, ``num_nodes``)
-and on the strategy's ``config``, ``_environment`` and ``_averaging`` (the watchdog that bounds waits).
+and on the strategy's ``config``, ``_environment`` and ``_guards`` (the watchdog that bounds waits).
 """
 
 from __future__ import annotations
@@ -17,13 +17,13 @@ from lightning.fabric.plugins import CheckpointIO
 from torch import Tensor
 from torch.optim import Optimizer
 
-from hvd_plugins.core.averaging import GradientAveraging
 from hvd_plugins.core.backend.module import horovod_torch
 from hvd_plugins.core.backend.runner import local_launch_size
 from hvd_plugins.core.backend.startup import init_horovod
 from hvd_plugins.core.comm import collectives
 from hvd_plugins.core.comm.gradient_sync import GradientSync
 from hvd_plugins.core.config import HorovodConfig
+from hvd_plugins.core.sync_guards import SyncGuards
 from hvd_plugins.core.worker import prepare_worker
 from hvd_plugins.fabric.plugins.environments.horovod import HorovodEnvironment
 from hvd_plugins.fabric.plugins.io.atomic import AtomicCheckpointIO
@@ -37,7 +37,7 @@ class HorovodStrategyShared:
     config: HorovodConfig
     gradient_sync: GradientSync | None
     _environment: HorovodEnvironment
-    _averaging: GradientAveraging
+    _guards: SyncGuards
     _checkpoint_io: CheckpointIO | None
     world_size: int
     local_rank: int
@@ -55,7 +55,7 @@ class HorovodStrategyShared:
     def _start_worker(self) -> ModuleType:
         """In every worker, before any collective: Horovod running, the watchdog on, devices checked, worker ready."""
         hvd = init_horovod(self.config)
-        self._averaging.start_watching(hvd.rank(), hvd.size())
+        self._guards.start_watching(hvd.rank(), hvd.size())
         assert self.parallel_devices is not None
         devices, local_size = len(self.parallel_devices), hvd.local_size()
         on_gpu = self.parallel_devices[0].type == "cuda"
@@ -71,7 +71,7 @@ class HorovodStrategyShared:
         if self.gradient_sync is None:
             return
         for optimizer in optimizers:
-            with self._averaging.waiting("gradient allreduce"):
+            with self._guards.waiting("gradient allreduce"):
                 self.gradient_sync.before_backward(optimizer)
 
     @property
@@ -107,5 +107,5 @@ class HorovodStrategyShared:
 
     def barrier(self, name: str | None = None) -> None:
         if self.world_size > 1 and horovod_torch().is_initialized():
-            with self._averaging.waiting(f"barrier {name or ''}".strip()):
+            with self._guards.waiting(f"barrier {name or ''}".strip()):
                 horovod_torch().barrier()

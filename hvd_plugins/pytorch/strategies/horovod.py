@@ -28,7 +28,6 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from hvd_plugins.core.averaging import GradientAveraging
 from hvd_plugins.core.backend import capabilities
 from hvd_plugins.core.backend import optimizer as horovod_optimizer
 from hvd_plugins.core.backend.agreement import assert_ranks_agree
@@ -56,6 +55,7 @@ from hvd_plugins.core.faults.fingerprints import job_fingerprint, optimizer_fing
 from hvd_plugins.core.faults.preemption import slurm_job_id
 from hvd_plugins.core.faults.report import report_failure
 from hvd_plugins.core.metrics_sync import attach_horovod_metric_sync
+from hvd_plugins.core.sync_guards import SyncGuards
 from hvd_plugins.core.sync_modes import make_gradient_sync
 from hvd_plugins.core.training_state import broadcast_optimizer_states_, scale_learning_rates_, wrap_optimizers
 from hvd_plugins.fabric.plugins.environments.horovod import HorovodEnvironment
@@ -149,7 +149,7 @@ class HorovodStrategy(HorovodStrategyShared, ParallelStrategy):
         self.comm_counters = CommCounters()
         self.gradient_sync: GradientSync | None = None  # built at the first setup, kept across fits
         self.topology: Topology | None = None  # which workers share a node (node-aware syncs, once set up)
-        self._averaging = GradientAveraging(self.config)
+        self._guards = SyncGuards(self.config)
         self._restored_sync_state: dict[str, Any] = {}  # from a checkpoint, until the sync exists
         self._progress_bar_given: bool | None = None
         self._resume_position = ResumePosition()  # a mid-epoch resume continues at the next batch
@@ -172,7 +172,7 @@ class HorovodStrategy(HorovodStrategyShared, ParallelStrategy):
 
     @property
     def daso_sync(self) -> Any:
-        """The running fit's DasoSync with ``sync="daso"`` (its ``schedule`` has phase and history), else None."""
+        """The running fit's DasoParameterSync with ``sync="daso"`` (its ``schedule``: phase, history), else None."""
         return getattr(self.gradient_sync, "daso", None)
 
     @property
@@ -264,7 +264,7 @@ class HorovodStrategy(HorovodStrategyShared, ParallelStrategy):
         self.gradient_sync.backward_passes = max(1, int(trainer.accumulate_grad_batches))
         schedulers = [config.scheduler for config in self.lr_scheduler_configs]
         self.optimizers = wrap_optimizers(self.gradient_sync, self.optimizers, self.lightning_module, schedulers)
-        self._averaging.check_gradients_of(self.optimizers, self.precision_plugin)
+        self._guards.check_gradients_of(self.optimizers, self.precision_plugin)
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
@@ -288,7 +288,7 @@ class HorovodStrategy(HorovodStrategyShared, ParallelStrategy):
 
         def closure_then_average() -> Any:
             result = closure()  # forward + backward of the micro-batch that steps
-            self._averaging.after_backward(sync, optimizer, lambda: training_position(self._trainer))
+            self._guards.after_backward(sync, optimizer, lambda: training_position(self._trainer))
             return result
 
         with sync.deferred(optimizer):
@@ -314,7 +314,7 @@ class HorovodStrategy(HorovodStrategyShared, ParallelStrategy):
         """After an elastic reset: what the old ranks and size shaped is built again at the next setup."""
         self.gradient_sync = None
         self.topology = None
-        self._averaging.follow_world(self.global_rank, self.world_size)
+        self._guards.follow_world(self.global_rank, self.world_size)
 
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, *args: Any, **kwargs: Any) -> dict[str, Any]:
@@ -361,7 +361,7 @@ class HorovodStrategy(HorovodStrategyShared, ParallelStrategy):
 
     @override
     def teardown(self) -> None:
-        self._averaging.stop_checking()
+        self._guards.stop_checking()
         if self.gradient_sync is not None:
             self.gradient_sync.teardown(self.optimizers)  # its state (the measured route) stays for a later fit
         trainer = self._trainer

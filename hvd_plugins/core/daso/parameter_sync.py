@@ -56,7 +56,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -200,13 +200,14 @@ class CrossNodeSharding:
         return self.gather_all_in_node(self.finish_sums(pending), layouts)
 
 
-class DasoSync:
+class DasoParameterSync:
     """Runs the cross-node half of DASO after each optimizer step, as the schedule says.
 
     ``DasoGradientSync`` calls :meth:`setup` once the optimizers exist and asks
     :meth:`gradients_over_all_workers` at every step; from the training loop's hooks it calls
     :meth:`on_train_epoch_start`, :meth:`after_optimizer_step` after every batch that stepped and
-    :meth:`on_train_epoch_end` with the epoch's loss averaged over all workers.
+    :meth:`on_train_epoch_end` with the callable that gives the epoch's loss averaged over all workers
+    (the signature of ``TrainingLoopHooks``).
     ``schedule`` is public for callbacks (phase, global_skips, batches_to_wait, history).
     """
 
@@ -282,18 +283,23 @@ class DasoSync:
     def after_optimizer_step(self, last_batch_of_epoch: bool) -> None:
         self._carry_out(self.schedule.on_optimizer_step(last_batch_of_epoch))
 
-    def on_train_epoch_end(self, epoch_loss: float | None) -> None:
-        """Settle what the epoch still owes, then let the schedule pick the next epoch's settings."""
+    def on_train_epoch_end(self, epoch_loss: Callable[[], float | None]) -> None:
+        """Settle what the epoch still owes, then let the schedule pick the next epoch's settings.
+
+        ``epoch_loss()`` is the all-worker mean loss (a collective): every worker asks it, so every
+        worker's schedule sees the same value.
+        """
+        loss = epoch_loss()
         if self.schedule.phase.synchronous:
             finish_buffer_average(self._start_buffer_average())
         self._carry_out(self.schedule.finish_epoch())
         before = (self.schedule.phase, *self.schedule.settings)
-        self.schedule.end_epoch(epoch_loss)
+        self.schedule.end_epoch(loss)
         after = (self.schedule.phase, *self.schedule.settings)
         if self.config.verbose and after != before and horovod_torch().rank() == 0:
             log.info(
                 f"DASO epoch {self.schedule.epoch}: phase={after[0].value} global_skips={after[1]} "
-                f"local_skips={after[2]} batches_to_wait={after[3]} (loss {epoch_loss})"
+                f"local_skips={after[2]} batches_to_wait={after[3]} (loss {loss})"
             )
 
     def _carry_out(self, plan: StepPlan) -> None:

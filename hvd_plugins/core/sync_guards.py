@@ -19,8 +19,12 @@ from hvd_plugins.core.faults.finite import FiniteGradientCheck, require_no_grad_
 from hvd_plugins.core.faults.watchdog import CollectiveWatchdog
 
 
-class GradientAveraging:
-    """Owns the watchdog (one per process, from the first setup on) and the finite check of the running fit."""
+class SyncGuards:
+    """The guards around every gradient sync: the stall watchdog and the NaN/Inf check.
+
+    Owns the watchdog (one per process, from the first setup on) and the finite check of the running
+    fit; it averages nothing itself, the gradient sync it is handed does.
+    """
 
     def __init__(self, config: HorovodConfig) -> None:
         self.config = config
