@@ -45,7 +45,8 @@ if [ "${#EXTRA[@]}" -gt 0 ]; then
   echo "[setup] this cell: ${EXTRA[*]}" >&2
   pip install --quiet "${EXTRA[@]}" 2>&1 | grep -v "^WARNING: Location" >&2 || true
 fi
-pip install --quiet --no-build-isolation -e "$ROOT" 2>&1 | grep -v "^WARNING: Location" >&2 || true
+# compat: a plain path entry (no import finder); setup.py writes the generated pytorch_lightning faces.
+pip install --quiet --no-build-isolation -e "$ROOT" --config-settings editable_mode=compat 2>&1 | grep -v "^WARNING: Location" >&2 || true
 # One interpreter checks that everything imports and says what was set up.
 python -c 'import sys, hvd_plugins, horovod, horovod.torch, lightning, numpy, sklearn, torch, torchmetrics
 print(f"[setup] ready: torch {torch.__version__}, lightning {lightning.__version__}, numpy {numpy.__version__}, "

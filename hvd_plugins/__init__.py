@@ -4,14 +4,13 @@
 ``"horovod_hierarchical"`` and ``"horovod_daso"`` with the Trainer of every Lightning package
 installed: ``lightning`` (``lightning.pytorch``) and ``pytorch_lightning``. Classes for a Trainer
 come from its face: ``hvd_plugins.pytorch`` for ``lightning.pytorch`` (also importable from here),
-``hvd_plugins.pytorch_lightning`` for ``pytorch_lightning``; both are built from one source
-(``hvd_plugins.mirror``). ``hvd_plugins.core`` holds what needs no Lightning.
+``hvd_plugins.pytorch_lightning`` for ``pytorch_lightning``, files generated from the first at build
+time (``hvd_plugins.mirror``). ``hvd_plugins.core`` holds what needs no Lightning.
 """
 
 import logging
 from importlib.util import find_spec
 
-from hvd_plugins import mirror
 from hvd_plugins.core.comm.counters import CommCounters
 from hvd_plugins.core.config import HorovodConfig
 from hvd_plugins.core.daso.config import DasoConfig
@@ -33,22 +32,39 @@ def _log_to_stderr() -> None:
     logger.propagate = False
 
 
+def _generated_face_missing(error: ModuleNotFoundError) -> ImportError:
+    """In a source tree that was never installed, the generated faces do not exist yet: say how to make them."""
+    return ImportError(
+        f"{error.name} is generated from hvd_plugins/pytorch when the package is built or installed, and is "
+        "missing here: run `pip install -e .` (or `python hvd_plugins/mirror.py`) in the source tree"
+    )
+
+
 _log_to_stderr()
-mirror.install()
 note_early_warning_signal()  # in a Slurm job: a time-limit warning during start-up is kept, not fatal
 
 if find_spec("lightning") is not None:
     from hvd_plugins.pytorch import AtomicCheckpointIO, HorovodEnvironment, HorovodStrategy, HorovodSyncBatchNorm
 
     if find_spec("pytorch_lightning") is not None:
-        import hvd_plugins.pytorch_lightning  # noqa: F401  (registers the names with pytorch_lightning's Trainer)
+        try:
+            import hvd_plugins.pytorch_lightning  # noqa: F401  (registers the names with its Trainer)
+        except ModuleNotFoundError as error:
+            if not (error.name or "").startswith("hvd_plugins."):
+                raise
+            raise _generated_face_missing(error) from error
 else:
-    from hvd_plugins.pytorch_lightning import (  # type: ignore[no-redef]
-        AtomicCheckpointIO,
-        HorovodEnvironment,
-        HorovodStrategy,
-        HorovodSyncBatchNorm,
-    )
+    try:
+        from hvd_plugins.pytorch_lightning import (
+            AtomicCheckpointIO,
+            HorovodEnvironment,
+            HorovodStrategy,
+            HorovodSyncBatchNorm,
+        )
+    except ModuleNotFoundError as error:
+        if not (error.name or "").startswith("hvd_plugins."):
+            raise
+        raise _generated_face_missing(error) from error
 
 __all__ = [
     "AtomicCheckpointIO",

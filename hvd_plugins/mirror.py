@@ -1,30 +1,30 @@
-"""One source, two Lightning packages: ``hvd_plugins.pytorch_lightning`` is ``hvd_plugins.pytorch`` rewritten.
+"""One source, two Lightning packages: the ``pytorch_lightning`` faces are generated files.
 
 ``lightning.pytorch`` and ``pytorch_lightning`` are the same code published twice, with classes of
 their own: a ``pytorch_lightning.Trainer`` takes only strategies and callbacks that subclass
 ``pytorch_lightning`` classes. Lightning builds ``pytorch_lightning`` by rewriting the imports of
-``lightning.pytorch`` when it packages it; this module does the same when a face is imported. The
-faces' source exists once (``hvd_plugins/pytorch``, ``hvd_plugins/fabric``); a finder on
-``sys.meta_path`` serves
+``lightning.pytorch`` when it packages it; this module does the same for this package's faces:
 
-- ``hvd_plugins.pytorch_lightning[.x]`` from ``hvd_plugins/pytorch[/x]``, and
-- ``hvd_plugins.lightning_fabric[.x]`` from ``hvd_plugins/fabric[/x]``,
+- ``hvd_plugins/pytorch_lightning/`` is generated from ``hvd_plugins/pytorch/``, and
+- ``hvd_plugins/lightning_fabric/`` from ``hvd_plugins/fabric/``,
 
-compiling each file with ``lightning.pytorch`` -> ``pytorch_lightning``, ``lightning.fabric`` ->
-``lightning_fabric`` and the face names rewritten. Line numbers are kept, so tracebacks point at the
-real source. The core (``hvd_plugins.core``) imports no Lightning and is shared as it is.
+with ``lightning.pytorch`` -> ``pytorch_lightning``, ``lightning.fabric`` -> ``lightning_fabric`` and
+the face names rewritten, line for line. ``setup.py`` generates them on every build and install
+(wheel, sdist, ``pip install -e .``); after editing a face in a development install, run
+``python -m hvd_plugins.mirror`` (the test suite fails while they are stale). They are ordinary
+files: IDEs and type checkers resolve them, Python caches their bytecode, tracebacks show their
+own text. The core (``hvd_plugins.core``) imports no Lightning and is shared as it is.
+
+Only the standard library is used here, so ``setup.py`` can load this file before anything is
+installed.
 """
 
 from __future__ import annotations
 
-import importlib.abc
-import importlib.machinery
-import importlib.util
 import re
+import shutil
 import sys
-from collections.abc import Sequence
 from pathlib import Path
-from types import ModuleType
 
 PACKAGE_DIR = Path(__file__).resolve().parent
 
@@ -36,11 +36,14 @@ RENAMES = {
 }
 """Module prefixes of the ``lightning`` faces and what they become in the standalone packages' faces."""
 
-MIRRORS = {"hvd_plugins.pytorch_lightning": "pytorch", "hvd_plugins.lightning_fabric": "fabric"}
-"""Mirrored package -> the folder (under ``hvd_plugins/``) whose source it is built from."""
+MIRRORS = {"pytorch_lightning": "pytorch", "lightning_fabric": "fabric"}
+"""Generated face folder (under ``hvd_plugins/``) -> the face folder it is generated from."""
 
 TRAINER_FACES = {"lightning.pytorch": "hvd_plugins.pytorch", "pytorch_lightning": "hvd_plugins.pytorch_lightning"}
 """Lightning package of a Trainer -> the face whose classes it takes."""
+
+HEADER = "# Generated from hvd_plugins/{source} by `python -m hvd_plugins.mirror`: edit that file, not this one.\n"
+"""First line of every generated file; ``generated_files`` also recognises a file by it."""
 
 _PATTERN = re.compile(r"(?<![\w.])(" + "|".join(re.escape(name) for name in RENAMES) + r")(?!\w)")
 
@@ -56,41 +59,61 @@ def other_trainer_face(lightning_package: str) -> tuple[str, str]:
     return other, TRAINER_FACES[other]
 
 
-class _RewritingLoader(importlib.machinery.SourceFileLoader):
-    """Loads a face's source file rewritten for the standalone packages (never from or into ``__pycache__``)."""
-
-    def get_source(self, fullname: str) -> str:
-        return rewrite(Path(self.path).read_text(encoding="utf-8"))
-
-    def get_code(self, fullname: str):  # type: ignore[override]  # returns a code object
-        return compile(self.get_source(fullname), self.path, "exec", dont_inherit=True)
-
-
-class MirrorFinder(importlib.abc.MetaPathFinder):
-    """Finds the modules of the mirrored faces in the source folders of the ``lightning`` faces."""
-
-    def find_spec(
-        self, fullname: str, path: Sequence[str] | None = None, target: ModuleType | None = None
-    ) -> importlib.machinery.ModuleSpec | None:
-        for mirror, folder in MIRRORS.items():
-            if fullname == mirror or fullname.startswith(mirror + "."):
-                relative = fullname[len(mirror) :].lstrip(".").split(".") if fullname != mirror else []
-                return _spec_for(fullname, PACKAGE_DIR.joinpath(folder, *relative))
-        return None
+def expected_files(package_dir: Path = PACKAGE_DIR) -> dict[Path, str]:
+    """Every generated file's path and the text it should hold, from the faces' current source."""
+    expected: dict[Path, str] = {}
+    for mirror, folder in MIRRORS.items():
+        for source in sorted((package_dir / folder).rglob("*.py")):
+            relative = source.relative_to(package_dir / folder)
+            header = HEADER.format(source=f"{folder}/{relative.as_posix()}")
+            expected[package_dir / mirror / relative] = header + rewrite(source.read_text(encoding="utf-8"))
+    return expected
 
 
-def _spec_for(fullname: str, location: Path) -> importlib.machinery.ModuleSpec | None:
-    if (location / "__init__.py").is_file():
-        file, search = location / "__init__.py", [str(location)]
-    elif location.with_suffix(".py").is_file():
-        file, search = location.with_suffix(".py"), None
-    else:
-        return None
-    loader = _RewritingLoader(fullname, str(file))
-    return importlib.util.spec_from_file_location(fullname, file, loader=loader, submodule_search_locations=search)
+def generated_files(package_dir: Path = PACKAGE_DIR) -> list[Path]:
+    """The ``.py`` files now in the generated folders."""
+    return sorted(path for mirror in MIRRORS for path in (package_dir / mirror).rglob("*.py"))
 
 
-def install() -> None:
-    """Put the finder first on ``sys.meta_path`` (once)."""
-    if not any(isinstance(finder, MirrorFinder) for finder in sys.meta_path):
-        sys.meta_path.insert(0, MirrorFinder())
+def stale_files(package_dir: Path = PACKAGE_DIR) -> list[str]:
+    """What ``generate`` would change: files missing, different or left over (empty when up to date)."""
+    expected = expected_files(package_dir)
+    stale = [
+        f"{path.relative_to(package_dir)} ({'missing' if not path.is_file() else 'differs'})"
+        for path, text in expected.items()
+        if not path.is_file() or path.read_text(encoding="utf-8") != text
+    ]
+    stale += [
+        f"{path.relative_to(package_dir)} (no source)" for path in generated_files(package_dir) if path not in expected
+    ]
+    return stale
+
+
+def generate(package_dir: Path = PACKAGE_DIR) -> list[Path]:
+    """Write the generated faces; returns the files written or removed (unchanged files keep their bytecode)."""
+    expected = expected_files(package_dir)
+    changed = []
+    for path in generated_files(package_dir):
+        if path not in expected:
+            path.unlink()
+            changed.append(path)
+    for path, text in expected.items():
+        if not path.is_file() or path.read_text(encoding="utf-8") != text:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(text, encoding="utf-8")
+            changed.append(path)
+    for mirror in MIRRORS:  # folders whose source folder is gone
+        for folder in sorted((package_dir / mirror).rglob("*"), reverse=True):
+            if folder.is_dir() and folder.name != "__pycache__" and not any(folder.rglob("*.py")):
+                shutil.rmtree(folder)
+    return changed
+
+
+def main() -> int:
+    changed = generate()
+    print(f"hvd_plugins.mirror: {len(changed)} generated file(s) written or removed under {PACKAGE_DIR}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
