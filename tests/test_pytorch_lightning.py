@@ -17,14 +17,14 @@ from hvd_launch import LIGHTNING_PACKAGES, REPO, run_job, run_single, scripts_fo
 import hvd_plugins
 from hvd_plugins import pytorch as lightning_face
 from hvd_plugins import pytorch_lightning as standalone_face
+from hvd_plugins.fabric.strategies.registry import preset_names
 from hvd_plugins.mirror import rewrite
-from hvd_plugins.pytorch.strategies.registry import PRESETS
 
 
 @pytest.mark.parametrize(("trainer_package", "face"), [(lp, lightning_face), (pl, standalone_face)])
 def test_every_strategy_name_is_registered_with_each_trainer(trainer_package, face) -> None:  # noqa: ANN001
     registry = trainer_package.strategies.StrategyRegistry
-    for name in PRESETS:
+    for name in preset_names(trainer=True):
         assert registry[name]["strategy"] is face.HorovodStrategy
 
 

@@ -5,6 +5,7 @@ STRATEGY_REGISTRY; ``ElasticLoop`` runs a Fabric loop elastically (docs/elastic.
 serves ``lightning_fabric`` as ``hvd_plugins.lightning_fabric``.
 """
 
+from lightning.fabric.connector import _Connector
 from lightning.fabric.strategies import STRATEGY_REGISTRY
 
 from hvd_plugins.fabric.elastic import ElasticLoop
@@ -12,6 +13,6 @@ from hvd_plugins.fabric.plugins.environments.horovod import HorovodEnvironment
 from hvd_plugins.fabric.plugins.io.atomic import AtomicCheckpointIO
 from hvd_plugins.fabric.strategies import HorovodStrategy, register_named_strategies
 
-register_named_strategies(STRATEGY_REGISTRY)
+register_named_strategies(STRATEGY_REGISTRY, HorovodStrategy, _Connector, trainer=False)
 
 __all__ = ["AtomicCheckpointIO", "ElasticLoop", "HorovodEnvironment", "HorovodStrategy"]

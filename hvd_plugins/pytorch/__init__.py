@@ -7,8 +7,10 @@ The same source serves both Lightning packages (``hvd_plugins.mirror``).
 """
 
 from lightning.pytorch.strategies import StrategyRegistry
+from lightning.pytorch.trainer.connectors.accelerator_connector import _AcceleratorConnector
 
 from hvd_plugins.fabric.plugins import AtomicCheckpointIO, HorovodEnvironment
+from hvd_plugins.fabric.strategies.registry import register_named_strategies
 from hvd_plugins.pytorch.callbacks import (
     CommunicationMonitor,
     DasoScheduleCallback,
@@ -17,10 +19,10 @@ from hvd_plugins.pytorch.callbacks import (
     PeakMemoryMonitor,
 )
 from hvd_plugins.pytorch.plugins.layer_sync import HorovodSyncBatchNorm
-from hvd_plugins.pytorch.strategies import HorovodStrategy, register_named_strategies
+from hvd_plugins.pytorch.strategies import HorovodStrategy
 from hvd_plugins.pytorch.utilities.rank_zero import follow_launcher_rank
 
-register_named_strategies(StrategyRegistry)
+register_named_strategies(StrategyRegistry, HorovodStrategy, _AcceleratorConnector, trainer=True)
 follow_launcher_rank()
 
 __all__ = [

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import functools
-import re
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -11,27 +9,21 @@ from typing import Any
 
 from torch.optim import Optimizer
 
+from hvd_plugins.core.backend.build_marker import applied_patches
 from hvd_plugins.core.backend.module import horovod_torch
 
 POLL_START_S = 20e-6
 POLL_MAX_S = 1e-3
 """A waiting worker sleeps between polls, from 20 us doubling up to Horovod's 1 ms cycle."""
-SLEEPING_SYNCHRONIZE_PATCH = 4
-"""From this patch level of ``hvd-build-horovod``'s wheel, ``hvd.synchronize`` sleeps until done itself."""
+SLEEPING_WAIT_PATCH = "0008-sleeping-synchronize-wait"
+"""The patch of ``hvd-build-horovod``'s build with which ``hvd.synchronize`` sleeps until done itself."""
 
 
-@functools.cache
-def synchronize_sleeps() -> bool:
-    """Whether Horovod's own wait sleeps (the wheel ``hvd-build-horovod`` builds, patch level p4 on):
-    then polling first would only add up to one poll interval."""
-    import horovod
-
-    try:
-        key = Path(horovod.__file__).with_name(".hvd_plugins_build_key").read_text()
-    except OSError:
-        return False  # another build: its wait spins
-    level = re.search(r"-p(\d+)-", key)
-    return level is not None and int(level.group(1)) >= SLEEPING_SYNCHRONIZE_PATCH
+def synchronize_sleeps(marker: Path | None = None) -> bool:
+    """Whether Horovod's own wait sleeps (the build applied ``SLEEPING_WAIT_PATCH``; another build's
+    wait spins): then polling first would only add up to one poll interval. ``marker``: the build
+    marker to read (default: the installed Horovod's, see ``build_marker``)."""
+    return SLEEPING_WAIT_PATCH in applied_patches(marker)
 
 
 def wait_for(handle: Any) -> Any:

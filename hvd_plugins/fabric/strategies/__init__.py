@@ -1,5 +1,6 @@
-"""Fabric's HorovodStrategy, and the names it is registered under in Fabric's STRATEGY_REGISTRY."""
+"""Fabric's HorovodStrategy, and the names both faces register it under (``registry``)."""
 
-from hvd_plugins.fabric.strategies.horovod import FABRIC_PRESETS, HorovodStrategy, register_named_strategies
+from hvd_plugins.fabric.strategies.horovod import HorovodStrategy
+from hvd_plugins.fabric.strategies.registry import PRESETS, register_named_strategies
 
-__all__ = ["FABRIC_PRESETS", "HorovodStrategy", "register_named_strategies"]
+__all__ = ["PRESETS", "HorovodStrategy", "register_named_strategies"]

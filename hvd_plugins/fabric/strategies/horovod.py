@@ -20,7 +20,6 @@ from typing import Any
 
 import torch
 from lightning.fabric.accelerators import Accelerator
-from lightning.fabric.connector import _Connector
 from lightning.fabric.plugins import CheckpointIO
 from lightning.fabric.plugins.precision import Precision
 from lightning.fabric.strategies import ParallelStrategy
@@ -53,7 +52,6 @@ from hvd_plugins.core.sync_guards import SyncGuards
 from hvd_plugins.core.sync_modes import make_gradient_sync
 from hvd_plugins.core.training_state import broadcast_optimizer_state_, param_groups_kept, wrap_optimizers
 from hvd_plugins.fabric.plugins.environments.horovod import HorovodEnvironment
-from hvd_plugins.fabric.strategies.cluster_choice import choose_horovod_environment_for
 from hvd_plugins.fabric.strategies.launchers.horovod import HorovodFabricLauncher
 from hvd_plugins.fabric.strategies.shared import HorovodStrategyShared
 
@@ -307,17 +305,3 @@ class HorovodStrategy(HorovodStrategyShared, ParallelStrategy):
 
 FABRIC_SYNC_MODES = ("allreduce", "hierarchical")
 """The sync modes Fabric takes (DASO needs the Trainer's epochs)."""
-
-FABRIC_PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
-    "horovod": ("Horovod: flat allreduce, no compression", {}),
-    "horovod_fp16": ("Horovod: flat allreduce, gradients sent as float16", {"compression": "fp16"}),
-    "horovod_hierarchical": ("Horovod: allreduce inside each node, then across nodes", {"sync": "hierarchical"}),
-}
-
-
-def register_named_strategies(strategy_registry: Any) -> None:
-    """Register the presets with Fabric's registry (idempotent); each name gets HorovodEnvironment under Slurm."""
-    choose_horovod_environment_for(FABRIC_PRESETS, _Connector)
-    for name, (description, init_params) in FABRIC_PRESETS.items():
-        if name not in strategy_registry:
-            strategy_registry.register(name, HorovodStrategy, description=description, **init_params)

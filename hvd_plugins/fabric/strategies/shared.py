@@ -75,6 +75,16 @@ class HorovodStrategyShared:
                 self.gradient_sync.before_backward(optimizer)
 
     @property
+    def daso_sync(self) -> Any:
+        """The running fit's DasoParameterSync with ``sync="daso"`` (its ``schedule``: phase, history), else None."""
+        return getattr(self.gradient_sync, "daso", None)
+
+    @property
+    def route_tuner(self) -> Any:
+        """With ``sync="hierarchical"``, the route its large buckets took and what was measured; else None."""
+        return getattr(self.gradient_sync, "route_tuner", None)
+
+    @property
     def checkpoint_io(self) -> CheckpointIO:
         """Atomic writes unless a CheckpointIO was given (here or as a plugin)."""
         if self._checkpoint_io is None:

@@ -1,6 +1,5 @@
-"""The Trainer strategy, its launcher and its registered names."""
+"""The Trainer strategy and its launchers (its names are registered by ``hvd_plugins.fabric.strategies.registry``)."""
 
 from hvd_plugins.pytorch.strategies.horovod import HorovodStrategy
-from hvd_plugins.pytorch.strategies.registry import PRESETS, register_named_strategies
 
-__all__ = ["PRESETS", "HorovodStrategy", "register_named_strategies"]
+__all__ = ["HorovodStrategy"]

@@ -142,8 +142,25 @@ class HorovodStrategy(HorovodStrategyShared, ParallelStrategy):
     ) -> None:
         self._environment = HorovodEnvironment()
         super().__init__(accelerator, parallel_devices, self._environment, checkpoint_io, precision_plugin)
-        arguments = locals()  # every argument above the Lightning plumbing is a HorovodConfig field of that name
-        self.config = HorovodConfig.build(**{name: arguments[name] for name in HorovodConfig.argument_names()})
+        self.config = HorovodConfig.build(
+            compression=compression,
+            op=op,
+            gradient_predivide_factor=gradient_predivide_factor,
+            scale_lr=scale_lr,
+            sync=sync,
+            hierarchical_impl=hierarchical_impl,
+            compress_node_local=compress_node_local,
+            daso=daso,
+            average_buffers=average_buffers,
+            bucket_mb=bucket_mb,
+            flat_below_mb=flat_below_mb,
+            stall_timeout_seconds=stall_timeout_seconds,
+            check_finite_gradients=check_finite_gradients,
+            auto_requeue=auto_requeue,
+            cpu_threads=cpu_threads,
+            elastic=elastic,
+            commit_every_n_steps=commit_every_n_steps,
+        )
         capabilities.require_build_supports(self.config)
         self.num_nodes = 1  # set by the Trainer; checked against the launch in setup_environment
         self.comm_counters = CommCounters()
@@ -169,16 +186,6 @@ class HorovodStrategy(HorovodStrategyShared, ParallelStrategy):
     def optimizers(self, optimizers: list[Optimizer]) -> None:
         ParallelStrategy.optimizers.fset(self, optimizers)
         horovod_optimizer.pin_zero_grad(self._lightning_optimizers)
-
-    @property
-    def daso_sync(self) -> Any:
-        """The running fit's DasoParameterSync with ``sync="daso"`` (its ``schedule``: phase, history), else None."""
-        return getattr(self.gradient_sync, "daso", None)
-
-    @property
-    def route_tuner(self) -> Any:
-        """With ``sync="hierarchical"``, the route its large buckets took and what was measured; else None."""
-        return getattr(self.gradient_sync, "route_tuner", None)
 
     # ------------------------------------------------------------------ ranks and devices
     @property

@@ -1,0 +1,66 @@
+"""Every strategy argument reaches its ``HorovodConfig`` field: the constructors map them one by one."""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import pytest
+
+from hvd_plugins.core.config import HorovodConfig
+from hvd_plugins.core.daso.config import DasoConfig
+from hvd_plugins.fabric import HorovodStrategy as FabricHorovodStrategy
+from hvd_plugins.pytorch import HorovodStrategy
+
+LIGHTNING_PLUMBING = {"accelerator", "parallel_devices", "checkpoint_io", "precision_plugin", "precision"}
+NOT_DEFAULT: dict[str, Any] = {
+    "compression": "fp16",
+    "op": "sum",
+    "gradient_predivide_factor": 1.0,  # only with op="average"; checked on its own below
+    "scale_lr": True,
+    "sync": "hierarchical",
+    "hierarchical_impl": "portable",
+    "compress_node_local": True,
+    "daso": None,
+    "average_buffers": False,
+    "bucket_mb": 4.0,
+    "flat_below_mb": 0.5,
+    "stall_timeout_seconds": 42,
+    "check_finite_gradients": True,
+    "auto_requeue": False,
+    "cpu_threads": 3,
+    "elastic": False,
+    "commit_every_n_steps": 7,
+}
+"""A value other than the default for every field that combines with the others."""
+
+
+def _arguments(strategy: type) -> set[str]:
+    return set(inspect.signature(strategy.__init__).parameters) - {"self"} - LIGHTNING_PLUMBING
+
+
+def test_the_trainer_strategy_takes_exactly_the_config_fields() -> None:
+    assert _arguments(HorovodStrategy) == set(HorovodConfig.argument_names())
+    assert set(NOT_DEFAULT) == set(HorovodConfig.argument_names())
+
+
+def test_fabric_takes_the_fields_that_need_no_trainer() -> None:
+    trainer_only = {"scale_lr", "daso", "average_buffers", "check_finite_gradients", "auto_requeue", "elastic"}
+    assert _arguments(FabricHorovodStrategy) == set(HorovodConfig.argument_names()) - trainer_only - {
+        "commit_every_n_steps"
+    }
+
+
+@pytest.mark.parametrize("strategy", [HorovodStrategy, FabricHorovodStrategy], ids=["trainer", "fabric"])
+def test_each_argument_lands_in_its_own_field(strategy: type) -> None:
+    given = {name: value for name, value in NOT_DEFAULT.items() if name in _arguments(strategy)}
+    config = strategy(**given).config
+    stall = given.pop("stall_timeout_seconds")
+    assert config.stall_timeout_seconds == float(stall)
+    assert {name: getattr(config, name) for name in given} == given
+
+
+def test_the_predivide_factor_and_daso_settings_reach_the_config() -> None:
+    assert HorovodStrategy(gradient_predivide_factor=2.0).config.gradient_predivide_factor == 2.0
+    daso = HorovodStrategy(sync="daso", daso={"warmup_epochs": 3}).config.daso
+    assert isinstance(daso, DasoConfig) and daso.warmup_epochs == 3
