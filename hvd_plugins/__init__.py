@@ -10,6 +10,7 @@ time (``hvd_plugins.mirror``). ``hvd_plugins.core`` holds what needs no Lightnin
 
 import logging
 from importlib.util import find_spec
+from typing import TYPE_CHECKING
 
 from hvd_plugins.core.comm.counters import CommCounters
 from hvd_plugins.core.config import HorovodConfig
@@ -43,7 +44,7 @@ def _generated_face_missing(error: ModuleNotFoundError) -> ImportError:
 _log_to_stderr()
 note_early_warning_signal()  # in a Slurm job: a time-limit warning during start-up is kept, not fatal
 
-if find_spec("lightning") is not None:
+if TYPE_CHECKING or find_spec("lightning") is not None:
     from hvd_plugins.pytorch import AtomicCheckpointIO, HorovodEnvironment, HorovodStrategy, HorovodSyncBatchNorm
 
     if find_spec("pytorch_lightning") is not None:
@@ -53,7 +54,7 @@ if find_spec("lightning") is not None:
             if not (error.name or "").startswith("hvd_plugins."):
                 raise
             raise _generated_face_missing(error) from error
-else:
+else:  # only pytorch_lightning is installed: the top-level names are its face's (type checkers see the other)
     try:
         from hvd_plugins.pytorch_lightning import (
             AtomicCheckpointIO,

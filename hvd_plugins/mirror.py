@@ -11,12 +11,13 @@ their own: a ``pytorch_lightning.Trainer`` takes only strategies and callbacks t
 with ``lightning.pytorch`` -> ``pytorch_lightning``, ``lightning.fabric`` -> ``lightning_fabric`` and
 the face names rewritten, line for line. ``setup.py`` generates them on every build and install
 (wheel, sdist, ``pip install -e .``); after editing a face in a development install, run
-``python -m hvd_plugins.mirror`` (the test suite fails while they are stale). They are ordinary
+``python hvd_plugins/mirror.py`` (the test suite fails while they are stale). They are ordinary
 files: IDEs and type checkers resolve them, Python caches their bytecode, tracebacks show their
 own text. The core (``hvd_plugins.core``) imports no Lightning and is shared as it is.
 
 Only the standard library is used here, so ``setup.py`` can load this file before anything is
-installed.
+installed. Run it by its path, not with ``-m``: importing ``hvd_plugins`` would first import the
+generated faces, stale ones included.
 """
 
 from __future__ import annotations
@@ -39,10 +40,7 @@ RENAMES = {
 MIRRORS = {"pytorch_lightning": "pytorch", "lightning_fabric": "fabric"}
 """Generated face folder (under ``hvd_plugins/``) -> the face folder it is generated from."""
 
-TRAINER_FACES = {"lightning.pytorch": "hvd_plugins.pytorch", "pytorch_lightning": "hvd_plugins.pytorch_lightning"}
-"""Lightning package of a Trainer -> the face whose classes it takes."""
-
-HEADER = "# Generated from hvd_plugins/{source} by `python -m hvd_plugins.mirror`: edit that file, not this one.\n"
+HEADER = "# Generated from hvd_plugins/{source} by `python hvd_plugins/mirror.py`: edit that file, not this one.\n"
 """First line of every generated file; ``generated_files`` also recognises a file by it."""
 
 _PATTERN = re.compile(r"(?<![\w.])(" + "|".join(re.escape(name) for name in RENAMES) + r")(?!\w)")
@@ -51,12 +49,6 @@ _PATTERN = re.compile(r"(?<![\w.])(" + "|".join(re.escape(name) for name in RENA
 def rewrite(source: str) -> str:
     """``source`` of a ``lightning`` face, as the face of the standalone packages (same lines)."""
     return _PATTERN.sub(lambda match: RENAMES[match.group(1)], source)
-
-
-def other_trainer_face(lightning_package: str) -> tuple[str, str]:
-    """For a Trainer package, the other one and the face that serves it."""
-    (other,) = (package for package in TRAINER_FACES if package != lightning_package)
-    return other, TRAINER_FACES[other]
 
 
 def expected_files(package_dir: Path = PACKAGE_DIR) -> dict[Path, str]:
@@ -109,7 +101,19 @@ def generate(package_dir: Path = PACKAGE_DIR) -> list[Path]:
     return changed
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    """``python hvd_plugins/mirror.py``: write the generated faces; ``--check``: only say whether they are stale."""
+    arguments = sys.argv[1:] if argv is None else argv
+    if arguments == ["--check"]:
+        stale = stale_files()
+        for entry in stale:
+            print(f"hvd_plugins.mirror: stale: {entry}", file=sys.stderr)
+        if stale:
+            print("hvd_plugins.mirror: run `python hvd_plugins/mirror.py` to write them", file=sys.stderr)
+        return 1 if stale else 0
+    if arguments:
+        print(f"usage: python hvd_plugins/mirror.py [--check] (got {' '.join(arguments)})", file=sys.stderr)
+        return 2
     changed = generate()
     print(f"hvd_plugins.mirror: {len(changed)} generated file(s) written or removed under {PACKAGE_DIR}")
     return 0

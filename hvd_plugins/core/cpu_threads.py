@@ -19,7 +19,7 @@ AUTO = "auto"
 def validate_cpu_threads(value: object) -> int | str | None:
     """``"auto"``, ``None`` (leave torch alone) or a positive whole number of threads."""
     if value is None or value == AUTO:
-        return value  # type: ignore[return-value]
+        return value
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"cpu_threads={value!r} must be 'auto', None or a whole number of threads >= 1")
     return value

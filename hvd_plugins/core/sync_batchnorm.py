@@ -7,7 +7,7 @@ sums with Horovod's differentiable allreduce, so autograd produces the synchroni
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import Tensor
@@ -16,6 +16,8 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from hvd_plugins.core.backend.module import horovod_torch
 from hvd_plugins.core.comm.naming import COLLECTIVE_NAMES
+
+AnyBatchNorm = TypeVar("AnyBatchNorm", bound=_BatchNorm)
 
 
 class _NamedSumAllreduce(torch.autograd.Function):
@@ -42,6 +44,9 @@ class _NamedSumAllreduce(torch.autograd.Function):
 class SyncBatchNorm(_BatchNorm):
     """Drop-in for ``BatchNorm{1,2,3}d`` that normalizes with statistics of the global batch."""
 
+    replaced_type: type[_BatchNorm] = torch.nn.BatchNorm1d
+    """The layer class this one replaced; ``revert_sync_batchnorm`` brings it back."""
+
     def _check_input_dim(self, input: Tensor) -> None:
         if input.dim() < 2:
             raise ValueError(f"SyncBatchNorm expects at least 2-D input (N, C, ...), got {input.dim()}-D")
@@ -62,10 +67,12 @@ class SyncBatchNorm(_BatchNorm):
         mean = total[0] / n
         var = (total[1] / n - mean * mean).clamp_min(0.0)
 
+        tracked = self.num_batches_tracked
         if self.track_running_stats and self.running_mean is not None and self.running_var is not None:
+            assert tracked is not None  # BatchNorm keeps the count whenever it tracks running statistics
             with torch.no_grad():
-                self.num_batches_tracked.add_(1)
-                momentum = self.momentum if self.momentum is not None else 1.0 / float(self.num_batches_tracked)
+                tracked.add_(1)
+                momentum = self.momentum if self.momentum is not None else 1.0 / float(tracked)
                 unbiased = var * (n / max(n - 1.0, 1.0))
                 self.running_mean.mul_(1 - momentum).add_(mean.to(self.running_mean.dtype), alpha=momentum)
                 self.running_var.mul_(1 - momentum).add_(unbiased.to(self.running_var.dtype), alpha=momentum)
@@ -91,13 +98,13 @@ def convert_sync_batchnorm(module: Module) -> Module:
 def revert_sync_batchnorm(module: Module) -> Module:
     """Undo ``convert_sync_batchnorm``: every ``SyncBatchNorm`` becomes the layer it replaced, state kept."""
     if isinstance(module, SyncBatchNorm):
-        return _replace(module, getattr(module, "replaced_type", torch.nn.BatchNorm1d))
+        return _replace(module, module.replaced_type)
     for name, child in module.named_children():
         module.add_module(name, revert_sync_batchnorm(child))
     return module
 
 
-def _replace(module: _BatchNorm, kind: type[_BatchNorm]) -> _BatchNorm:
+def _replace(module: _BatchNorm, kind: type[AnyBatchNorm]) -> AnyBatchNorm:
     replacement = kind(module.num_features, module.eps, module.momentum, module.affine, module.track_running_stats)
     replacement.load_state_dict(module.state_dict())
     replacement.train(module.training)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import inspect
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sized
 from typing import TYPE_CHECKING, Any
 
 from lightning.pytorch import LightningModule, Trainer
@@ -31,7 +31,7 @@ from hvd_plugins.core.elastic.attempts import run_attempts
 from hvd_plugins.core.elastic.epoch_split import ElasticDistributedSampler, EpochSegments
 from hvd_plugins.core.elastic.snapshot import host_copy, rescale_learning_rates
 from hvd_plugins.pytorch.loop_events import is_last_batch
-from hvd_plugins.pytorch.utilities.callbacks import StepAwareCallback, replace_callback
+from hvd_plugins.pytorch.utilities.callbacks import StepAwareCallback, replace_callback, trainer_callbacks
 from hvd_plugins.pytorch.utilities.rank_zero import follow_rank
 
 if TYPE_CHECKING:
@@ -94,7 +94,7 @@ class ElasticFit:
             f"elastic reset {self.resets}: {old_size} -> {new_size} workers; this worker is rank {hvd.rank()}; "
             f"resuming from the commit of global step {self._committed_step()}"
         )
-        for owner in [trainer.lightning_module, *trainer.callbacks]:
+        for owner in [trainer.lightning_module, *trainer_callbacks(trainer)]:
             hook = getattr(owner, RESET_HOOK, None)
             if callable(hook):
                 hook(trainer, trainer.lightning_module, old_size, new_size)
@@ -177,6 +177,7 @@ class ElasticFit:
         resumed = self._epoch.epoch == trainer.current_epoch and self._segment_start > 0
         progress = self._epoch if resumed else EpochSegments(trainer.current_epoch)
         done_before = self._segment_start * batch_sampler.batch_size if resumed else 0
+        assert isinstance(sampler.dataset, Sized)  # DistributedSampler needs its length too
         elastic = ElasticDistributedSampler(
             sampler.dataset, size, rank, sampler.shuffle, sampler.seed, sampler.drop_last, progress, done_before
         )

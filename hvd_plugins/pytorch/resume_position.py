@@ -25,7 +25,7 @@ POSITION_KEY = "hvd_plugins_epoch_position"
 
 def epoch_position(trainer: Trainer) -> dict[str, int]:
     """For a checkpoint: the epoch and how many of its training batches are done (0 once it is finished)."""
-    done = int(trainer.fit_loop.epoch_loop.batch_progress.current.processed)
+    done = int(trainer.fit_loop.epoch_loop.batch_progress.current.processed)  # type: ignore[attr-defined]
     total = trainer.num_training_batches
     return {"epoch": trainer.current_epoch, "batches_done": done if done < total else 0}
 

@@ -69,7 +69,7 @@ def link_label(link_mbit: float | None) -> str:
     return UNSHAPED if link_mbit is None else f"{link_mbit:g}"
 
 
-SUBNET_CANDIDATES = [ipaddress.ip_network(f"10.213.{third}.0/24") for third in range(100, 200)]
+SUBNET_CANDIDATES = [ipaddress.IPv4Network(f"10.213.{third}.0/24") for third in range(100, 200)]
 
 
 class ClusterUnavailable(RuntimeError):

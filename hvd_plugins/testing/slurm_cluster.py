@@ -108,7 +108,7 @@ class OneNodeSlurm:
                 return
             for process in self._started:
                 if process.poll() is not None:
-                    raise RuntimeError(f"{process.args[0]} exited ({process.returncode}):\n{self.logs()}")
+                    raise RuntimeError(f"{process.args!r} exited ({process.returncode}):\n{self.logs()}")
             time.sleep(1)
         raise RuntimeError(f"the Slurm node did not become idle in {timeout:.0f} s:\n{self.logs()}")
 
@@ -167,7 +167,7 @@ class OneNodeSlurm:
         return "\n".join(parts)
 
     def _spawn(self, command: list[str]) -> None:
-        log = open(self.folder / f"{command[0]}.out", "wb")  # noqa: SIM115 (kept open for the daemon's life)
+        log = open(self.folder / f"{command[0]}.out", "wb")
         self._started.append(subprocess.Popen(command, env=self.env, stdout=log, stderr=subprocess.STDOUT))
 
     def _start_munge(self) -> None:

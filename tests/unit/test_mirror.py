@@ -32,7 +32,7 @@ def _package(tmp_path: Path) -> Path:
 
 def test_the_generated_faces_in_this_tree_are_up_to_date() -> None:
     stale = mirror.stale_files()
-    assert not stale, f"generated faces are stale, run `python -m hvd_plugins.mirror`: {stale}"
+    assert not stale, f"generated faces are stale, run `python hvd_plugins/mirror.py`: {stale}"
 
 
 def test_rewrite_renames_lightning_and_face_imports_line_for_line() -> None:

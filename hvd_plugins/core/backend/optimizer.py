@@ -6,15 +6,19 @@ A future Horovod release should need changes here (and in the other ``backend`` 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
-from torch.optim import Optimizer
 
 from hvd_plugins.core.backend.module import horovod_torch
 
+HorovodOptimizer = Any
+"""A torch optimizer, usually a Horovod ``DistributedOptimizer`` (whose class Horovod builds, untyped); the
+functions here leave any other optimizer alone."""
 
-def set_backward_passes(optimizer: Optimizer, passes: int) -> None:
+
+def set_backward_passes(optimizer: HorovodOptimizer, passes: int) -> None:
     """Change how many backward passes a DistributedOptimizer accumulates before it allreduces.
 
     Safe between steps only: no allreduce is pending, so the per-parameter countdowns can restart
@@ -24,7 +28,7 @@ def set_backward_passes(optimizer: Optimizer, passes: int) -> None:
         optimizer.set_backward_passes_per_step(passes)
 
 
-def delay_next_allreduce(optimizer: Optimizer) -> None:
+def delay_next_allreduce(optimizer: HorovodOptimizer) -> None:
     """Let the next backward only add to the gradients: every parameter's countdown to its allreduce gains one.
 
     The step's ``synchronize`` (or the countdown of a later backward) still averages the sum, and each
@@ -34,7 +38,7 @@ def delay_next_allreduce(optimizer: Optimizer) -> None:
         optimizer._allreduce_delay[parameter] += 1
 
 
-def started_allreduces(optimizer: Optimizer) -> bool:
+def started_allreduces(optimizer: HorovodOptimizer) -> bool:
     """Whether a backward since the last ``synchronize`` had its hooks start allreduces (not held ones)."""
     return any(handle is not None for handle, _ in getattr(optimizer, "_handles", {}).values())
 
@@ -43,7 +47,7 @@ HELD_COUNTDOWN = 2**30
 """A countdown no run of backward passes reaches: the hooks only count, nothing starts."""
 
 
-def hold_gradient_hooks(optimizer: Optimizer) -> None:
+def hold_gradient_hooks(optimizer: HorovodOptimizer) -> None:
     """Keep a DistributedOptimizer's backward hooks from starting allreduces until ``set_backward_passes``.
 
     For steps whose gradients another route averages after backward; safe between steps only.
@@ -52,7 +56,7 @@ def hold_gradient_hooks(optimizer: Optimizer) -> None:
         optimizer._allreduce_delay[parameter] = HELD_COUNTDOWN
 
 
-def forget_held_gradients(optimizer: Optimizer) -> None:
+def forget_held_gradients(optimizer: HorovodOptimizer) -> None:
     """Drop the entries held hooks left (no allreduce started), so Horovod's ``synchronize`` sends nothing for them.
 
     Call once the gradients were averaged another way, before ``set_backward_passes`` or the next hold.
@@ -64,7 +68,18 @@ def forget_held_gradients(optimizer: Optimizer) -> None:
     handles.clear()
 
 
-def forget_failed_allreduces(optimizer: Optimizer) -> None:
+def synchronize(optimizer: HorovodOptimizer) -> None:
+    """Horovod's ``synchronize``: complete the step's allreduces (starting those no hook started)."""
+    optimizer.synchronize()
+
+
+def skip_synchronize(optimizer: HorovodOptimizer) -> AbstractContextManager[None]:
+    """Horovod's ``skip_synchronize``: the next ``step`` does not synchronize by itself."""
+    context: AbstractContextManager[None] = optimizer.skip_synchronize()
+    return context
+
+
+def forget_failed_allreduces(optimizer: HorovodOptimizer) -> None:
     """After an elastic reset: drop the handles of allreduces the old Horovod started (they will never complete)
     and start each parameter's countdown again, so the next backward starts its allreduces as usual."""
     getattr(optimizer, "_handles", {}).clear()
@@ -75,7 +90,7 @@ _SHARED_CLASSES: dict[tuple[type, Any], type] = {}
 """One DistributedOptimizer class per (wrapped optimizer class, Horovod flavour), see ``share_class``."""
 
 
-def share_class(optimizer: Optimizer) -> None:
+def share_class(optimizer: HorovodOptimizer) -> None:
     """Give every DistributedOptimizer that wraps one optimizer class the same class object.
 
     Horovod builds a new class for every optimizer it wraps (same name, same methods), so code that
@@ -92,7 +107,7 @@ def share_class(optimizer: Optimizer) -> None:
     optimizer.__class__ = _SHARED_CLASSES.setdefault((horovod_class.__bases__[0], flavour), horovod_class)
 
 
-def make_zero_grad_wrapper_safe(optimizer: Optimizer) -> None:
+def make_zero_grad_wrapper_safe(optimizer: HorovodOptimizer) -> None:
     """Give a DistributedOptimizer's class a ``zero_grad`` that also works through a subclassing wrapper.
 
     Horovod's ``zero_grad`` calls ``super(self.__class__, self)``: through Fabric's optimizer wrapper
@@ -113,7 +128,7 @@ def make_zero_grad_wrapper_safe(optimizer: Optimizer) -> None:
     horovod_class.zero_grad = zero_grad
 
 
-def follow_trainable_parameters(optimizer: Optimizer, name_prefix: str) -> None:
+def follow_trainable_parameters(optimizer: HorovodOptimizer, name_prefix: str) -> None:
     """Have a DistributedOptimizer average parameters that became trainable after it was built.
 
     Horovod hooks and averages only the parameters that required gradients when it wrapped the
@@ -145,7 +160,7 @@ def follow_trainable_parameters(optimizer: Optimizer, name_prefix: str) -> None:
             optimizer._grad_accs.append(accumulator)
 
 
-def drop_gradient_hooks(optimizer: Optimizer) -> None:
+def drop_gradient_hooks(optimizer: HorovodOptimizer) -> None:
     """Forget a DistributedOptimizer's gradient hooks, so a later fit in this process starts clean."""
     getattr(optimizer, "_grad_accs", []).clear()
 
@@ -161,7 +176,7 @@ def pin_zero_grad(lightning_optimizers: Iterable[Any]) -> None:
         lightning_optimizer.zero_grad = _zero_grad_completing_allreduces(lightning_optimizer._optimizer)
 
 
-def _zero_grad_completing_allreduces(optimizer: Optimizer) -> Callable[..., None]:
+def _zero_grad_completing_allreduces(optimizer: HorovodOptimizer) -> Callable[..., None]:
     """``zero_grad`` that first completes allreduces a backward started for this optimizer.
 
     In a GAN step written the DDP way (no ``toggle_optimizer``), the generator's backward also

@@ -28,7 +28,9 @@ from hvd_plugins.core.backend.optimizer import (
     follow_trainable_parameters,
     set_backward_passes,
     share_class,
+    skip_synchronize,
     started_allreduces,
+    synchronize,
 )
 from hvd_plugins.core.backend.waits import wait_for_pending_allreduces
 from hvd_plugins.core.comm.compression import Compressor, CountingCompressor
@@ -140,14 +142,14 @@ class HorovodOptimizerSync(GradientSync):
 
     @contextlib.contextmanager
     def deferred(self, optimizer: Optimizer) -> Iterator[None]:
-        with optimizer.skip_synchronize():
+        with skip_synchronize(optimizer):
             yield
 
     def synchronize(self, optimizer: Optimizer) -> None:
         self.follow_trainable(optimizer)
         with self.counters.waiting():
             wait_for_pending_allreduces(optimizer)
-            optimizer.synchronize()
+            synchronize(optimizer)
 
     def follow_trainable(self, optimizer: Optimizer) -> None:
         """Let Horovod's optimizer take in parameters that became trainable since it wrapped them."""

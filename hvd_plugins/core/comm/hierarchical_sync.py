@@ -138,7 +138,7 @@ class HierarchicalGradientSync(GradientSync):
     def set_backward_passes(self, optimizer: Optimizer, passes: int) -> None:
         self.backward_passes = passes
         if optimizer in self._hooked:
-            optimizer.backward_passes_per_step = passes
+            set_backward_passes(optimizer, passes)  # then held again unless the next step takes the flat route
             self._arm_hooks(optimizer)
 
     def hold_next_backward(self, optimizer: Optimizer) -> None:

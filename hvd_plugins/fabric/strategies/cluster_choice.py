@@ -20,7 +20,7 @@ from hvd_plugins.fabric.plugins.environments.horovod import HorovodEnvironment
 MARK = "_hvd_plugins_names"
 
 
-def choose_horovod_environment_for(names: Collection[str], connector: type) -> None:
+def choose_horovod_environment_for(names: Collection[str], connector: Any) -> None:
     """Make ``connector`` pick HorovodEnvironment when the strategy flag is one of ``names`` (idempotent)."""
     original: Callable[[Any], ClusterEnvironment] | None = getattr(
         connector, "_choose_and_init_cluster_environment", None

@@ -158,9 +158,13 @@ class HorovodStrategy(HorovodStrategyShared, ParallelStrategy):
     def num_nodes(self) -> int:
         return self._num_nodes
 
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        self._num_nodes = num_nodes
+
     def _set_world_ranks(self) -> None:
         self._plan_launch()
-        rank_zero_only.rank = self.global_rank
+        rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]  # Lightning's own way
 
     @override
     def _configure_launcher(self) -> None:
@@ -184,7 +188,7 @@ class HorovodStrategy(HorovodStrategyShared, ParallelStrategy):
         return module
 
     @override
-    def setup_module_and_optimizers(  # type: ignore[override]
+    def setup_module_and_optimizers(
         self, module: Module, optimizers: list[Optimizer], *scheduler: Any
     ) -> tuple[Any, ...]:
         """Rank 0's module everywhere, each optimizer wrapped; ``scheduler`` (Fabric 2.4 added it) now drives the
@@ -291,7 +295,7 @@ class HorovodStrategy(HorovodStrategyShared, ParallelStrategy):
     def forget_world(self) -> None:
         """After an elastic reset (``hvd_plugins.fabric.ElasticLoop``): the new rank in rank-zero output and the
         watchdog's reports, and no step's gradients counted as averaged."""
-        rank_zero_only.rank = self.global_rank
+        rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]  # Lightning's own way
         self._guards.follow_world(self.global_rank, self.world_size)
         self._averaged.clear()
 

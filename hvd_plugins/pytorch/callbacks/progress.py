@@ -23,6 +23,7 @@ from typing_extensions import override
 
 from hvd_plugins.core.backend.launch_env import launched_by_launcher
 from hvd_plugins.pytorch.loop_events import batch_loss
+from hvd_plugins.pytorch.utilities.callbacks import trainer_callbacks
 
 HIDDEN_METRICS = frozenset({"v_num"})
 """Progress-bar items that say nothing about training (the logger's version)."""
@@ -323,7 +324,8 @@ def use_line_progress_bar(trainer: Trainer, bar_given: bool | None, world_size: 
     bar = trainer.progress_bar_callback
     if bar_given is not False or type(bar) is not TQDMProgressBar or not tqdm_reads_badly(world_size):
         return False
-    trainer.callbacks[trainer.callbacks.index(bar)] = LineProgressBar()
+    callbacks = trainer_callbacks(trainer)
+    callbacks[callbacks.index(bar)] = LineProgressBar()
     return True
 
 

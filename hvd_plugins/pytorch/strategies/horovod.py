@@ -184,7 +184,7 @@ class HorovodStrategy(HorovodStrategyShared, ParallelStrategy):
 
     @optimizers.setter
     def optimizers(self, optimizers: list[Optimizer]) -> None:
-        ParallelStrategy.optimizers.fset(self, optimizers)
+        ParallelStrategy.optimizers.fset(self, optimizers)  # type: ignore[attr-defined]  # the base's setter
         horovod_optimizer.pin_zero_grad(self._lightning_optimizers)
 
     # ------------------------------------------------------------------ ranks and devices
@@ -372,6 +372,6 @@ class HorovodStrategy(HorovodStrategyShared, ParallelStrategy):
         if self.gradient_sync is not None:
             self.gradient_sync.teardown(self.optimizers)  # its state (the measured route) stays for a later fit
         trainer = self._trainer
-        if trainer is not None and trainer.state.fn == TrainerFn.FITTING and self._layer_sync is not None:
+        if trainer is not None and trainer.state.fn == TrainerFn.FITTING and self._layer_sync and self.model:
             self.model = self._layer_sync.revert(self.model)
         super().teardown()

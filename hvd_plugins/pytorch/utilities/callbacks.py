@@ -8,10 +8,18 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from typing_extensions import override
 
 
+def trainer_callbacks(trainer: Trainer) -> list[Callback]:
+    """``trainer.callbacks``, the list itself (a connector sets it in ``Trainer.__init__``, unseen by type checkers)."""
+    callbacks: list[Callback] = trainer.callbacks  # type: ignore[attr-defined]
+    return callbacks
+
+
 def replace_callback(trainer: Trainer, kind: type[Callback], callback: Callback | None) -> None:
     """Put ``callback`` (None: nothing) in ``trainer.callbacks`` in place of every ``kind`` an earlier fit added."""
-    kept = [existing for existing in trainer.callbacks if not isinstance(existing, kind)]
-    trainer.callbacks = kept + ([callback] if callback is not None else [])
+    callbacks = trainer_callbacks(trainer)
+    callbacks[:] = [existing for existing in callbacks if not isinstance(existing, kind)]
+    if callback is not None:
+        callbacks.append(callback)
 
 
 class StepAwareCallback(Callback):

@@ -2,7 +2,7 @@
 
 ``lightning.pytorch`` and ``pytorch_lightning`` hold the same code as separate classes: a Trainer of
 one refuses strategies of the other, and callbacks of the other are silently misread. This module's
-source serves both faces (``hvd_plugins.mirror`` rewrites its imports), so ``LIGHTNING_PACKAGE`` and
+source serves both faces (``hvd_plugins.mirror`` generates the other from it), so ``LIGHTNING_PACKAGE`` and
 ``FACE`` name whichever face it was loaded as.
 """
 
@@ -12,7 +12,8 @@ from typing import Any
 
 from lightning.pytorch import Callback, Trainer
 
-from hvd_plugins.mirror import other_trainer_face
+from hvd_plugins.faces import other_trainer_face
+from hvd_plugins.pytorch.utilities.callbacks import trainer_callbacks
 
 LIGHTNING_PACKAGE = "lightning.pytorch"
 """The Lightning package this face's classes belong to."""
@@ -33,7 +34,7 @@ def require_own_namespace(trainer: Trainer) -> None:
     """Refuse hvd_plugins callbacks built for the other Lightning package, naming the import to use."""
     foreign = [
         callback
-        for callback in trainer.callbacks
+        for callback in trainer_callbacks(trainer)
         if type(callback).__module__.startswith("hvd_plugins.") and not isinstance(callback, Callback)
     ]
     if foreign:

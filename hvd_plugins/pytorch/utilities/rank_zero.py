@@ -41,7 +41,7 @@ def follow_rank(rank: int) -> None:
     raises on every rank, and exceptions print as before.
     """
     global _shown_before
-    rank_zero_only.rank = rank
+    rank_zero_only.rank = rank  # type: ignore[attr-defined]  # Lightning's own way
     quiet = rank > 0 and os.environ.get(ALL_RANK_WARNINGS_ENV) != "1"
     if quiet and _shown_before is None:
         _shown_before, warnings.showwarning = warnings.showwarning, _drop_warning
