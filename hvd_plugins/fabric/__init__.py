@@ -9,10 +9,12 @@ from lightning.fabric.connector import _Connector
 from lightning.fabric.strategies import STRATEGY_REGISTRY
 
 from hvd_plugins.fabric.elastic import ElasticLoop
+from hvd_plugins.fabric.notices import quiet_lightning_notices
 from hvd_plugins.fabric.plugins.environments.horovod import HorovodEnvironment
 from hvd_plugins.fabric.plugins.io.atomic import AtomicCheckpointIO
 from hvd_plugins.fabric.strategies import HorovodStrategy, register_named_strategies
 
 register_named_strategies(STRATEGY_REGISTRY, HorovodStrategy, _Connector, trainer=False)
+quiet_lightning_notices()
 
 __all__ = ["AtomicCheckpointIO", "ElasticLoop", "HorovodEnvironment", "HorovodStrategy"]
