@@ -1,4 +1,10 @@
-"""Shared fixtures: every multi-process test launches real workers with horovodrun."""
+"""The two tiers of the suite, and the shared jobs of the multi-process one.
+
+``tests/unit/`` mirrors ``hvd_plugins/``: in-process tests, marked ``unit`` here (``pytest -m unit``
+runs them alone, in well under a minute). The ``tests/test_*.py`` files start processes: real
+horovodrun, mpirun and Slurm jobs, and fresh interpreters; the fixtures below share their slowest
+jobs between files.
+"""
 
 from __future__ import annotations
 
@@ -10,11 +16,23 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import slurm_jobs  # noqa: E402
-from hvd_launch import LIGHTNING_PACKAGES, TWO_NODES, horovodrun_path, run_job, run_on_mpi_nodes  # noqa: E402
+import slurm_jobs
+from hvd_launch import LIGHTNING_PACKAGES, TWO_NODES, horovodrun_path, run_job, run_on_mpi_nodes
 
-from hvd_plugins.testing.launch import mpi_launch_problem  # noqa: E402
-from hvd_plugins.testing.netns_cluster import ClusterUnavailable, NamespaceCluster  # noqa: E402
+from hvd_plugins.testing.launch import mpi_launch_problem
+from hvd_plugins.testing.netns_cluster import ClusterUnavailable, NamespaceCluster
+
+UNIT_TESTS = Path(__file__).resolve().parent / "unit"
+
+
+@pytest.hookimpl(tryfirst=True)  # before ``-m`` selects by marker
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Every test under tests/unit/ is in the in-process tier: marked ``unit``, and never ``multiprocess``."""
+    for item in items:
+        if item.path.is_relative_to(UNIT_TESTS):
+            if item.get_closest_marker("multiprocess") is not None:
+                raise pytest.UsageError(f"{item.nodeid} is marked multiprocess; such tests belong in tests/test_*.py")
+            item.add_marker(pytest.mark.unit)
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:

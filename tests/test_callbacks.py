@@ -8,100 +8,13 @@ import re
 from pathlib import Path
 
 import pytest
-import torch
 from conftest import skip_without_mpi
 from hvd_launch import LIGHTNING_PACKAGES, TWO_NODES, run_job, run_single
-from lightning.pytorch import LightningModule, Trainer
-from torch.utils.data import DataLoader, TensorDataset
-
-from hvd_plugins.pytorch.callbacks import (
-    CommunicationMonitor,
-    EpochTraffic,
-    HorovodTimeline,
-    PeakMemoryMonitor,
-    peak_memory_mb,
-)
-from hvd_plugins.pytorch.callbacks._gather import format_table
 
 WORKER = "callbacks_run.py"
 PARAMETERS, PARAMETER_TENSORS = 8 * 4 + 4, 2  # the worker's Linear(8, 4)
 
 
-# ---------------------------------------------------------------------- in-process, no Horovod
-class _Tiny(LightningModule):
-    def __init__(self) -> None:
-        super().__init__()
-        self.layer = torch.nn.Linear(4, 1)
-
-    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        return torch.nn.functional.mse_loss(self.layer(batch[0]), batch[1])
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.SGD(self.parameters(), lr=0.1)
-
-
-def test_peak_memory_is_measured_on_cpu() -> None:
-    readings = peak_memory_mb(torch.device("cpu"))
-    assert readings["cpu_peak_rss_mb"] > 1.0
-    assert not any(name.startswith("gpu") for name in readings)
-
-
-def test_timeline_rejects_an_empty_window() -> None:
-    with pytest.raises(ValueError, match="start_step=5, stop_step=5"):
-        HorovodTimeline("t.json", start_step=5, stop_step=5)
-    with pytest.raises(ValueError, match="start_step=-1"):
-        HorovodTimeline("t.json", start_step=-1, stop_step=3)
-
-
-def test_epoch_traffic_metrics_are_means_over_workers() -> None:
-    traffic = EpochTraffic(
-        epoch=0,
-        per_worker={
-            "node_local_bytes": [2 * 2**20, 4 * 2**20],
-            "node_local_calls": [3, 3],
-            "cross_node_bytes": [0, 2 * 2**20],
-            "cross_node_calls": [0, 1],
-            "wait_seconds": [1.0, 3.0],
-        },
-    )
-    metrics = traffic.metrics()
-    assert metrics["comm/node_local_bytes"] == 3 * 2**20
-    assert metrics["comm/cross_node_bytes"] == 2**20
-    assert metrics["comm/wait_seconds"] == 2.0
-    assert metrics["comm/bandwidth_mb_per_s"] == pytest.approx(2.0)  # (3 + 1) MiB / 2 s
-
-
-def test_format_table_aligns_columns() -> None:
-    text = format_table(("name", "value"), [("a", 1.5), ("long name", 1234.0)])
-    lines = text.splitlines()
-    assert lines[0] == "     name     value"
-    assert lines[3] == "long name  1,234.00"
-
-
-def test_callbacks_are_harmless_without_horovod(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("HOROVOD_TIMELINE", "DYNAMIC")  # restored afterwards, whatever the callback sets
-    memory, comm = PeakMemoryMonitor(print_table=False), CommunicationMonitor()
-    timeline = HorovodTimeline(tmp_path / "timeline.json", start_step=0, stop_step=2)
-    trainer = Trainer(
-        accelerator="cpu",
-        devices=1,
-        max_epochs=2,
-        callbacks=[memory, comm, timeline],
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=False,
-    )
-    data = TensorDataset(torch.randn(16, 4), torch.randn(16, 1))
-    with pytest.warns(UserWarning, match="no comm_counters"):
-        trainer.fit(_Tiny(), DataLoader(data, batch_size=4))
-    assert comm.history == []
-    assert [s.stage for s in memory.history] == ["train_start", "epoch_end", "epoch_end", "train_end"]
-    assert all(len(values) == 1 and values[0] > 0 for s in memory.history for values in s.per_worker.values())
-    assert not (tmp_path / "timeline.json").exists()
-
-
-# ---------------------------------------------------------------------- real Horovod jobs
 def _csv_rows(out: Path) -> list[dict[str, str]]:
     with open(out / "logs" / "metrics.csv", newline="") as file:
         return list(csv.DictReader(file))

@@ -5,58 +5,11 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import horovod.torch as hvd
 import psutil
 import pytest
 import torch
 from conftest import skip_without_mpi
 from hvd_launch import TWO_NODES, JobResult, run_job
-
-from hvd_plugins.core.backend.capabilities import require_gpu_build, require_gpu_for_local_rank
-from hvd_plugins.core.backend.stall import (
-    DEFAULT_STALL_TIMEOUT_SECONDS,
-    STALL_CHECK_ENV,
-    STALL_SHUTDOWN_ENV,
-    stall_environment,
-    validate_stall_timeout,
-)
-from hvd_plugins.core.faults.fingerprints import optimizer_fingerprint
-from hvd_plugins.pytorch.strategies.horovod import HorovodStrategy
-
-
-# ---------------------------------------------------------------------------- unit checks
-def test_stall_timeout_validation() -> None:
-    assert validate_stall_timeout(None) is None
-    assert validate_stall_timeout(2.5) == 3
-    for bad in (0, -1, float("nan"), True, "10"):
-        with pytest.raises(ValueError, match="stall_timeout_seconds"):
-            validate_stall_timeout(bad)
-    with pytest.raises(ValueError, match="stall_timeout_seconds=0"):
-        HorovodStrategy(stall_timeout_seconds=0)
-
-
-def test_stall_environment_keeps_the_check_interval_below_the_timeout() -> None:
-    assert stall_environment(20, {}) == {STALL_CHECK_ENV: "20", STALL_SHUTDOWN_ENV: "20"}
-    assert stall_environment(120, {}) == {STALL_CHECK_ENV: "60", STALL_SHUTDOWN_ENV: "120"}
-    assert stall_environment(120, {STALL_CHECK_ENV: "5"})[STALL_CHECK_ENV] == "5"
-
-
-def test_optimizer_fingerprint_sees_count_and_shapes() -> None:
-    a, b = torch.nn.Linear(2, 3), torch.nn.Linear(3, 1)
-    one = optimizer_fingerprint([torch.optim.SGD([*a.parameters(), *b.parameters()], lr=0.1)])
-    two = optimizer_fingerprint([torch.optim.SGD(a.parameters(), lr=0.1), torch.optim.SGD(b.parameters(), lr=0.1)])
-    assert one != two and len(two["optimizers"]) == 2
-
-
-def test_gpu_checks_on_this_cpu_only_build() -> None:
-    """Without a GPU the strategy's own checks are called directly; Lightning refuses accelerator='cuda' first."""
-    if hvd.cuda_built() or hvd.rocm_built():
-        pytest.skip("this Horovod build has GPU operations")
-    with pytest.raises(RuntimeError, match="no GPU support"):
-        require_gpu_build(hvd)
-    with pytest.raises(RuntimeError, match="local rank 2 has no GPU: this node has 2 GPU"):
-        require_gpu_for_local_rank(2, gpus_on_node=2, workers_on_node=4)
-    require_gpu_for_local_rank(1, gpus_on_node=2, workers_on_node=2)
 
 
 # ---------------------------------------------------------------------------- failed workers
@@ -161,14 +114,6 @@ def test_by_default_a_stalled_rank_ends_the_job_after_horovodruns_stall_shutdown
     assert_failed(job)
     assert "stall_timeout_seconds=3" in job.output and "Process 0 exit with status code 75" in job.output
     assert_no_worker_survives(out, 2)
-
-
-def test_the_default_stall_timeout_is_bounded_and_follows_horovodrun() -> None:
-    assert validate_stall_timeout("auto", {}) == DEFAULT_STALL_TIMEOUT_SECONDS == 1800
-    assert validate_stall_timeout("auto", {STALL_SHUTDOWN_ENV: "120"}) == 120
-    assert validate_stall_timeout("auto", {"HOROVOD_STALL_CHECK_DISABLE": "1"}) is None  # --no-stall-check
-    with pytest.raises(ValueError, match="HOROVOD_STALL_SHUTDOWN_TIME_SECONDS='soon'"):
-        validate_stall_timeout("auto", {STALL_SHUTDOWN_ENV: "soon"})
 
 
 # ---------------------------------------------------------------------------- checkpoints

@@ -6,17 +6,12 @@ import sys
 import time
 from pathlib import Path
 
-import horovod.torch as hvd
 import pytest
 import torch
 from conftest import skip_without_mpi
+from doc_pages import snippet_marked
 from hvd_launch import LIGHTNING_PACKAGES, run_job, run_mpirun, run_single
-from lightning.pytorch import Trainer
-from test_docs import snippet_marked
 
-from hvd_plugins import HorovodEnvironment, HorovodStrategy
-from hvd_plugins.core.backend.runner import local_launch_size
-from hvd_plugins.pytorch.strategies.launchers.horovod import HorovodScriptLauncher
 from hvd_plugins.testing.launch import run_bounded
 
 
@@ -43,41 +38,6 @@ def _all_gone(pids: list[int], within: float = 10.0) -> bool:
     return True
 
 
-# ---------------------------------------------------------------------- in this process: no workers started
-plain_process = pytest.mark.skipif(
-    HorovodEnvironment.detect() or hvd.is_initialized(), reason="needs a plain process without Horovod running"
-)
-
-
-@plain_process
-def test_a_plain_trainer_with_two_devices_plans_two_workers_and_starts_nothing_until_fit() -> None:
-    trainer = Trainer(strategy=HorovodStrategy(), accelerator="cpu", devices=2, logger=False)
-    strategy = trainer.strategy
-    assert isinstance(strategy.launcher, HorovodScriptLauncher) and strategy.launcher.size == 2
-    assert strategy.cluster_environment is not None
-    assert not strategy.cluster_environment.creates_processes_externally  # so Lightning uses the launcher
-    assert (trainer.world_size, trainer.global_rank, trainer.local_rank, trainer.node_rank) == (2, 0, 0, 0)
-    assert not hvd.is_initialized()  # Horovod starts in the launcher, once the workers run
-    with pytest.raises(ValueError, match="needs horovodrun"):
-        Trainer(strategy=HorovodStrategy(), accelerator="cpu", devices=2, num_nodes=2, logger=False)
-
-
-@plain_process
-def test_what_a_plain_process_launches() -> None:
-    cpu = torch.device("cpu")
-    assert local_launch_size([cpu], num_nodes=1) == 0  # one device: one process, no launcher
-    assert local_launch_size([cpu] * 4, num_nodes=1) == 4
-    with pytest.raises(ValueError, match="CUDA_VISIBLE_DEVICES"):
-        local_launch_size([torch.device("cuda", 1), torch.device("cuda", 3)], num_nodes=1)
-    with pytest.raises(ValueError, match=r"^Fabric\(num_nodes=2\) needs horovodrun"):  # errors name what was set
-        local_launch_size([cpu] * 2, num_nodes=2, front="Fabric")
-    environment = HorovodEnvironment(front="Fabric")
-    environment.launch_size = 2  # two workers of its own launch, not started yet
-    with pytest.raises(ValueError, match=r"^Fabric\(devices=3\) disagrees with the Horovod job, which runs 2 "):
-        environment.validate_settings(num_devices=3, num_nodes=1)
-
-
-# ---------------------------------------------------------------------- real jobs
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("lightning", LIGHTNING_PACKAGES)
 def test_plain_python_with_two_devices_runs_two_workers_that_match_horovodrun(tmp_path: Path, lightning: str) -> None:

@@ -9,35 +9,8 @@ from __future__ import annotations
 import re
 from typing import Any
 
-import lightning.pytorch as lp
 import pytest
-import pytorch_lightning as pl
 from hvd_launch import LIGHTNING_PACKAGES, REPO, run_job, run_single, scripts_for
-
-import hvd_plugins
-from hvd_plugins import pytorch as lightning_face
-from hvd_plugins import pytorch_lightning as standalone_face
-from hvd_plugins.fabric.strategies.registry import preset_names
-from hvd_plugins.mirror import rewrite
-
-
-@pytest.mark.parametrize(("trainer_package", "face"), [(lp, lightning_face), (pl, standalone_face)])
-def test_every_strategy_name_is_registered_with_each_trainer(trainer_package, face) -> None:  # noqa: ANN001
-    registry = trainer_package.strategies.StrategyRegistry
-    for name in preset_names(trainer=True):
-        assert registry[name]["strategy"] is face.HorovodStrategy
-
-
-def test_each_face_subclasses_its_own_packages_classes() -> None:
-    assert issubclass(standalone_face.HorovodStrategy, pl.strategies.ParallelStrategy)
-    assert not issubclass(standalone_face.HorovodStrategy, lp.strategies.Strategy)
-    assert issubclass(lightning_face.HorovodStrategy, lp.strategies.ParallelStrategy)
-    assert issubclass(standalone_face.LineProgressBar, pl.callbacks.ProgressBar)
-    assert issubclass(standalone_face.HorovodSyncBatchNorm, pl.plugins.LayerSync)
-    assert hvd_plugins.HorovodStrategy is lightning_face.HorovodStrategy  # the short import serves lightning.pytorch
-    from hvd_plugins.pytorch_lightning.callbacks import CommunicationMonitor
-
-    assert issubclass(CommunicationMonitor, pl.Callback)
 
 
 @pytest.fixture(scope="module")
@@ -63,19 +36,6 @@ def test_a_pytorch_lightning_trainer_takes_the_registered_name_and_the_documente
     assert result["by_name_compression"] == "fp16" and result["instance_kept"]
 
 
-@pytest.mark.parametrize(
-    ("trainer_package", "foreign", "import_hint"),
-    [
-        (pl, lightning_face.HorovodStrategy, "from hvd_plugins.pytorch_lightning import HorovodStrategy"),
-        (lp, standalone_face.HorovodStrategy, "from hvd_plugins.pytorch import HorovodStrategy"),
-    ],
-)
-def test_a_strategy_of_the_other_package_is_refused_naming_the_import(trainer_package, foreign, import_hint) -> None:  # noqa: ANN001
-    with pytest.raises(ValueError) as refused:
-        trainer_package.Trainer(strategy=foreign(), accelerator="cpu", devices=1, logger=False)
-    assert import_hint in str(refused.value)
-
-
 def test_a_callback_of_the_other_package_is_refused_naming_the_import(plain_process_checks: dict[str, Any]) -> None:
     message = checked(plain_process_checks, "foreign_callback")
     if message == "Expected a parent":  # Lightning 2.1 fails on the foreign callback itself, before the strategy
@@ -83,26 +43,7 @@ def test_a_callback_of_the_other_package_is_refused_naming_the_import(plain_proc
     assert message is not None and "from hvd_plugins.pytorch_lightning.callbacks import CommunicationMonitor" in message
 
 
-def test_the_rewrite_maps_both_packages_and_both_faces_and_keeps_lines() -> None:
-    source = (
-        "import lightning.pytorch as pl\n"
-        "from lightning.fabric.plugins import CheckpointIO\n"
-        "from hvd_plugins.pytorch.callbacks import LineProgressBar\n"
-        "from hvd_plugins.fabric import HorovodEnvironment\n"
-        "import hvd_plugins.pytorch_lightning\n"
-        "from my.lightning.pytorch import x  # not Lightning's\n"
-    )
-    assert rewrite(source).splitlines() == [
-        "import pytorch_lightning as pl",
-        "from lightning_fabric.plugins import CheckpointIO",
-        "from hvd_plugins.pytorch_lightning.callbacks import LineProgressBar",
-        "from hvd_plugins.lightning_fabric import HorovodEnvironment",
-        "import hvd_plugins.pytorch_lightning",
-        "from my.lightning.pytorch import x  # not Lightning's",
-    ]
-
-
-def test_a_pytorch_lightning_script_trains_by_name_as_one_plain_process(tmp_path) -> None:  # noqa: ANN001
+def test_a_pytorch_lightning_script_trains_by_name_as_one_plain_process(tmp_path) -> None:
     """``import pytorch_lightning as pl`` and ``pl.Trainer(strategy="horovod")``, as scripts before Lightning 2.0."""
     job = run_single("single_process.py", out_dir=tmp_path, lightning="pytorch_lightning")
     assert job.returncode == 0, job.output[-4000:]
@@ -142,7 +83,7 @@ def _comparable(value: object) -> object:
 
 
 @pytest.mark.multiprocess
-def test_lightning_cli_with_the_yaml_config_under_pytorch_lightning(tmp_path) -> None:  # noqa: ANN001
+def test_lightning_cli_with_the_yaml_config_under_pytorch_lightning(tmp_path) -> None:
     """examples/cli.py and config.yaml as a pytorch_lightning user writes them: class paths of that package."""
     examples = scripts_for(REPO / "examples", "pytorch_lightning")
     assert "pytorch_lightning.HorovodStrategy" in (examples / "config.yaml").read_text()
@@ -159,7 +100,7 @@ def test_lightning_cli_with_the_yaml_config_under_pytorch_lightning(tmp_path) ->
 
 
 @pytest.mark.multiprocess
-def test_strategy_by_name_under_horovodrun_gives_the_same_training_under_both_packages(tmp_path) -> None:  # noqa: ANN001
+def test_strategy_by_name_under_horovodrun_gives_the_same_training_under_both_packages(tmp_path) -> None:
     """single_process.py (``pl.Trainer(strategy="horovod")``) on 2 workers, as written for each package."""
     results = {}
     for package in LIGHTNING_PACKAGES:

@@ -19,7 +19,7 @@ import pytest
 
 from hvd_plugins.mirror import MIRRORS
 
-PACKAGE = Path(__file__).resolve().parents[1] / "hvd_plugins"
+PACKAGE = Path(__file__).resolve().parents[2] / "hvd_plugins"
 LIGHTNING_ROOTS = {"lightning", "pytorch_lightning", "lightning_fabric"}
 FACES = ("hvd_plugins.pytorch", "hvd_plugins.fabric", "hvd_plugins.pytorch_lightning", "hvd_plugins.lightning_fabric")
 

@@ -1,4 +1,4 @@
-"""In-process checks of elastic training's parts: the epoch split across resizes, commits, settings."""
+"""The elastic epoch split: every sample trained once per epoch across resizes, and where an epoch stands."""
 
 from __future__ import annotations
 
@@ -6,13 +6,9 @@ import itertools
 from collections import Counter
 
 import pytest
-import torch
 from torch.utils.data import DistributedSampler
 
-from hvd_plugins.core.config import HorovodConfig
 from hvd_plugins.core.elastic.epoch_split import ElasticDistributedSampler, EpochSegments, remaining_after
-from hvd_plugins.core.elastic.launch import runs_elastic
-from hvd_plugins.core.elastic.snapshot import host_copy, rescale_learning_rates
 
 
 @pytest.mark.parametrize(
@@ -77,45 +73,6 @@ def test_a_resumed_epoch_counts_the_batches_done_before_and_later_epochs_start_w
 def test_a_rank_outside_the_world_is_refused() -> None:
     with pytest.raises(ValueError, match=r"rank=2 must be in \[0, 2\)"):
         ElasticDistributedSampler(range(8), 2, 2)
-
-
-def test_a_commit_is_a_copy_that_training_does_not_change() -> None:
-    weight = torch.ones(3)
-    checkpoint = {"state_dict": {"w": weight}, "optimizer_states": [{"state": {0: {"step": torch.tensor(1.0)}}}]}
-    copy = host_copy(checkpoint)
-    weight.add_(1)
-    assert torch.equal(copy["state_dict"]["w"], torch.ones(3))
-    assert copy["optimizer_states"][0]["state"][0]["step"] is not checkpoint["optimizer_states"][0]["state"][0]["step"]
-
-
-def test_learning_rates_in_a_checkpoint_are_rescaled() -> None:
-    checkpoint = {
-        "optimizer_states": [{"param_groups": [{"lr": 0.4, "initial_lr": 0.8, "params": [0]}]}],
-        "lr_schedulers": [{"base_lrs": [0.8], "_last_lr": [0.4]}],
-    }
-    rescale_learning_rates(checkpoint, 0.5)
-    assert checkpoint["optimizer_states"][0]["param_groups"][0]["lr"] == pytest.approx(0.2)
-    assert checkpoint["optimizer_states"][0]["param_groups"][0]["initial_lr"] == pytest.approx(0.4)
-    assert checkpoint["lr_schedulers"][0] == {"base_lrs": [0.4], "_last_lr": [0.2]}
-
-
-def test_elastic_settings_are_checked(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("HOROVOD_ELASTIC", raising=False)
-    for name in ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK"):
-        monkeypatch.delenv(name, raising=False)
-    assert runs_elastic(HorovodConfig()) is False
-    with pytest.raises(ValueError, match="runs without horovodrun.*--host-discovery-script"):
-        runs_elastic(HorovodConfig(elastic=True))
-    monkeypatch.setenv("HOROVOD_ELASTIC", "1")
-    assert runs_elastic(HorovodConfig()) is True
-    with pytest.raises(ValueError, match="elastic=False, but horovodrun started an elastic job"):
-        runs_elastic(HorovodConfig(elastic=False))
-    with pytest.raises(ValueError, match="op='adasum' does not work in an elastic job"):
-        runs_elastic(HorovodConfig(op="adasum"))
-    with pytest.raises(ValueError, match="commit_every_n_steps=0 must be a whole number >= 1"):
-        HorovodConfig(commit_every_n_steps=0)
-    with pytest.raises(ValueError, match="elastic='yes' must be True, False or 'auto'"):
-        HorovodConfig(elastic="yes")  # type: ignore[arg-type]
 
 
 def test_where_an_epoch_stands_travels_in_a_commit_as_plain_values() -> None:

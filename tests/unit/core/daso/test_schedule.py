@@ -9,12 +9,8 @@ from __future__ import annotations
 import math
 
 import pytest
-import torch
 
-from hvd_plugins.core.config import HorovodConfig
 from hvd_plugins.core.daso import DasoConfig, DasoSchedule, Phase, StepPlan
-from hvd_plugins.core.daso.gradient_sync import DasoGradientSync
-from hvd_plugins.core.daso.parameter_sync import optimizer_state_to_average
 from hvd_plugins.core.daso.schedule import improves
 
 
@@ -222,59 +218,3 @@ def test_a_fresh_schedule_state_dict_has_no_best_loss_yet() -> None:
 
 def test_phase_codes_for_loggers() -> None:
     assert [phase.code for phase in Phase] == [0, 1, 2]
-
-
-@pytest.mark.parametrize(
-    ("field", "value", "message"),
-    [
-        ("warmup_epochs", -1, "warmup_epochs=-1 must be >= 0"),
-        ("stable_epochs", -1, "stable_epochs=-1 must be >= 0"),
-        ("max_global_skips", 0, "max_global_skips=0 must be >= 1"),
-        ("skip_reduction_factor", 1, "skip_reduction_factor=1 must be >= 2"),
-        ("stability_level", 1.5, r"stability_level=1.5 must be in \[0, 1\)"),
-        ("downcast", "int8", "downcast='int8' is not supported"),
-        ("sending_chunk_size", 0, "sending_chunk_size=0 must be >= 1"),
-    ],
-)
-def test_config_rejects_bad_values(field: str, value: object, message: str) -> None:
-    with pytest.raises(ValueError, match=message):
-        DasoConfig(**{field: value})
-
-
-def test_config_from_dict_names_unknown_settings_and_schedule_rejects_bad_length() -> None:
-    with pytest.raises(ValueError, match=r"unknown DASO setting\(s\) \['global_skip'\]"):
-        DasoConfig.from_any({"global_skip": 4})
-    with pytest.raises(ValueError, match="total_epochs=0 must be >= 1"):
-        DasoSchedule(DasoConfig(), total_epochs=0)
-
-
-def test_optimizer_state_to_average_takes_only_state_living_with_its_parameter() -> None:
-    """Adam's ``step`` (a CPU scalar even for GPU parameters) and state elsewhere are never flattened."""
-    weight = torch.nn.Parameter(torch.ones(3, 2))
-    bias = torch.nn.Parameter(torch.ones(2))
-    optimizer = torch.optim.Adam([weight, bias])
-    moment = torch.full((3, 2), 0.5)
-    optimizer.state[weight] = {
-        "step": torch.tensor(7.0),
-        "exp_avg": moment,
-        "elsewhere": torch.zeros(3, 2, device="meta"),  # another device, as CUDA moments beside a CPU step
-        "wrong_shape": torch.zeros(6),
-        "counts": torch.zeros(3, 2, dtype=torch.int64),
-    }
-    optimizer.state[bias] = {"step": torch.tensor(7.0), "exp_avg_sq": torch.full((2,), 0.25, dtype=torch.float64)}
-    picked = optimizer_state_to_average([optimizer])
-    assert [tuple(t.shape) for t in picked] == [(3, 2), (2,)]
-    assert picked[0] is moment and picked[1].dtype == torch.float64  # another dtype is cast on the wire
-    assert torch.cat([t.reshape(-1).float() for t in picked]).tolist() == [0.5] * 6 + [0.25] * 2
-
-
-def test_gradient_predivide_factor_and_adasum_are_refused_with_daso() -> None:
-    with pytest.raises(ValueError, match="gradient_predivide_factor=2.0 works only with sync='allreduce'"):
-        HorovodConfig(sync="daso", gradient_predivide_factor=2.0)
-    with pytest.raises(ValueError, match="op='adasum' works only with sync='allreduce'"):
-        HorovodConfig(sync="daso", op="adasum")
-
-
-def test_daso_gradient_sync_refuses_ops_it_cannot_average() -> None:
-    with pytest.raises(ValueError, match="op='min' is not supported with sync='daso'"):
-        DasoGradientSync(DasoConfig(), None, None, "min", None)  # type: ignore[arg-type]

@@ -1,0 +1,18 @@
+"""The registered strategy names, in the Trainer of each Lightning package."""
+
+from __future__ import annotations
+
+import lightning.pytorch as lp
+import pytest
+import pytorch_lightning as pl
+
+from hvd_plugins import pytorch as lightning_face
+from hvd_plugins import pytorch_lightning as standalone_face
+from hvd_plugins.fabric.strategies.registry import preset_names
+
+
+@pytest.mark.parametrize(("trainer_package", "face"), [(lp, lightning_face), (pl, standalone_face)])
+def test_every_strategy_name_is_registered_with_each_trainer(trainer_package, face) -> None:
+    registry = trainer_package.strategies.StrategyRegistry
+    for name in preset_names(trainer=True):
+        assert registry[name]["strategy"] is face.HorovodStrategy
