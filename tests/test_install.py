@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -60,3 +61,24 @@ def test_the_build_command_refuses_a_bad_choice_before_building() -> None:
     with pytest.raises(SystemExit) as stop:
         main(["--gpu", "cuda"])
     assert stop.value.code == 2
+
+
+def test_the_installed_build_records_the_patches_it_applied() -> None:
+    """The markers the build writes beside horovod/__init__.py: its cache key names the patch set, and
+    .hvd_plugins_patches lists the patches of that set applied to a build of its GPU mode."""
+    from test_horovod_patches import patch_set_hash, patches_for
+
+    from hvd_plugins.core.backend.build_marker import applied_patches, installed_marker
+    from hvd_plugins.core.backend.waits import synchronize_sleeps
+
+    key_file = installed_marker().with_name(".hvd_plugins_build_key")
+    if not key_file.exists():
+        pytest.skip("the installed Horovod was not built by hvd-build-horovod")
+    key = key_file.read_text().strip()
+    if f"-{patch_set_hash()}-" not in key:
+        pytest.skip(f"the installed Horovod ({key}) was built from another patch set: run hvd-build-horovod")
+    gpu = re.search(r"-gpu_(none|nccl)-", key)
+    assert gpu is not None, key
+    assert installed_marker().read_text().split() == patches_for(gpu.group(1))
+    assert applied_patches() == {Path(name).stem for name in patches_for(gpu.group(1))}
+    assert synchronize_sleeps()

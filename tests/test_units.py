@@ -327,32 +327,6 @@ def test_cpu_threads_share_the_host_unless_the_user_chose() -> None:
     assert "cpu_threads" not in HorovodStrategy(cpu_threads=2).config.fingerprint()  # hosts may differ
 
 
-@pytest.mark.parametrize(
-    ("marker", "sleeps"),
-    [
-        ("horovod0.28.1-p4-torch2.13.0_cpu-cp311-cxx17-gpu_none-mpi_yes", True),
-        ("horovod0.28.1-p12-torch2.13.0_cpu-cp311-cxx17-gpu_nccl-mpi_no-cc80_90", True),
-        ("horovod0.28.1-p3-torch2.13.0_cpu-cp311-cxx17-gpu_none-mpi_yes", False),
-        (None, False),  # another build: no marker
-    ],
-)
-def test_waits_poll_only_where_horovods_own_wait_spins(
-    marker: str | None, sleeps: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    import horovod
-
-    from hvd_plugins.core.backend import waits
-
-    if marker is not None:
-        (tmp_path / ".hvd_plugins_build_key").write_text(marker)
-    monkeypatch.setattr(horovod, "__file__", str(tmp_path / "__init__.py"))
-    waits.synchronize_sleeps.cache_clear()
-    try:
-        assert waits.synchronize_sleeps() is sleeps
-    finally:
-        waits.synchronize_sleeps.cache_clear()
-
-
 def test_daso_sharding_takes_only_cross_node_pairs_whose_sum_ends_in_the_wire_type() -> None:
     """The merge gathers the cross-node sum in its wire type: a relaying pair's sum is in it, an exchanging
     pair's (float32 of two float16 pieces) is not, and gathering that would round it."""

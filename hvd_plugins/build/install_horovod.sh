@@ -2,17 +2,23 @@
 # Build Horovod 0.28.1 from its source distribution against the torch installed in the
 # active Python environment, cache the wheel, install it and check the build.
 #
-# Horovod's last release asks for C++14, which current torch headers reject (they need
-# C++17, and C++20 from torch 2.14 on). This script raises the standard to match the
-# installed torch. It also fixes a Horovod bug where Gloo contexts of process sets ignore
-# HOROVOD_GLOO_IFACE (they resolve the host name instead), which breaks multi-host Gloo
-# jobs whose host names resolve to 127.0.0.1. And it lets Gloo add float16 with the CPU's
-# F16C/AVX instructions wherever Horovod itself is compiled with them (Gloo's portable float16
-# sum converts every element in software: a float16 allreduce took 3.4x as long as a float32
-# one of the same elements on x86).
+# Horovod's source is changed only by the patch files in patches/ beside this script
+# (NNNN-what-it-does.patch, applied in order with `patch -p1`; each one's header says what it
+# does, why, its measured effect, whether it is upstreamable and whether it changes runtime
+# behaviour). They raise the C++ standard to the one the installed torch needs (C++17, or C++20
+# from torch 2.14 on: this script passes it as HOROVOD_CXX_STANDARD), fix Horovod bugs (Gloo
+# process sets ignoring HOROVOD_GLOO_IFACE, Finalize leaving process-set contexts open), build
+# Gloo's F16C float16 sum, skip an in-place self-copy, make hvd.synchronize sleep instead of
+# spinning, and bind horovodrun's services to the job's interface. A patch whose header has
+# "Applies-when: gpu=MODE" is applied only to builds of that GPU mode (HVD_GPU below).
+#
+# The cache key holds a hash of the patch files, so changing, adding or removing one rebuilds.
+# Beside the installed horovod/__init__.py the script writes .hvd_plugins_build_key (the cache
+# key) and .hvd_plugins_patches (the file names of the patches applied, one per line), which
+# hvd_plugins.core.backend.build_marker reads.
 #
 # A CUDA torch is fine for a CPU-ops build (HVD_GPU=none): Horovod's CMake would otherwise see
-# the CUDA torch and insist on building its CUDA parts, so the script tells it torch has no CUDA.
+# the CUDA torch and insist on building its CUDA parts, so a patch tells it torch has no CUDA.
 # NCCL builds compile Horovod's CUDA kernels with nvcc, which must be of the CUDA major version
 # torch was built with (CUDA 12 torch + nvcc 13 is refused; auto falls back to CPU ops then).
 #
@@ -25,16 +31,40 @@
 #   HVD_WHEEL_CACHE=DIR        where built wheels are kept (default ~/.cache/hvd_plugins/wheels)
 #   HVD_FORCE_BUILD=1          ignore the cache
 #   HVD_SDIST=FILE             build from this horovod-0.28.1.tar.gz instead of downloading it
-#                              (machines without a package index)
+#                              (machines without a package index); a downloaded one is kept in
+#                              the wheel cache folder and used from there next time
 set -euo pipefail
 
 HOROVOD_VERSION="0.28.1"
-PATCH_LEVEL="p6"   # bump when the source patches below change
 PYTHON="${PYTHON:-python}"
 CACHE_DIR="${HVD_WHEEL_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/hvd_plugins/wheels}"
+PATCH_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)/patches"
 
 log() { echo "[install_horovod] $*" >&2; }
 die() { echo "[install_horovod] ERROR: $*" >&2; exit 1; }
+
+ls "$PATCH_DIR"/*.patch >/dev/null 2>&1 || die "no Horovod patches in $PATCH_DIR (an incomplete install of hvd_plugins?)"
+# The patch set in the cache key: a hash over the patch files' names and contents, in order.
+PATCH_SET="patches-$(cd "$PATCH_DIR" && sha256sum -- *.patch | sha256sum | cut -c1-10)"
+
+# Apply the patches that fit this build to the source tree $1, in order, and print their file
+# names. "Applies-when: gpu=MODE" in a patch's header limits it to builds of that GPU mode.
+apply_patches() {
+  local patch name when out
+  for patch in "$PATCH_DIR"/*.patch; do
+    name=$(basename "$patch")
+    when=$(sed -n 's/^Applies-when: *//p' "$patch")
+    case "$when" in
+      "") ;;
+      gpu=*) [ "${when#gpu=}" = "$GPU_MODE" ] || continue ;;
+      *) die "$name: 'Applies-when: $when' is not of the form gpu=MODE" ;;
+    esac
+    out=$(patch -d "$1" -p1 --forward --batch --fuzz=0 --no-backup-if-mismatch -i "$patch" 2>&1) \
+      || die "patch $name does not apply to Horovod $HOROVOD_VERSION's source:
+$out"
+    echo "$name"
+  done
+}
 
 read -r TORCH_VERSION TORCH_CUDA PY_TAG < <("$PYTHON" - <<'PY'
 import sys
@@ -101,7 +131,7 @@ if [ "$MPI_MODE" = yes ] && ! command -v mpicc >/dev/null 2>&1; then
 fi
 CUDA_ARCHS="${HVD_CUDA_ARCHS:-80;90}"
 
-KEY="horovod${HOROVOD_VERSION}-${PATCH_LEVEL}-torch${TORCH_VERSION}-${PY_TAG}-cxx${CXX_STD}-gpu_${GPU_MODE}-mpi_${MPI_MODE}"
+KEY="horovod${HOROVOD_VERSION}-${PATCH_SET}-torch${TORCH_VERSION}-${PY_TAG}-cxx${CXX_STD}-gpu_${GPU_MODE}-mpi_${MPI_MODE}"
 [ "$GPU_MODE" = nccl ] && KEY="${KEY}-cc${CUDA_ARCHS//;/_}"
 WHEEL_DIR="$CACHE_DIR/$KEY"
 
@@ -110,262 +140,45 @@ installed_matches() {
   "$PYTHON" - "$WHEEL_DIR" <<'PY' 2>/dev/null
 import pathlib, sys
 import horovod, horovod.torch  # noqa: F401  (fails when the extension does not load)
-marker = pathlib.Path(horovod.__file__).with_name(".hvd_plugins_build_key")
-want = (pathlib.Path(sys.argv[1]) / ".key").read_text()
-sys.exit(0 if marker.exists() and marker.read_text() == want else 1)
+here, cached = pathlib.Path(horovod.__file__).parent, pathlib.Path(sys.argv[1])
+same = all(
+    (here / marker).exists() and (here / marker).read_text() == (cached / record).read_text()
+    for marker, record in ((".hvd_plugins_build_key", ".key"), (".hvd_plugins_patches", ".patches"))
+)
+sys.exit(0 if same else 1)
 PY
 }
 
 if [ -z "${HVD_FORCE_BUILD:-}" ] && installed_matches; then
   log "Horovod $HOROVOD_VERSION for torch $TORCH_VERSION already installed ($KEY)"
 else
-  if [ -n "${HVD_FORCE_BUILD:-}" ] || ! ls "$WHEEL_DIR"/horovod-*.whl >/dev/null 2>&1; then
+  if [ -n "${HVD_FORCE_BUILD:-}" ] || ! ls "$WHEEL_DIR"/horovod-*.whl >/dev/null 2>&1 \
+      || [ ! -f "$WHEEL_DIR/.patches" ]; then
     log "building Horovod $HOROVOD_VERSION for torch $TORCH_VERSION (C++$CXX_STD, gpu=$GPU_MODE, mpi=$MPI_MODE); this takes several minutes"
     WORK=$(mktemp -d)
     trap 'rm -rf "$WORK"' EXIT
+    command -v patch >/dev/null 2>&1 || die "the patch command is missing (e.g. apt-get install patch)"
+    SDIST_CACHED="$CACHE_DIR/horovod-$HOROVOD_VERSION.tar.gz"
+    SDIST_FROM="a download"
     if [ -n "${HVD_SDIST:-}" ]; then
       [ -f "$HVD_SDIST" ] || die "HVD_SDIST=$HVD_SDIST is not a file"
-      cp "$HVD_SDIST" "$WORK/horovod-$HOROVOD_VERSION.tar.gz"
+      cp "$HVD_SDIST" "$WORK/horovod-$HOROVOD_VERSION.tar.gz"; SDIST_FROM="$HVD_SDIST"
+    elif [ -f "$SDIST_CACHED" ]; then
+      cp "$SDIST_CACHED" "$WORK/horovod-$HOROVOD_VERSION.tar.gz"; SDIST_FROM="$SDIST_CACHED (delete it to download it again)"
     else
       "$PYTHON" -m pip download --quiet --no-deps --no-binary :all: "horovod==$HOROVOD_VERSION" -d "$WORK"
+      mkdir -p "$CACHE_DIR"
+      cp "$WORK/horovod-$HOROVOD_VERSION.tar.gz" "$SDIST_CACHED.tmp$$" && mv "$SDIST_CACHED.tmp$$" "$SDIST_CACHED"
     fi
-    tar -xzf "$WORK/horovod-$HOROVOD_VERSION.tar.gz" -C "$WORK"
+    tar -xzf "$WORK/horovod-$HOROVOD_VERSION.tar.gz" -C "$WORK" \
+      || die "cannot extract Horovod's source from $SDIST_FROM"
     SRC="$WORK/horovod-$HOROVOD_VERSION"
 
-    # C++ standard demanded by the torch headers.
-    sed -i "s/set(CMAKE_CXX_STANDARD 14)/set(CMAKE_CXX_STANDARD $CXX_STD)/" \
-      "$SRC/CMakeLists.txt" "$SRC/horovod/torch/CMakeLists.txt"
-    grep -q "CMAKE_CXX_STANDARD $CXX_STD" "$SRC/horovod/torch/CMakeLists.txt" \
-      || die "could not raise the C++ standard in horovod/torch/CMakeLists.txt"
-
-    if [ "$GPU_MODE" = none ]; then
-      # Horovod adds its CUDA parts whenever torch is a CUDA build; a CPU-ops build must not
-      # (no-op for a CPU torch, so CPU-torch wheels are unchanged).
-      "$PYTHON" - "$SRC/cmake/Modules/FindPytorch.cmake" <<'PY'
-import pathlib, sys
-path = pathlib.Path(sys.argv[1])
-text = path.read_text()
-old = 'string(TOUPPER "${Pytorch_CUDA}" Pytorch_CUDA)\n'
-if text.count(old) != 1:
-    sys.exit("FindPytorch.cmake does not look as expected; cannot turn off torch's CUDA detection")
-path.write_text(text.replace(old, old + "set(Pytorch_CUDA FALSE)  # CPU-ops build of a CUDA torch\n"))
-PY
-    fi
-
-    # Gloo's vectorized float16 sum where Horovod already compiles with F16C and AVX (its own
-    # check of the build machine's compiler, so never on other architectures): Gloo keeps it in
-    # gloo/math.cc behind GLOO_USE_AVX, but Horovod's copy of Gloo leaves math.cc out of the
-    # build and no source includes the config.h that would define the macro.
-    "$PYTHON" - "$SRC" <<'PY'
-import pathlib, sys
-src = pathlib.Path(sys.argv[1])
-edits = [
-    (src / "CMakeLists.txt", 'set_build_arch_flags("${ARCH_FLAGS}")\n',
-     'if("${HOROVOD_BUILD_ARCH_FLAGS}" MATCHES "-mf16c" AND "${HOROVOD_BUILD_ARCH_FLAGS}" MATCHES "-mavx")\n'
-     '    add_definitions(-DGLOO_USE_AVX=1)  # read by gloo/math.h, in Gloo and in Horovod alike\n'
-     'endif()\n'),
-    (src / "third_party/gloo/gloo/CMakeLists.txt", '  "${CMAKE_CURRENT_SOURCE_DIR}/types.cc"\n',
-     '  "${CMAKE_CURRENT_SOURCE_DIR}/math.cc"\n'),
-]
-for path, anchor, addition in edits:
-    text = path.read_text()
-    if text.count(anchor) != 1:
-        sys.exit(f"{path.name} does not look as expected; cannot turn on Gloo's F16C float16 sum")
-    path.write_text(text.replace(anchor, anchor + addition))
-PY
-
-    # An in-place allreduce of one tensor (what DistributedOptimizer's hooks send when a gradient
-    # fills the fusion buffer alone) copied the tensor onto itself before reducing: one extra pass
-    # over every byte, and memcpy's undefined behaviour for overlapping memory. Copy only when the
-    # output is another tensor.
-    "$PYTHON" - "$SRC/horovod/common/ops/gloo_operations.cc" <<'PY'
-import pathlib, sys
-path = pathlib.Path(sys.argv[1])
-text = path.read_text()
-old = """    buffer_data = (void*)first_entry.output->data();
-    std::memcpy(buffer_data, first_entry.tensor->data(),
-                (size_t)first_entry.tensor->size());
-    fused_input_data = buffer_data;"""
-new = """    buffer_data = (void*)first_entry.output->data();
-    if (buffer_data != first_entry.tensor->data()) {
-      std::memcpy(buffer_data, first_entry.tensor->data(),
-                  (size_t)first_entry.tensor->size());
-    }
-    fused_input_data = buffer_data;"""
-if text.count(old) != 1:
-    sys.exit("gloo_operations.cc does not look as expected; cannot skip the in-place self-copy")
-path.write_text(text.replace(old, new))
-PY
-
-    # hvd.synchronize (behind every blocking hvd.allreduce, broadcast, allgather, join and the
-    # DistributedOptimizer's step) waited by spinning on std::this_thread::yield, so a waiting
-    # worker kept a core busy; with more workers than cores the waiters took the CPU from the
-    # workers still computing and from Horovod's background threads. The wait now sleeps on a
-    # condition variable that MarkDone signals (no spin, no added latency), waking every 100 ms
-    # to let Python handle signals: Ctrl-C now interrupts a collective that never completes.
-    "$PYTHON" - "$SRC/horovod/torch" <<'PY'
-import pathlib, sys
-torch_dir = pathlib.Path(sys.argv[1])
-header, source, ops = (torch_dir / name for name in ("handle_manager.h", "handle_manager.cc", "mpi_ops_v2.cc"))
-missing = (
-    '    throw std::invalid_argument("Handle " + std::to_string(handle) +\n'
-    '                                " was not created or has been cleared.");\n'
-)
-edits = [
-    (header, "#include <atomic>\n", "#include <atomic>\n#include <chrono>\n#include <condition_variable>\n"),
-    (header, "  bool PollHandle(int handle);\n",
-     "  bool PollHandle(int handle);\n"
-     "  // Whether the handle is done, after waiting at most `timeout` for it.\n"
-     "  bool WaitHandle(int handle, std::chrono::milliseconds timeout);\n"),
-    (header, "  std::mutex mutex_;\n", "  std::mutex mutex_;\n  std::condition_variable done_;\n"),
-    (source,
-     "  std::lock_guard<std::mutex> guard(mutex_);\n  results_[handle] = std::make_shared<Status>(status);\n}\n",
-     "  {\n    std::lock_guard<std::mutex> guard(mutex_);\n    results_[handle] = std::make_shared<Status>(status);\n"
-     "  }\n  done_.notify_all();\n}\n"),
-    (source, "bool HandleManager::PollHandle(int handle) {\n",
-     "bool HandleManager::WaitHandle(int handle, std::chrono::milliseconds timeout) {\n"
-     "  std::unique_lock<std::mutex> lock(mutex_);\n"
-     "  auto found = results_.find(handle);\n"
-     "  if (found != results_.end() && found->second == nullptr) {\n"
-     "    done_.wait_for(lock, timeout);\n"
-     "    found = results_.find(handle);  // Reset() may have cleared it meanwhile\n"
-     "  }\n"
-     "  if (found == results_.end()) {\n" + missing + "  }\n"
-     "  return found->second != nullptr;\n"
-     "}\n\n"
-     "bool HandleManager::PollHandle(int handle) {\n"),
-    (source, "  results_.clear();\n  last_handle_ = 0;\n}\n",
-     "  results_.clear();\n  last_handle_ = 0;\n  done_.notify_all();  // waiters see their handle gone\n}\n"),
-    (ops,
-     "  while (true) {\n    if (handle_manager.PollHandle(handle)) break;\n    {\n"
-     "      py::gil_scoped_release release_python_gil;\n      std::this_thread::yield();\n    }\n  }\n",
-     "  while (!handle_manager.PollHandle(handle)) {\n"
-     "    {\n"
-     "      py::gil_scoped_release release_python_gil;\n"
-     "      handle_manager.WaitHandle(handle, std::chrono::milliseconds(100));\n"
-     "    }\n"
-     "    if (PyErr_CheckSignals() != 0) throw py::error_already_set();  // e.g. KeyboardInterrupt\n"
-     "  }\n"),
-]
-for path, old, new in edits:
-    text = path.read_text()
-    if text.count(old) != 1:
-        sys.exit(f"{path.name} does not look as expected; cannot make hvd.synchronize wait without spinning")
-    path.write_text(text.replace(old, new))
-PY
-
-    # GCC 13's standard headers no longer include <string> and <stdexcept> on the side; two
-    # Horovod headers relied on that (std::string in group_table.h, std::logic_error in
-    # common.h). Compilers whose headers still do see no difference.
-    "$PYTHON" - "$SRC/horovod/common" <<'PY'
-import pathlib, sys
-common = pathlib.Path(sys.argv[1])
-edits = [
-    (common / "group_table.h", "#include <queue>\n", "#include <string>\n"),
-    (common / "common.h", "#include <memory>\n", "#include <stdexcept>\n"),
-]
-for path, anchor, addition in edits:
-    text = path.read_text()
-    if text.count(anchor) != 1:
-        sys.exit(f"{path.name} does not look as expected; cannot add the includes GCC 13 needs")
-    path.write_text(text.replace(anchor, anchor + addition))
-PY
-
-    # Elastic jobs: a worker whose Horovod loop failed kept the sockets of its process-set Gloo
-    # contexts open (GlooContext::Finalize returned early for contexts never "enabled", which is
-    # every process set's, the global set's included), so its peers noticed nothing until Gloo's
-    # 30 s timeout. Finalize now drops every context, and the peers see the connection close.
-    "$PYTHON" - "$SRC/horovod/common/gloo/gloo_context.cc" <<'PY'
-import pathlib, sys
-path = pathlib.Path(sys.argv[1])
-text = path.read_text()
-old = """void GlooContext::Finalize() {
-  if (!enabled_) {
-    return;
-  }
-
-  global_ctx.reset();
-  ctx.reset();
-  cross_ctx.reset();
-  local_ctx.reset();
-  reset_ = true;
-}"""
-new = """void GlooContext::Finalize() {
-  global_ctx.reset();
-  ctx.reset();
-  cross_ctx.reset();
-  local_ctx.reset();
-  if (enabled_) {
-    reset_ = true;
-  }
-}"""
-if text.count(old) != 1:
-    sys.exit("gloo_context.cc does not look as expected; cannot make Finalize close process-set contexts")
-path.write_text(text.replace(old, new))
-PY
-
-    # horovodrun's rendezvous server and each elastic worker's notification service listened on
-    # every interface (unauthenticated HTTP for the rendezvous). They now listen on the address of
-    # the interface the job uses: the driver's address on the common interface for the rendezvous
-    # (the elastic launch finds that interface before it starts the server), the address of
-    # HOROVOD_GLOO_IFACE for a worker's service. Services given several interfaces, or none (the
-    # interface probes at start-up), still listen on all.
-    "$PYTHON" - "$SRC/horovod/runner" <<'PY'
-import pathlib, sys
-runner = pathlib.Path(sys.argv[1])
-edits = [
-    (runner / "util/network.py", "def find_port(server_factory):\n", "def find_port(server_factory, address=''):\n"),
-    (runner / "util/network.py", "            addr = ('', port)\n", "            addr = (address, port)\n"),
-    (runner / "http/http_server.py",
-     "    def start(self, handler_cls=RendezvousHandler):\n        self._httpd, port = find_port(\n"
-     "            lambda addr: RendezvousHTTPServer(\n                addr, handler_cls, self._verbose))\n",
-     "    def start(self, handler_cls=RendezvousHandler, address=''):\n        self._httpd, port = find_port(\n"
-     "            lambda addr: RendezvousHTTPServer(\n                addr, handler_cls, self._verbose), address)\n"),
-    (runner / "common/util/network.py", "class BasicService(object):\n",
-     "def _bind_address(nics):\n"
-     "    \"\"\"The IPv4 address of the one interface a service is given; '' (every interface) otherwise.\"\"\"\n"
-     "    names = [nics] if isinstance(nics, str) else list(nics or [])\n"
-     "    if len(names) != 1:\n"
-     "        return ''\n"
-     "    for addr in psutil.net_if_addrs().get(names[0], []):\n"
-     "        if addr.family == socket.AF_INET:\n"
-     "            return addr.address\n"
-     "    return ''\n\n\n"
-     "class BasicService(object):\n"),
-    (runner / "common/util/network.py",
-     "            lambda addr: socketserver.ThreadingTCPServer(\n                addr, self._make_handler()))\n",
-     "            lambda addr: socketserver.ThreadingTCPServer(\n                addr, self._make_handler()),\n"
-     "            _bind_address(nics))\n"),
-    (runner / "gloo_run.py", "    global_rendezv_port = rendezvous.start()\n",
-     "    global_rendezv_port = rendezvous.start(address=server_ip)\n"),
-    (runner / "gloo_run.py",
-     "    global_rendezv_port = rendezvous.start(handler)\n    driver.wait_for_available_slots(settings.num_proc)\n\n"
-     "    nics = get_common_interfaces(driver)\n    server_ip = network.get_driver_ip(nics)\n",
-     "    driver.wait_for_available_slots(settings.num_proc)\n\n"
-     "    nics = get_common_interfaces(driver)\n    server_ip = network.get_driver_ip(nics)\n"
-     "    global_rendezv_port = rendezvous.start(handler, address=server_ip)\n"),
-]
-for path, old, new in edits:
-    text = path.read_text()
-    if text.count(old) != 1:
-        sys.exit(f"{path.name} does not look as expected; cannot make the runner listen on the job's interface")
-    path.write_text(text.replace(old, new))
-PY
-
-    # Process-set Gloo contexts must use the network interface of the global context.
-    GLOO_CC="$SRC/horovod/common/gloo/gloo_context.cc"
-    "$PYTHON" - "$GLOO_CC" <<'PY'
-import pathlib, sys
-path = pathlib.Path(sys.argv[1])
-text = path.read_text()
-old = "  attr device_attr;\n  device_attr.iface = gloo_iface_;\n  device_attr.ai_family = AF_UNSPEC;\n  auto dev = CreateDevice(device_attr);\n\n  global_ctx = global_context.ctx;"
-new = "  gloo_iface_ = global_context.gloo_iface_;\n" + old
-if text.count(old) != 1:
-    sys.exit("gloo_context.cc does not look as expected; cannot apply the interface fix")
-path.write_text(text.replace(old, new))
-PY
+    apply_patches "$SRC" > "$WORK/applied_patches"
+    log "patched the source ($PATCH_SET): $(tr '\n' ' ' < "$WORK/applied_patches")"
 
     export HOROVOD_WITH_PYTORCH=1 HOROVOD_WITHOUT_TENSORFLOW=1 HOROVOD_WITHOUT_MXNET=1 HOROVOD_WITH_GLOO=1
+    export HOROVOD_CXX_STANDARD="$CXX_STD"   # read by the CMakeLists.txt of patch 0001
     # CMake 4 refuses projects that ask for CMake < 3.5, as Horovod's copy of Gloo does
     # (cmake_minimum_required 2.8.12); this lets them configure with 3.5's policies. CMake 3
     # ignores the variable, so builds that worked there are unchanged.
@@ -386,10 +199,6 @@ PY
         || die "the nvidia-nccl wheel has no nccl.h or libnccl.so.2 (found: $NCCL_HEADER $NCCL_LIBRARY)"
       NCCL_LINKS="$WORK/nccl_lib"; mkdir -p "$NCCL_LINKS"
       ln -sf "$NCCL_LIBRARY" "$NCCL_LINKS/libnccl.so"
-      # Horovod compiles its CUDA kernels as C++11, which the CUDA 13 headers no longer accept.
-      sed -i "s/set(CMAKE_CUDA_STANDARD 11)/set(CMAKE_CUDA_STANDARD 17)/" "$SRC/horovod/common/ops/cuda/CMakeLists.txt"
-      grep -q "CMAKE_CUDA_STANDARD 17" "$SRC/horovod/common/ops/cuda/CMakeLists.txt" \
-        || die "could not raise the CUDA standard in horovod/common/ops/cuda/CMakeLists.txt"
       export HOROVOD_GPU_OPERATIONS=NCCL HOROVOD_NCCL_LINK=SHARED \
         HOROVOD_NCCL_INCLUDE="$(dirname "$NCCL_HEADER")" HOROVOD_NCCL_LIB="$NCCL_LINKS" \
         HOROVOD_CUDA_HOME="$CUDA_ROOT" HOROVOD_BUILD_CUDA_CC_LIST="${CUDA_ARCHS//;/,}"
@@ -397,6 +206,7 @@ PY
     fi
     mkdir -p "$WHEEL_DIR"
     rm -f "$WHEEL_DIR"/horovod-*.whl
+    cp "$WORK/applied_patches" "$WHEEL_DIR/.patches"
     "$PYTHON" -m pip wheel --no-build-isolation --no-deps -w "$WHEEL_DIR" "$SRC" \
       > "$WHEEL_DIR/build.log" 2>&1 || { tail -n 60 "$WHEEL_DIR/build.log" >&2; die "Horovod build failed (log above; all of it in $WHEEL_DIR/build.log)"; }
   else
@@ -407,11 +217,13 @@ PY
   # horovod's own run-time dependencies (its wheel is installed without them so pip never
   # tries to rebuild it from source)
   "$PYTHON" -m pip install --quiet cloudpickle psutil pyyaml packaging cffi
+  # What this build is, beside horovod/__init__.py: its cache key and the patches applied.
   "$PYTHON" - "$WHEEL_DIR" <<'PY'
 import pathlib, sys
 import horovod
-key = (pathlib.Path(sys.argv[1]) / ".key").read_text()
-pathlib.Path(horovod.__file__).with_name(".hvd_plugins_build_key").write_text(key)
+here, cached = pathlib.Path(horovod.__file__).parent, pathlib.Path(sys.argv[1])
+(here / ".hvd_plugins_build_key").write_text((cached / ".key").read_text())
+(here / ".hvd_plugins_patches").write_text((cached / ".patches").read_text())
 PY
 fi
 
