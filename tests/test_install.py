@@ -49,12 +49,15 @@ def test_the_build_command_is_installed_and_maps_its_options_to_the_scripts_knob
     help_text = subprocess.run([str(command), "--help"], capture_output=True, text=True, timeout=120).stdout
     assert all(option in help_text for option in ("--gpu", "--mpi", "--cuda-archs", "--sdist", "--cache", "--force"))
     assert SCRIPT.exists() and SCRIPT.read_text().startswith("#!/usr/bin/env bash")
-    namespace = argparse.Namespace(gpu="none", mpi="no", cuda_archs=None, sdist=None, cache=tmp_path, force=True)
+    namespace = argparse.Namespace(
+        gpu="none", mpi="no", cuda_archs=None, sdist=None, cache=tmp_path, force=True, patches="0001", target=None
+    )
     env = build_environment(namespace, {"PATH": "/usr/bin"})
     assert env["HVD_GPU"] == "none" and env["HVD_MPI"] == "no" and env["HVD_WHEEL_CACHE"] == str(tmp_path)
     assert env["HVD_FORCE_BUILD"] == "1" and env["PYTHON"] == sys.executable
     assert env["PATH"].startswith(str(Path(sys.executable).parent))
-    assert "HVD_SDIST" not in env  # options not given leave the script's defaults
+    assert env["HVD_PATCHES"] == "0001"
+    assert "HVD_SDIST" not in env and "HVD_INSTALL_TARGET" not in env  # options not given leave the defaults
 
 
 def test_the_build_command_refuses_a_bad_choice_before_building() -> None:

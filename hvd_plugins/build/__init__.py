@@ -26,6 +26,8 @@ def build_environment(args: argparse.Namespace, environ: dict[str, str]) -> dict
     env = {**environ, "PYTHON": sys.executable, "PATH": path}
     knobs = {"HVD_GPU": args.gpu, "HVD_MPI": args.mpi, "HVD_CUDA_ARCHS": args.cuda_archs, "HVD_SDIST": args.sdist}
     knobs["HVD_WHEEL_CACHE"] = args.cache
+    knobs["HVD_PATCHES"] = args.patches
+    knobs["HVD_INSTALL_TARGET"] = args.target
     env.update({name: str(value) for name, value in knobs.items() if value is not None})
     if args.force:
         env["HVD_FORCE_BUILD"] = "1"
@@ -40,6 +42,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sdist", type=Path, help="build from this horovod-0.28.1.tar.gz (no package index)")
     parser.add_argument("--cache", type=Path, help="wheel cache folder (default ~/.cache/hvd_plugins/wheels)")
     parser.add_argument("--force", action="store_true", help="build even when a cached wheel matches")
+    parser.add_argument("--patches", help='only these patches of hvd_plugins/build/patches, by number, e.g. "0001"')
+    parser.add_argument("--target", type=Path, help="install into this folder instead of the environment")
     args = parser.parse_args(argv)
     env = build_environment(args, dict(os.environ))
     return subprocess.run(["bash", str(SCRIPT)], env=env, check=False).returncode

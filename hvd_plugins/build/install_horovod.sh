@@ -30,6 +30,10 @@
 #   CUDA_HOME=DIR              CUDA toolkit for NCCL builds (default /usr/local/cuda, else nvcc on PATH)
 #   HVD_WHEEL_CACHE=DIR        where built wheels are kept (default ~/.cache/hvd_plugins/wheels)
 #   HVD_FORCE_BUILD=1          ignore the cache
+#   HVD_PATCHES=0001,0002      apply only these patches (by number); the default is all of them.
+#                              A build that leaves some out is cached under its own key.
+#   HVD_INSTALL_TARGET=DIR     install into DIR (pip --target) instead of this environment, e.g.
+#                              to try a second build beside the first with PYTHONPATH=DIR
 #   HVD_SDIST=FILE             build from this horovod-0.28.1.tar.gz instead of downloading it
 #                              (machines without a package index); a downloaded one is kept in
 #                              the wheel cache folder and used from there next time
@@ -44,15 +48,23 @@ log() { echo "[install_horovod] $*" >&2; }
 die() { echo "[install_horovod] ERROR: $*" >&2; exit 1; }
 
 ls "$PATCH_DIR"/*.patch >/dev/null 2>&1 || die "no Horovod patches in $PATCH_DIR (an incomplete install of hvd_plugins?)"
+# The patches this build applies, in order: all of them, or those HVD_PATCHES names by number.
+PATCHES=()
+for patch in "$PATCH_DIR"/*.patch; do
+  name=$(basename "$patch")
+  [ -z "${HVD_PATCHES:-}" ] || [[ ",${HVD_PATCHES// /}," == *",${name%%-*},"* ]] && PATCHES+=("$name")
+done
+[ "${#PATCHES[@]}" -gt 0 ] || die "HVD_PATCHES=$HVD_PATCHES names none of the patches in $PATCH_DIR"
 # The patch set in the cache key: a hash over the patch files' names and contents, in order.
-PATCH_SET="patches-$(cd "$PATCH_DIR" && sha256sum -- *.patch | sha256sum | cut -c1-10)"
+PATCH_SET="patches-$(cd "$PATCH_DIR" && sha256sum -- "${PATCHES[@]}" | sha256sum | cut -c1-10)"
+TARGET="${HVD_INSTALL_TARGET:-}"
 
 # Apply the patches that fit this build to the source tree $1, in order, and print their file
 # names. "Applies-when: gpu=MODE" in a patch's header limits it to builds of that GPU mode.
 apply_patches() {
   local patch name when out
-  for patch in "$PATCH_DIR"/*.patch; do
-    name=$(basename "$patch")
+  for name in "${PATCHES[@]}"; do
+    patch="$PATCH_DIR/$name"
     when=$(sed -n 's/^Applies-when: *//p' "$patch")
     case "$when" in
       "") ;;
@@ -137,7 +149,7 @@ WHEEL_DIR="$CACHE_DIR/$KEY"
 
 installed_matches() {
   [ -f "$WHEEL_DIR/.key" ] || return 1
-  "$PYTHON" - "$WHEEL_DIR" <<'PY' 2>/dev/null
+  PYTHONPATH="${TARGET:+$TARGET:}${PYTHONPATH:-}" "$PYTHON" - "$WHEEL_DIR" <<'PY' 2>/dev/null
 import pathlib, sys
 import horovod, horovod.torch  # noqa: F401  (fails when the extension does not load)
 here, cached = pathlib.Path(horovod.__file__).parent, pathlib.Path(sys.argv[1])
@@ -213,12 +225,16 @@ PY
     log "using cached wheel $WHEEL_DIR"
   fi
   echo "$KEY" > "$WHEEL_DIR/.key"
-  "$PYTHON" -m pip install --quiet --no-deps --force-reinstall "$WHEEL_DIR"/horovod-*.whl
+  if [ -n "$TARGET" ]; then
+    "$PYTHON" -m pip install --quiet --no-deps --upgrade --target "$TARGET" "$WHEEL_DIR"/horovod-*.whl
+  else
+    "$PYTHON" -m pip install --quiet --no-deps --force-reinstall "$WHEEL_DIR"/horovod-*.whl
+  fi
   # horovod's own run-time dependencies (its wheel is installed without them so pip never
   # tries to rebuild it from source)
   "$PYTHON" -m pip install --quiet cloudpickle psutil pyyaml packaging cffi
   # What this build is, beside horovod/__init__.py: its cache key and the patches applied.
-  "$PYTHON" - "$WHEEL_DIR" <<'PY'
+  PYTHONPATH="${TARGET:+$TARGET:}${PYTHONPATH:-}" "$PYTHON" - "$WHEEL_DIR" <<'PY'
 import pathlib, sys
 import horovod
 here, cached = pathlib.Path(horovod.__file__).parent, pathlib.Path(sys.argv[1])
@@ -227,6 +243,12 @@ here, cached = pathlib.Path(horovod.__file__).parent, pathlib.Path(sys.argv[1])
 PY
 fi
 
+if [ -n "$TARGET" ]; then
+  PYTHONPATH="$TARGET${PYTHONPATH:+:$PYTHONPATH}" "$PYTHON" -c 'import horovod.torch' \
+    || die "the Horovod installed in $TARGET does not load"
+  log "ok: Horovod $HOROVOD_VERSION ($KEY) in $TARGET; use it with PYTHONPATH=$TARGET"
+  exit 0
+fi
 # The horovodrun of this interpreter's environment (activated or not).
 HOROVODRUN="$("$PYTHON" -c 'import os, sys; print(os.path.join(os.path.dirname(sys.executable), "horovodrun"))')"
 [ -x "$HOROVODRUN" ] || HOROVODRUN=horovodrun

@@ -72,6 +72,8 @@ class HorovodConfig:
     """How gradients combine across workers, ``"average"``, ``"sum"`` or ``"adasum"``."""
     gradient_predivide_factor: float = 1.0
     """Divide gradients by this before the sum and by ``size / factor`` after (average only)."""
+    sparse_as_dense: bool = False
+    """Send sparse gradients as dense tensors (flat sync; the node-aware syncs always send them dense)."""
     scale_lr: bool = False
     """Multiply learning rates by the number of workers (never done silently)."""
     sync: SyncMode = "allreduce"

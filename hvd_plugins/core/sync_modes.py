@@ -20,7 +20,12 @@ def make_gradient_sync(config: HorovodConfig, counters: CommCounters) -> Gradien
             scope = Scope.CROSS_NODE if horovod_torch().cross_size() > 1 else Scope.NODE_LOCAL
             flat = AdasumOptimizerSync if config.op == "adasum" else HorovodOptimizerSync
             return flat(
-                compressor, config.op, counters, scope, gradient_predivide_factor=config.gradient_predivide_factor
+                compressor,
+                config.op,
+                counters,
+                scope,
+                gradient_predivide_factor=config.gradient_predivide_factor,
+                sparse_as_dense=config.sparse_as_dense,
             )
         case ("hierarchical", "portable"):
             return HierarchicalGradientSync(

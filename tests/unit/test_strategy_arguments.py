@@ -17,6 +17,7 @@ NOT_DEFAULT: dict[str, Any] = {
     "compression": "fp16",
     "op": "sum",
     "gradient_predivide_factor": 1.0,  # only with op="average"; checked on its own below
+    "sparse_as_dense": True,
     "scale_lr": True,
     "sync": "hierarchical",
     "hierarchical_impl": "portable",

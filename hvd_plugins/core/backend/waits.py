@@ -46,7 +46,9 @@ def wait_for_pending_allreduces(optimizer: Optimizer) -> None:
     if synchronize_sleeps():
         return
     hvd = horovod_torch()
-    handles = [handle for handle, _ in getattr(optimizer, "_handles", {}).values() if handle is not None]
+    # A sparse gradient's "handle" is a function Horovod's synchronize calls (two allgathers inside):
+    # it cannot be polled, and that synchronize waits for it.
+    handles = [handle for handle, _ in getattr(optimizer, "_handles", {}).values() if isinstance(handle, int)]
     _sleep_until(lambda: all(hvd.poll(handle) for handle in handles))
 
 

@@ -119,8 +119,10 @@ class HorovodOptimizerSync(GradientSync):
         counters: CommCounters,
         scope: Scope,
         gradient_predivide_factor: float = 1.0,
+        sparse_as_dense: bool = False,
     ) -> None:
         self.compressor = CountingCompressor(compressor, counters, scope)
+        self.sparse_as_dense = sparse_as_dense
         self.op = op
         self.counters = counters
         self.gradient_predivide_factor = gradient_predivide_factor
@@ -135,6 +137,7 @@ class HorovodOptimizerSync(GradientSync):
             backward_passes_per_step=self.backward_passes,
             op=horovod_op(self.op),
             gradient_predivide_factor=self.gradient_predivide_factor,
+            sparse_as_dense=self.sparse_as_dense,
         )
         share_class(wrapped)
         self._late_names[id(wrapped)] = f"late{len(self._late_names)}"  # wrap order: equal on every rank
@@ -236,14 +239,17 @@ class AdasumOptimizerSync(HorovodOptimizerSync):
 
 
 def gradients_of(optimizer: Optimizer) -> Sequence[torch.Tensor]:
-    """Gradients of every trainable parameter, zero-filled where backward produced none.
+    """Gradients of every trainable parameter, zero-filled where backward produced none, dense.
 
     Every worker must hand the same tensors to the collective, even when a parameter got no
-    gradient on this worker (e.g. an unused branch).
+    gradient on this worker (e.g. an unused branch). Sparse gradients (``nn.Embedding(sparse=True)``)
+    become dense: the node-aware syncs flatten gradients into buckets.
     """
     grads = []
     for parameter in optimizer_parameters(optimizer, trainable_only=True):
         if parameter.grad is None:
             parameter.grad = torch.zeros_like(parameter)
+        elif parameter.grad.is_sparse:
+            parameter.grad = parameter.grad.to_dense()
         grads.append(parameter.grad)
     return grads

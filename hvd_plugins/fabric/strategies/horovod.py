@@ -79,6 +79,7 @@ class HorovodStrategy(HorovodStrategyShared, ParallelStrategy):
         compression: ``"none"`` or ``"fp16"``: gradients on the wire.
         op: ``"average"``, ``"sum"`` or ``"adasum"`` (MPI builds only; no accumulation).
         gradient_predivide_factor: divide before the sum, the rest after (``op="average"``, flat sync).
+        sparse_as_dense: send sparse gradients (``nn.Embedding(sparse=True)``) dense: one allreduce, not two allgathers.
         sync: ``"allreduce"`` (flat) or ``"hierarchical"`` (inside each node, then across nodes).
         hierarchical_impl: ``"portable"`` (every build) or ``"native"`` (MPI + NCCL only).
         compress_node_local: with ``sync="hierarchical"``, compress the node-local legs too.
@@ -102,6 +103,7 @@ class HorovodStrategy(HorovodStrategyShared, ParallelStrategy):
         compression: CompressionName = "none",
         op: GradientOp = "average",
         gradient_predivide_factor: float = 1.0,
+        sparse_as_dense: bool = False,
         sync: SyncMode = "allreduce",
         hierarchical_impl: HierarchicalImpl = "portable",
         compress_node_local: bool = False,
@@ -128,6 +130,7 @@ class HorovodStrategy(HorovodStrategyShared, ParallelStrategy):
             compression=compression,
             op=op,
             gradient_predivide_factor=gradient_predivide_factor,
+            sparse_as_dense=sparse_as_dense,
             sync=sync,
             hierarchical_impl=hierarchical_impl,
             compress_node_local=compress_node_local,

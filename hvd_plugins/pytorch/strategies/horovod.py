@@ -87,6 +87,7 @@ class HorovodStrategy(HorovodStrategyShared, ParallelStrategy):
         compression: ``"none"`` or ``"fp16"``: gradients on the wire (DASO's parameters: ``DasoConfig.downcast``).
         op: ``"average"``, ``"sum"`` or ``"adasum"`` (MPI builds only).
         gradient_predivide_factor: divide before the sum, the rest after (``op="average"``, flat sync).
+        sparse_as_dense: send sparse gradients (``nn.Embedding(sparse=True)``) dense: one allreduce, not two allgathers.
         scale_lr: multiply learning rates (and schedulers' base lrs) by the number of workers.
         sync: ``"allreduce"`` (flat), ``"hierarchical"`` (node, then across nodes) or ``"daso"``.
         hierarchical_impl: ``"portable"`` (every build) or ``"native"`` (MPI + NCCL only).
@@ -104,10 +105,8 @@ class HorovodStrategy(HorovodStrategyShared, ParallelStrategy):
         elastic: go on in place when workers die or join (``horovodrun --host-discovery-script``); ``"auto"``:
             whenever horovodrun started an elastic job. See docs/elastic.rst.
         commit_every_n_steps: in an elastic job, commit the training state to host memory this often (steps).
-        accelerator: Lightning's; the Trainer sets it from ``Trainer(accelerator=...)``.
-        parallel_devices: Lightning's; the Trainer sets it from ``Trainer(devices=...)``.
+        accelerator, parallel_devices, precision_plugin: Lightning's; the Trainer sets them from its own arguments.
         checkpoint_io: how checkpoints are written; ``None``: ``AtomicCheckpointIO`` (temporary file, fsync, rename).
-        precision_plugin: Lightning's; the Trainer sets it from ``Trainer(precision=...)``.
 
     Synchronized BatchNorm: ``Trainer(sync_batchnorm=True)`` (or ``plugins=[HorovodSyncBatchNorm()]``).
 
@@ -121,6 +120,7 @@ class HorovodStrategy(HorovodStrategyShared, ParallelStrategy):
         compression: CompressionName = "none",
         op: GradientOp = "average",
         gradient_predivide_factor: float = 1.0,
+        sparse_as_dense: bool = False,
         scale_lr: bool = False,
         sync: SyncMode = "allreduce",
         hierarchical_impl: HierarchicalImpl = "portable",
@@ -146,6 +146,7 @@ class HorovodStrategy(HorovodStrategyShared, ParallelStrategy):
             compression=compression,
             op=op,
             gradient_predivide_factor=gradient_predivide_factor,
+            sparse_as_dense=sparse_as_dense,
             scale_lr=scale_lr,
             sync=sync,
             hierarchical_impl=hierarchical_impl,
