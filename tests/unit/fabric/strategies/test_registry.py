@@ -5,7 +5,10 @@ from __future__ import annotations
 import lightning.pytorch as lp
 import pytest
 import pytorch_lightning as pl
+from lightning.pytorch.strategies import StrategyRegistry
 
+import hvd_plugins
+from hvd_plugins import HorovodStrategy
 from hvd_plugins import pytorch as lightning_face
 from hvd_plugins import pytorch_lightning as standalone_face
 from hvd_plugins.fabric.strategies.registry import preset_names
@@ -16,3 +19,10 @@ def test_every_strategy_name_is_registered_with_each_trainer(trainer_package, fa
     registry = trainer_package.strategies.StrategyRegistry
     for name in preset_names(trainer=True):
         assert registry[name]["strategy"] is face.HorovodStrategy
+
+
+def test_import_registers_strategy_names() -> None:
+    assert hvd_plugins.HorovodStrategy is HorovodStrategy
+    for name in ("horovod", "horovod_fp16", "horovod_hierarchical", "horovod_daso"):
+        assert name in StrategyRegistry
+    assert StrategyRegistry["horovod_fp16"]["init_params"] == {"compression": "fp16"}
