@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.append(str(Path(__file__).resolve().parent / "workers"))  # models.py and the checks the tests name
 
 import slurm_jobs
 from hvd_launch import LIGHTNING_PACKAGES, TWO_NODES, horovodrun_path, run_job, run_on_mpi_nodes

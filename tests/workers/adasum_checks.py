@@ -16,8 +16,8 @@ import lightning.pytorch as pl
 import torch
 from _common import parse_out, run_checks, write_result
 from finetuning import UnfreezeExtra
+from models import Regression, TwoHeads, noiseless_regression
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
 
 from hvd_plugins.pytorch import HorovodStrategy
 
@@ -51,28 +51,6 @@ def check_definition() -> dict[str, Any]:
     }
 
 
-class Regression(pl.LightningModule):
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(1)
-        self.layer = nn.Linear(5, 1)
-
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        loss = nn.functional.mse_loss(self.layer(batch[0]), batch[1])
-        self.log("loss", loss, sync_dist=True)
-        return loss
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.SGD(self.parameters(), lr=0.05)
-
-
-def data() -> DataLoader:
-    generator = torch.Generator().manual_seed(0)
-    x = torch.randn(128, 5, generator=generator)
-    y = x @ torch.arange(1.0, 6.0).unsqueeze(1)
-    return DataLoader(TensorDataset(x, y), batch_size=8)
-
-
 def trainer(**kwargs: Any) -> pl.Trainer:
     options: dict[str, Any] = dict(
         strategy=HorovodStrategy(op="adasum"),
@@ -87,8 +65,8 @@ def trainer(**kwargs: Any) -> pl.Trainer:
 
 
 def check_training() -> dict[str, Any]:
-    model = Regression()
-    loader = data()
+    model = Regression(loss_name="loss")
+    loader = noiseless_regression()
     first = float(nn.functional.mse_loss(model.layer(loader.dataset.tensors[0]), loader.dataset.tensors[1]))
     t = trainer()
     t.fit(model, loader)
@@ -101,24 +79,6 @@ def check_training() -> dict[str, Any]:
     }
 
 
-class TwoLayers(pl.LightningModule):
-    """``layer`` and ``extra`` add up to the prediction; ``extra`` starts frozen (see UnfreezeExtra)."""
-
-    def __init__(self, extra_in_optimizer: bool) -> None:
-        super().__init__()
-        torch.manual_seed(1)
-        self.layer = nn.Linear(5, 1)
-        self.extra = nn.Linear(5, 1)
-        self.extra_in_optimizer = extra_in_optimizer
-
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        return nn.functional.mse_loss(self.layer(batch[0]) + self.extra(batch[0]), batch[1])
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        parameters = self.parameters() if self.extra_in_optimizer else self.layer.parameters()
-        return torch.optim.SGD(parameters, lr=0.02)
-
-
 def check_unfrozen_layer() -> dict[str, Any]:
     """A layer unfrozen mid-training trains under Adasum, and every rank holds the same weights.
 
@@ -127,9 +87,9 @@ def check_unfrozen_layer() -> dict[str, Any]:
     """
     cases = {}
     for name, new_group in (("new_param_group", True), ("in_place", False)):
-        model = TwoLayers(extra_in_optimizer=not new_group)
+        model = TwoHeads(extra_in_optimizer=not new_group, lr=0.02)
         before = model.extra.weight.detach().clone()
-        trainer(callbacks=[UnfreezeExtra(new_group)]).fit(model, data())
+        trainer(callbacks=[UnfreezeExtra(new_group)]).fit(model, noiseless_regression())
         digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in model.parameters())).hexdigest()
         cases[name] = {
             "extra_trained": not torch.equal(before, model.extra.weight.detach()),
@@ -140,7 +100,7 @@ def check_unfrozen_layer() -> dict[str, Any]:
 
 def refused(**kwargs: Any) -> str | None:
     try:
-        trainer(max_epochs=1, **kwargs).fit(Regression(), data())
+        trainer(max_epochs=1, **kwargs).fit(Regression(loss_name="loss"), noiseless_regression())
     except ValueError as error:
         return str(error)
     return None

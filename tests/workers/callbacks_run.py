@@ -18,28 +18,16 @@ from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import parse_out, write_result  # noqa: E402
+from _common import parse_out, write_result
+from models import TinyRegression
 
-from hvd_plugins.core.backend.module import horovod_torch  # noqa: E402
-from hvd_plugins.pytorch import HorovodStrategy  # noqa: E402
-from hvd_plugins.pytorch.callbacks import CommunicationMonitor, HorovodTimeline, PeakMemoryMonitor  # noqa: E402
+from hvd_plugins.core.backend.module import horovod_torch
+from hvd_plugins.pytorch import HorovodStrategy
+from hvd_plugins.pytorch.callbacks import CommunicationMonitor, HorovodTimeline, PeakMemoryMonitor
 
 EPOCHS = 2
 SAMPLES = 64
 BATCH = 8
-
-
-class TinyRegression(LightningModule):
-    def __init__(self) -> None:
-        super().__init__()
-        self.layer = torch.nn.Linear(8, 4)
-
-    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        x, y = batch
-        return torch.nn.functional.mse_loss(self.layer(x), y)
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.SGD(self.parameters(), lr=0.01)
 
 
 class StepsPerEpoch(Callback):
@@ -84,7 +72,7 @@ def main() -> None:
         log_every_n_steps=1,
     )
     data = TensorDataset(torch.randn(SAMPLES, 8), torch.randn(SAMPLES, 4))
-    model = TinyRegression()
+    model = TinyRegression(features=8, outputs=4, lr=0.01)
     trainer.fit(model, DataLoader(data, batch_size=BATCH))
     hvd = horovod_torch()
 

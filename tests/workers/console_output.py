@@ -13,9 +13,10 @@ from typing import Any
 
 import torch
 from _common import parse_out, run_checks, write_result
-from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import TQDMProgressBar
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from models import TinyRegression
 from torch.utils.data import DataLoader, TensorDataset
 
 from hvd_plugins.core.backend.module import horovod_torch
@@ -27,22 +28,6 @@ MARK = "console-check"
 # Emitted by every rank before any Trainer or Horovod exists.
 warnings.warn(f"{MARK}: warning before the Trainer", UserWarning, stacklevel=1)
 rank_zero_info(f"{MARK}: rank-zero info before the Trainer")
-
-
-class Tiny(LightningModule):
-    def __init__(self) -> None:
-        super().__init__()
-        self.layer = torch.nn.Linear(4, 1)
-
-    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        warnings.warn(f"{MARK}: warning during training", UserWarning, stacklevel=1)
-        return torch.nn.functional.mse_loss(self.layer(batch[0]), batch[1])
-
-    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
-        self.log("val_mse", torch.nn.functional.mse_loss(self.layer(batch[0]), batch[1]), prog_bar=True, sync_dist=True)
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.SGD(self.parameters(), lr=0.05)
 
 
 def loader() -> DataLoader:
@@ -61,7 +46,7 @@ def fit(**trainer_kwargs: Any) -> Trainer:
         num_sanity_val_steps=0,
         **trainer_kwargs,
     )
-    trainer.fit(Tiny(), loader(), loader())
+    trainer.fit(TinyRegression(warning=f"{MARK}: warning during training"), loader(), loader())
     return trainer
 
 

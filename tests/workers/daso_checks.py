@@ -17,14 +17,13 @@ import horovod.torch as hvd
 from _common import parse_out, run_checks, write_result
 from daso_resume import resume_matches_uninterrupted
 from daso_training import (
-    Classifier,
-    TwoOptimizers,
     check_closing_average,
     check_merge_weight,
     fit,
     refuses_iterable_without_length,
 )
 from finetuning import UnfreezeExtra
+from models import MlpClassifier, TwoOptimizerClassifier
 
 CYCLING = {"warmup_epochs": 1, "cooldown_epochs": 1, "stable_epochs": 2}
 SGD_BYTES = {"optimizer": "sgd", "batchnorm": False, "epochs": 2}
@@ -56,14 +55,14 @@ def two_by_one_checks(out: Any) -> dict[str, Callable[[], Any]]:
             daso=CYCLING,
             batches=12,
             accumulate=2,
-            model=Classifier("adam", True, node_zero_branch=True),
+            model=MlpClassifier("adam", True, node_zero_branch=True),
         ),
-        "two_optimizers": lambda: fit("daso", epochs=3, daso=CYCLING, model=TwoOptimizers()),
+        "two_optimizers": lambda: fit("daso", epochs=3, daso=CYCLING, model=TwoOptimizerClassifier()),
         "unfreeze": lambda: fit(
             "daso",
             epochs=4,
             daso={"warmup_epochs": 1, "cooldown_epochs": 1},
-            model=Classifier("adam", True, frozen_extra=True),
+            model=MlpClassifier("adam", True, frozen_extra=True),
             callbacks=[UnfreezeExtra(new_group=True, epoch=2)],
         ),
         "iterable_without_length": refuses_iterable_without_length,  # last: the fit stops with an error

@@ -15,9 +15,9 @@ from typing import Any
 import horovod.torch as hvd
 import torch
 from _common import parse_out, run_checks, write_result
-from daso_training import BATCH_SIZE, Classifier, noisy_classification
 from lightning.pytorch import Callback, LightningModule, Trainer, seed_everything
 from lightning.pytorch.callbacks import ModelCheckpoint
+from models import DASO_BATCH_SIZE, MlpClassifier, noisy_classification
 from torch.utils.data import DataLoader
 
 from hvd_plugins.pytorch import HorovodStrategy
@@ -40,7 +40,7 @@ class StopAfterEpoch(Callback):
 
 def fit(checkpoints: Path | None = None, stop_after: int | None = None, ckpt_path: Path | None = None) -> dict:
     seed_everything(0)
-    model = Classifier("adam", batchnorm=True)
+    model = MlpClassifier("adam", batchnorm=True)
     callbacks: list[Callback] = []
     if checkpoints is not None:
         callbacks.append(ModelCheckpoint(dirpath=checkpoints, save_last=True, save_top_k=0))
@@ -58,7 +58,7 @@ def fit(checkpoints: Path | None = None, stop_after: int | None = None, ckpt_pat
         enable_progress_bar=False,
         enable_model_summary=False,
     )
-    data = DataLoader(noisy_classification(), batch_size=BATCH_SIZE, shuffle=True)
+    data = DataLoader(noisy_classification(), batch_size=DASO_BATCH_SIZE, shuffle=True)
     daso_sync: dict[str, Any] = {}
 
     class KeepDaso(Callback):

@@ -11,9 +11,9 @@ from typing import Any
 import horovod.torch as hvd
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer, seed_everything
-from sklearn.datasets import make_classification
+from models import DASO_BATCH_SIZE, MlpClassifier, Stream, noisy_classification
 from torch import nn
-from torch.utils.data import DataLoader, IterableDataset, TensorDataset
+from torch.utils.data import DataLoader, TensorDataset
 
 from hvd_plugins.core.comm.counters import CommCounters
 from hvd_plugins.core.comm.topology import build_node_groups, start_horovod_and_discover
@@ -21,73 +21,6 @@ from hvd_plugins.core.daso.config import DasoConfig
 from hvd_plugins.core.daso.parameter_sync import DasoParameterSync
 from hvd_plugins.pytorch import HorovodStrategy
 from hvd_plugins.pytorch.callbacks import DasoScheduleCallback
-
-BATCH_SIZE = 16
-FEATURES, CLASSES = 20, 4
-
-
-def noisy_classification() -> TensorDataset:
-    """1024 samples, 10 % of the labels flipped: the loss floors well above zero, so losses compare."""
-    x, y = make_classification(
-        n_samples=1024,
-        n_features=FEATURES,
-        n_informative=10,
-        n_classes=CLASSES,
-        flip_y=0.1,
-        class_sep=1.5,
-        random_state=0,
-    )
-    return TensorDataset(torch.tensor(x, dtype=torch.float32), torch.tensor(y, dtype=torch.long))
-
-
-class Classifier(LightningModule):
-    """A tiny MLP; ``node_zero_branch`` adds a layer only node 0 uses (no gradient on the others)."""
-
-    def __init__(self, optimizer: str, batchnorm: bool, node_zero_branch: bool = False, frozen_extra: bool = False):
-        super().__init__()
-        self.optimizer_name = optimizer
-        norm: list[nn.Module] = [nn.BatchNorm1d(32)] if batchnorm else []
-        self.net = nn.Sequential(nn.Linear(FEATURES, 32), *norm, nn.ReLU(), nn.Linear(32, CLASSES))
-        self.node_zero_branch = node_zero_branch
-        self.extra = nn.Linear(FEATURES, CLASSES) if node_zero_branch or frozen_extra else None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.net(x)
-        if self.extra is not None and (not self.node_zero_branch or self.trainer.strategy.topology.node_index == 0):
-            out = out + self.extra(x)
-        return out
-
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        x, y = batch
-        return nn.functional.cross_entropy(self(x), y)
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        trainable = [p for p in self.parameters() if p.requires_grad]
-        if self.optimizer_name == "adam":
-            return torch.optim.Adam(trainable, lr=1e-2)
-        return torch.optim.SGD(trainable, lr=0.1)
-
-
-class TwoOptimizers(Classifier):
-    """Manual optimization with one optimizer per layer, both stepped every batch."""
-
-    def __init__(self) -> None:
-        super().__init__("adam", batchnorm=False)
-        self.automatic_optimization = False
-
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        x, y = batch
-        loss = nn.functional.cross_entropy(self(x), y)
-        first, second = self.optimizers()
-        first.zero_grad()
-        second.zero_grad()
-        self.manual_backward(loss)
-        first.step()
-        second.step()
-        return loss
-
-    def configure_optimizers(self) -> list[torch.optim.Optimizer]:
-        return [torch.optim.Adam(self.net[0].parameters(), lr=1e-2), torch.optim.SGD(self.net[-1].parameters(), lr=0.1)]
 
 
 def model_state(model: LightningModule) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -208,7 +141,7 @@ class EpochBytes(Callback):
         self.per_epoch.append(trainer.strategy.comm_counters.since(self._start).as_dict())
 
 
-def full_data_loss(model: Classifier, data: TensorDataset) -> float:
+def full_data_loss(model: MlpClassifier, data: TensorDataset) -> float:
     model.eval()
     with torch.no_grad():
         x, y = data.tensors
@@ -222,7 +155,7 @@ def fit(
     batchnorm: bool = True,
     daso: dict[str, Any] | None = None,
     batches: int | None = 8,
-    model: Classifier | None = None,
+    model: MlpClassifier | None = None,
     callbacks: list[Callback] | None = None,
     accumulate: int = 1,
     data: Any = None,
@@ -230,7 +163,7 @@ def fit(
     """One fit on every rank; with DASO the ConsistencyProbe and the schedule's history are reported."""
     seed_everything(0)
     dataset = noisy_classification()
-    model = model if model is not None else Classifier(optimizer, batchnorm)
+    model = model if model is not None else MlpClassifier(optimizer, batchnorm)
     probe, bytes_callback = ConsistencyProbe(), EpochBytes()
     extra: list[Callback] = [bytes_callback, *(callbacks or [])]
     if sync == "daso":
@@ -248,7 +181,7 @@ def fit(
         enable_progress_bar=False,
         enable_model_summary=False,
     )
-    trainer.fit(model, data if data is not None else DataLoader(dataset, batch_size=BATCH_SIZE, shuffle=True))
+    trainer.fit(model, data if data is not None else DataLoader(dataset, batch_size=DASO_BATCH_SIZE, shuffle=True))
     result: dict[str, Any] = {
         "final_loss": full_data_loss(model, dataset),
         "bytes_per_epoch": bytes_callback.per_epoch,
@@ -265,14 +198,6 @@ def fit(
         result["merges"] = daso_sync.merges
         result["blocking_syncs"] = daso_sync.blocking_syncs
     return result
-
-
-class Stream(IterableDataset):
-    """An IterableDataset without ``__len__``: Lightning cannot know how many batches a rank has."""
-
-    def __iter__(self) -> Any:
-        x, y = noisy_classification().tensors
-        return iter(zip(x[:64], y[:64], strict=True))
 
 
 def refuses_iterable_without_length() -> str:

@@ -1,5 +1,5 @@
-"""What the elastic test workers share: data that carries its indices, the event log, and leaving or growing
-on cue (tests/test_elastic.py)."""
+"""What the elastic test workers share: the event log, their flags, and leaving or growing on cue
+(tests/test_elastic.py); their data, which carries its indices, is models.IndexedData."""
 
 from __future__ import annotations
 
@@ -12,25 +12,6 @@ from pathlib import Path
 from typing import Any
 
 import horovod.torch as hvd
-import torch
-from torch.utils.data import Dataset
-
-SAMPLES, FEATURES = 480, 8
-
-
-class IndexedData(Dataset):
-    """Regression samples that carry their own index, so the test can count who trained what."""
-
-    def __init__(self) -> None:
-        generator = torch.Generator().manual_seed(0)
-        self.x = torch.randn(SAMPLES, FEATURES, generator=generator)
-        self.y = self.x @ torch.linspace(-1, 1, FEATURES) + 0.1 * torch.randn(SAMPLES, generator=generator)
-
-    def __len__(self) -> int:
-        return SAMPLES
-
-    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor, int]:
-        return self.x[index], self.y[index], index
 
 
 class Events:

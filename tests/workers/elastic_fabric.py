@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import horovod.torch as hvd
 import torch
-from elastic_common import FEATURES, Events, IndexedData, leave_or_grow, parser
+from elastic_common import Events, leave_or_grow, parser
 from lightning.fabric import Fabric
+from models import ELASTIC_FEATURES, IndexedData
 from torch import nn
 
 from hvd_plugins.fabric import ElasticLoop, HorovodStrategy
@@ -18,7 +19,7 @@ def main() -> None:
     fabric = Fabric(strategy=HorovodStrategy(), accelerator="cpu")
     fabric.launch()
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(FEATURES, 16), nn.ReLU(), nn.Linear(16, 1))
+    model = nn.Sequential(nn.Linear(ELASTIC_FEATURES, 16), nn.ReLU(), nn.Linear(16, 1))
     optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
     model, optimizer = fabric.setup(model, optimizer)
     data = IndexedData()

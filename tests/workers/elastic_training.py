@@ -15,55 +15,44 @@ import horovod.torch as hvd
 import psutil
 import torch
 from _common import listening_addresses
-from elastic_common import FEATURES, Events, IndexedData, leave_or_grow, parser
-from lightning.pytorch import LightningModule, Trainer, seed_everything
+from elastic_common import Events, leave_or_grow, parser
+from lightning.pytorch import Callback, LightningModule, Trainer, seed_everything
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
-from torch import nn
+from models import ElasticRegressor, IndexedData
 from torch.utils.data import DataLoader
 
 from hvd_plugins.pytorch import HorovodStrategy
 
 
-class Regressor(LightningModule):
-    def __init__(self, args: argparse.Namespace, events: Events) -> None:
-        super().__init__()
-        self.args, self.events = args, events
-        self.net = nn.Sequential(nn.Linear(FEATURES, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 1))
+class EventLog(Callback):
+    """The worker's events (tests/test_elastic.py reads them); ``on_step`` also leaves or grows the job on cue."""
 
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        x, y, index = batch
-        leave_or_grow(self.args, self.events, self.global_step)
-        loss = nn.functional.mse_loss(self.net(x).squeeze(-1), y)
-        self.log("train_loss", loss, sync_dist=True)
+    def __init__(self, args: argparse.Namespace, events: Events) -> None:
+        self.args, self.events = args, events
+
+    def on_step(self, module: LightningModule, batch: Any, batch_idx: int) -> None:
+        """First in every training step (the model's ``on_step``)."""
+        leave_or_grow(self.args, self.events, module.global_step)
         self.events.write(
             "batch",
-            epoch=self.current_epoch,
-            step=self.global_step,
+            epoch=module.current_epoch,
+            step=module.global_step,
             rank=hvd.rank(),
             size=hvd.size(),
-            indices=index.tolist(),
+            indices=batch[2].tolist(),
         )
-        return loss
-
-    def validation_step(self, batch: Any, batch_idx: int) -> None:
-        x, y, _ = batch
-        self.log("val_loss", nn.functional.mse_loss(self.net(x).squeeze(-1), y), sync_dist=True)
-
-    def configure_optimizers(self) -> Any:
-        optimizer = torch.optim.Adam(self.parameters(), lr=0.01)
-        return [optimizer], [torch.optim.lr_scheduler.StepLR(optimizer, step_size=20, gamma=0.5)]
 
     def on_elastic_reset(self, trainer: Trainer, pl_module: LightningModule, old_size: int, new_size: int) -> None:
         self.events.write("reset", rank=hvd.rank(), old_size=old_size, new_size=new_size)
 
-    def on_train_start(self) -> None:
-        daso = self.trainer.strategy.daso_sync  # DASO's schedule as restored from the commit
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        daso = trainer.strategy.daso_sync  # DASO's schedule as restored from the commit
         self.events.write(
-            "train_start", rank=hvd.rank(), size=hvd.size(), step=self.global_step,
+            "train_start", rank=hvd.rank(), size=hvd.size(), step=trainer.global_step,
             daso_epoch=daso.schedule.epoch if daso is not None else None,
         )  # fmt: skip
-        if hvd.rank() == 0 and self.global_step == 0:  # the sockets of the whole job, horovodrun's included
+        if hvd.rank() == 0 and trainer.global_step == 0:  # the sockets of the whole job, horovodrun's included
             launcher = next(p for p in psutil.Process().parents() if "horovodrun" in " ".join(p.cmdline()))
             self.events.write("listening", addresses=listening_addresses(launcher.pid))
 
@@ -75,12 +64,13 @@ def main() -> None:
     events = Events(args.out)
     seed_everything(0, verbose=False)
     strategy = HorovodStrategy(sync=args.sync, commit_every_n_steps=args.commit_every, scale_lr=True)
+    log = EventLog(args, events)
     trainer = Trainer(
         strategy=strategy,
         accelerator="cpu",
         max_steps=args.max_steps,
         logger=CSVLogger(args.out / "logs", name="elastic"),
-        callbacks=[ModelCheckpoint(dirpath=args.out / "checkpoints", every_n_train_steps=10, save_top_k=-1)],
+        callbacks=[ModelCheckpoint(dirpath=args.out / "checkpoints", every_n_train_steps=10, save_top_k=-1), log],
         enable_progress_bar=False,
         enable_model_summary=False,
         num_sanity_val_steps=0,
@@ -89,7 +79,7 @@ def main() -> None:
     )
     data = DataLoader(IndexedData(), batch_size=8, shuffle=True)
     validation = DataLoader(IndexedData(), batch_size=32)
-    module = Regressor(args, events)
+    module = ElasticRegressor(on_step=log.on_step)
     trainer.fit(module, data, validation)
     weights = torch.cat([p.detach().flatten() for p in module.parameters()])
     lrs = [group["lr"] for group in trainer.optimizers[0].param_groups]

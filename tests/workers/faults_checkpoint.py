@@ -10,15 +10,14 @@ both, in that order, in one job. Each rank writes, per phase that finished, its 
 from __future__ import annotations
 
 import argparse
-import os
-import signal
 from pathlib import Path
 from typing import Any
 
 import horovod.torch as hvd
 from _common import parse_out, write_result
-from faults_common import Net, digest, loader, record_pid, trainer
+from faults_common import digest, record_pid, trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
+from models import CrashWhileSaving, FaultNet, fault_loader
 
 from hvd_plugins.pytorch import HorovodStrategy
 
@@ -29,22 +28,6 @@ parser.add_argument("--ckpt-dir", type=Path, required=True)
 parser.add_argument("--resume-from", type=Path, default=None)
 ARGS, _ = parser.parse_known_args()
 EPOCHS, KILL_WHILE_SAVING_EPOCH = 4, 2
-
-
-class KillWhilePickled:
-    """Pickling this object (inside torch.save, mid-file) kills the process, as a crash mid-write would."""
-
-    def __reduce__(self) -> Any:
-        os.kill(os.getpid(), signal.SIGKILL)
-        return (int, ())
-
-
-class CrashingNet(Net):
-    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        if self.current_epoch == KILL_WHILE_SAVING_EPOCH:
-            checkpoint["zz_crash"] = KillWhilePickled()  # pickled after the weights
-
-
 PHASES = ("reference", "crash", "resume")
 
 
@@ -54,9 +37,9 @@ def run_phase(phase: str) -> dict[str, Any]:
         callbacks.append(ModelCheckpoint(dirpath=ARGS.ckpt_dir, filename="{epoch}", save_top_k=-1, every_n_epochs=1))
     fit = trainer(HorovodStrategy(), epochs=EPOCHS, callbacks=callbacks, enable_checkpointing=phase == "crash")
     record_pid(OUT, hvd.rank())  # Horovod runs once the Trainer exists
-    module = CrashingNet() if phase == "crash" else Net()
+    module = CrashWhileSaving(KILL_WHILE_SAVING_EPOCH) if phase == "crash" else FaultNet()
     resume_from = ARGS.resume_from if phase == "resume" else None
-    fit.fit(module, loader(), ckpt_path=str(resume_from) if resume_from else None)
+    fit.fit(module, fault_loader(), ckpt_path=str(resume_from) if resume_from else None)
     weights = module.first.weight.flatten().tolist()
     return {"epoch_losses": module.epoch_losses, "digest": digest(module), "weights": weights}
 

@@ -14,8 +14,9 @@ from typing import Any
 import horovod.torch as hvd
 import torch
 from _common import parse_out, run_checks, write_result
-from faults_common import Net, digest, loader, trainer
+from faults_common import digest, trainer
 from lightning.pytorch.plugins.precision import MixedPrecision
+from models import FaultNet, fault_loader
 
 from hvd_plugins import DasoConfig
 from hvd_plugins.pytorch import HorovodStrategy
@@ -36,14 +37,14 @@ def mine(values: tuple[Any, Any]) -> Any:
     return values[min(hvd.rank(), 1)]
 
 
-def fit(strategy: HorovodStrategy, module: Net | None = None, epochs: int = 1, **kwargs: Any) -> Net:
-    module = module or Net()
-    trainer(strategy, epochs=epochs, **kwargs).fit(module, loader(n=128))
+def fit(strategy: HorovodStrategy, module: FaultNet | None = None, epochs: int = 1, **kwargs: Any) -> FaultNet:
+    module = module or FaultNet()
+    trainer(strategy, epochs=epochs, **kwargs).fit(module, fault_loader(n=128))
     return module
 
 
-def poison_on_rank_1(value: float) -> Callable[[Net, int], torch.Tensor | None]:
-    def on_step(module: Net, batch_idx: int) -> torch.Tensor | None:
+def poison_on_rank_1(value: float) -> Callable[[FaultNet, int], torch.Tensor | None]:
+    def on_step(module: FaultNet, batch_idx: int) -> torch.Tensor | None:
         if hvd.rank() == 1 and batch_idx == BAD_BATCH:
             return torch.tensor(value)
         return None
@@ -51,23 +52,23 @@ def poison_on_rank_1(value: float) -> Callable[[Net, int], torch.Tensor | None]:
     return on_step
 
 
-def weights_finite(module: Net) -> bool:
+def weights_finite(module: FaultNet) -> bool:
     return all(bool(torch.isfinite(p).all()) for p in module.parameters())
 
 
 def nan_stops_training() -> dict[str, Any]:
-    module = Net(on_step=poison_on_rank_1(math.nan))
+    module = FaultNet(on_step=poison_on_rank_1(math.nan))
     error = first_error(lambda: fit(HorovodStrategy(check_finite_gradients=True), module))
     return {"error": error, "weights_finite": weights_finite(module), "digest": digest(module)}
 
 
 def nan_without_check() -> dict[str, Any]:
-    module = fit(HorovodStrategy(), Net(on_step=poison_on_rank_1(math.nan)))
+    module = fit(HorovodStrategy(), FaultNet(on_step=poison_on_rank_1(math.nan)))
     return {"weights_finite": weights_finite(module)}
 
 
 def inf_under_bf16() -> str:
-    module = Net(on_step=poison_on_rank_1(math.inf))
+    module = FaultNet(on_step=poison_on_rank_1(math.inf))
     return first_error(lambda: fit(HorovodStrategy(check_finite_gradients=True), module, precision="bf16-mixed"))
 
 
@@ -89,15 +90,15 @@ def grad_scaler_skips_everywhere() -> dict[str, Any]:
     if NO_CPU_SCALER:
         return {"skipped": NO_CPU_SCALER}
     plugin = scaler_plugin()
-    module = fit(HorovodStrategy(), Net(on_step=poison_on_rank_1(math.inf)), plugins=[plugin])
+    module = fit(HorovodStrategy(), FaultNet(on_step=poison_on_rank_1(math.inf)), plugins=[plugin])
     return {"digest": digest(module), "scale": float(plugin.scaler.get_scale()), "finite": weights_finite(module)}
 
 
 CHECKS: dict[str, Callable[[], Any]] = {
     "compression": lambda: first_error(lambda: fit(HorovodStrategy(compression=mine(("none", "fp16"))))),
     "op": lambda: first_error(lambda: fit(HorovodStrategy(op=mine(("average", "sum"))))),
-    "parameter_shapes": lambda: first_error(lambda: fit(HorovodStrategy(), Net(hidden=mine((8, 9))))),
-    "optimizer_count": lambda: first_error(lambda: fit(HorovodStrategy(), Net(optimizers=mine((1, 2))))),
+    "parameter_shapes": lambda: first_error(lambda: fit(HorovodStrategy(), FaultNet(hidden=mine((8, 9))))),
+    "optimizer_count": lambda: first_error(lambda: fit(HorovodStrategy(), FaultNet(optimizers=mine((1, 2))))),
     "daso_knobs": lambda: first_error(
         lambda: fit(HorovodStrategy(sync="daso", daso=DasoConfig(warmup_epochs=mine((4, 2)))))
     ),

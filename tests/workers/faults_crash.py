@@ -15,7 +15,8 @@ import time
 
 import horovod.torch as hvd
 from _common import parse_out
-from faults_common import Net, loader, record_pid, trainer
+from faults_common import record_pid, trainer
+from models import FaultNet, fault_loader
 
 from hvd_plugins.pytorch import HorovodStrategy
 
@@ -28,7 +29,7 @@ ARGS, _ = parser.parse_known_args()
 FAULT_AT_BATCH = 3
 
 
-def inject(module: Net, batch_idx: int) -> None:
+def inject(module: FaultNet, batch_idx: int) -> None:
     if hvd.rank() != ARGS.victim or batch_idx != FAULT_AT_BATCH:
         return None
     print(f"injecting {ARGS.case} on rank {hvd.rank()} at batch {batch_idx}", flush=True)
@@ -44,5 +45,5 @@ timeout = {} if ARGS.stall_timeout is None else {"stall_timeout_seconds": ARGS.s
 strategy = HorovodStrategy(**timeout)
 fit = trainer(strategy, epochs=3)
 record_pid(OUT, hvd.rank())
-fit.fit(Net(on_step=inject), loader(n=512))
+fit.fit(FaultNet(on_step=inject), fault_loader(n=512))
 print(f"rank {hvd.rank()} finished training, which it should not have", flush=True)

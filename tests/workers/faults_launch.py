@@ -11,7 +11,8 @@ import argparse
 
 import horovod.torch as hvd
 from _common import parse_out, write_result
-from faults_common import Net, loader, trainer
+from faults_common import trainer
+from models import FaultNet, fault_loader
 
 from hvd_plugins.pytorch import HorovodStrategy
 
@@ -23,7 +24,7 @@ ARGS, _ = parser.parse_known_args()
 errors = {}
 for sync in ARGS.syncs.split(","):
     try:
-        trainer(HorovodStrategy(sync=sync)).fit(Net(), loader(n=64))
+        trainer(HorovodStrategy(sync=sync)).fit(FaultNet(), fault_loader(n=64))
         errors[sync] = "no error"
     except ValueError as raised:
         errors[sync] = f"ValueError: {raised}"

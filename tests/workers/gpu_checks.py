@@ -9,7 +9,7 @@ import horovod.torch as hvd
 import lightning.pytorch as pl
 import torch
 from _common import parse_out, run_checks, write_result
-from torch import nn
+from models import BatchNormClassifier
 from torch.utils.data import DataLoader, TensorDataset
 
 from hvd_plugins.pytorch import HorovodStrategy
@@ -17,26 +17,11 @@ from hvd_plugins.pytorch import HorovodStrategy
 OUT, _ = parse_out()
 
 
-class Net(pl.LightningModule):
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.net = nn.Sequential(nn.Linear(32, 64), nn.BatchNorm1d(64), nn.ReLU(), nn.Linear(64, 4))
-
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        loss = nn.functional.cross_entropy(self.net(batch[0]), batch[1])
-        self.log("loss", loss, sync_dist=True)
-        return loss
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.SGD(self.parameters(), lr=0.1)
-
-
 def fit(precision: str, compression: str) -> dict[str, Any]:
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(512, 32, generator=generator)
     y = (x[:, :4].argmax(dim=1)).long()
-    model = Net()
+    model = BatchNormClassifier()
     trainer = pl.Trainer(
         strategy=HorovodStrategy(compression=compression),
         sync_batchnorm=True,

@@ -17,6 +17,7 @@ import lightning.pytorch as pl
 import torch
 from _common import parse_out, run_checks, write_result
 from horovod.torch.mpi_ops import _basics
+from models import TanhRegressor, WideTanhRegressor
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -111,35 +112,11 @@ def check_two_round_groups() -> dict[str, Any]:
         partners.EXCHANGE_MAX_SIZE = exchange_max_size
 
 
-class Net(pl.LightningModule):
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.net = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 1))
-
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        loss = nn.functional.mse_loss(self.net(batch[0]), batch[1])
-        self.log("train_loss", loss, sync_dist=True)
-        return loss
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.SGD(self.parameters(), lr=0.05)
-
-
-class WideNet(Net):
-    """135,169 float64 parameters: one 1.08 MB gradient bucket, at least the 1 MiB that route tuning times."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.net = nn.Sequential(nn.Linear(6, 512), nn.Tanh(), nn.Linear(512, 256), nn.Tanh(), nn.Linear(256, 1))
-
-
-def fit(strategy: HorovodStrategy, accumulate: int = 1, wide: bool = False) -> tuple[Net, pl.Trainer]:
+def fit(strategy: HorovodStrategy, accumulate: int = 1, wide: bool = False) -> tuple[TanhRegressor, pl.Trainer]:
     generator = torch.Generator().manual_seed(11)
     x = torch.randn(128, 6, generator=generator, dtype=torch.float64)
     y = torch.sin(x.sum(dim=1, keepdim=True))
-    model = WideNet() if wide else Net()
+    model = WideTanhRegressor() if wide else TanhRegressor()
     trainer = pl.Trainer(
         strategy=strategy,
         accelerator="cpu",
@@ -162,7 +139,7 @@ def parameters_of(model: nn.Module) -> torch.Tensor:
 STRATEGY_MODES: dict[str, Any] = {}  # results of check_strategy_modes that later checks compare with
 
 
-# Net's gradient in buckets of at most MIXED_MB: [first weight: 96 float64 = 768 B] and [the rest:
+# TanhRegressor's gradient in buckets of at most MIXED_MB: [first weight: 96 float64 = 768 B] and [the rest:
 # 33 float64 = 264 B]; with flat_below_mb=MIXED_MB the first takes the two-level legs, the second one flat allreduce.
 MIXED_MB = 600 / 2**20
 TWO_LEVEL = {"flat_below_mb": 0.0}  # every bucket takes the legs

@@ -19,10 +19,10 @@ import time
 from typing import Any
 
 import lightning.pytorch as pl
-import torch
 from _common import listening_addresses, parse_out, write_result
-from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
+from lightning.pytorch import Callback
+from models import LinearNet, line_data
+from torch.utils.data import DataLoader
 
 OUT, _ = parse_out()
 parser = argparse.ArgumentParser()
@@ -32,31 +32,24 @@ parser.add_argument("--others-sleep", action="store_true")
 ARGS, _ = parser.parse_known_args()
 
 
-class Net(pl.LightningModule):
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.layer = nn.Linear(3, 1)
+class Cues(Callback):
+    """Writes ``pid<R>.txt`` when training starts (rank 0 also notes the job's listening sockets); ``on_step``
+    fails, kills or stalls a rank in the third training step, as the flags say."""
 
-    def on_train_start(self) -> None:
-        (OUT / f"pid{self.global_rank}.txt").write_text(str(os.getpid()))
-        if self.global_rank == 0:  # started by plain python: rank 0 is the job's root, its workers are children
-            self.listening = listening_addresses(os.getpid())
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        (OUT / f"pid{trainer.global_rank}.txt").write_text(str(os.getpid()))
+        if trainer.global_rank == 0:  # started by plain python: rank 0 is the job's root, its workers are children
+            pl_module.listening = listening_addresses(os.getpid())
 
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        if self.global_step == 2:
-            if self.global_rank == ARGS.fail_rank:
-                raise RuntimeError(f"rank {self.global_rank} fails on purpose")
-            if self.global_rank == ARGS.kill_rank:
+    @staticmethod
+    def on_step(module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+        if module.global_step == 2:
+            if module.global_rank == ARGS.fail_rank:
+                raise RuntimeError(f"rank {module.global_rank} fails on purpose")
+            if module.global_rank == ARGS.kill_rank:
                 os.kill(os.getpid(), signal.SIGKILL)
             if ARGS.others_sleep:
                 time.sleep(600)  # outside any collective: only the launcher can end this rank
-        loss = nn.functional.mse_loss(self.layer(batch[0]), batch[1])
-        self.log("loss", loss, sync_dist=True)
-        return loss
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
 if __name__ == "__main__":
@@ -67,10 +60,7 @@ if __name__ == "__main__":
 
     runner.EXIT_GRACE_SECONDS = 2.0  # what is tested is that rank 0 is ended, not the 15 s wait
 
-    generator = torch.Generator().manual_seed(0)
-    x = torch.randn(64, 3, generator=generator)
-    y = x @ torch.tensor([[1.0], [-2.0], [0.5]])
-    model = Net()
+    model = LinearNet(on_step=Cues.on_step)
     initial = [p.detach().flatten().tolist() for p in model.parameters()]
     trainer = pl.Trainer(
         strategy=HorovodStrategy(),
@@ -81,8 +71,9 @@ if __name__ == "__main__":
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
+        callbacks=[Cues()],
     )
-    trainer.fit(model, DataLoader(TensorDataset(x, y), batch_size=8))
+    trainer.fit(model, DataLoader(line_data(), batch_size=8))
     write_result(
         OUT,
         trainer.global_rank,

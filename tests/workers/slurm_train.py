@@ -18,7 +18,8 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from torch import nn
+from lightning.pytorch import Callback
+from models import TanhClassifier
 from torch.utils.data import DataLoader, TensorDataset
 
 from hvd_plugins.pytorch import HorovodStrategy
@@ -32,33 +33,26 @@ args = parser.parse_args()
 RESTART = int(os.environ.get("SLURM_RESTART_COUNT", "0"))
 
 
-class Net(pl.LightningModule):
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 2))
-        self.started_at_step = -1
+class FirstRunIsSlow(Callback):
+    """In the first run, each step sleeps ``--seconds-per-step`` (so a time limit or signal catches it), and each
+    rank marks when it began training; every save records the run (``record``)."""
 
-    def on_train_start(self) -> None:
-        self.started_at_step = self.trainer.global_step
-
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+    @staticmethod
+    def on_step(module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
         if batch_idx == 0:  # tells whoever sends a signal that this rank is training, not still starting up
-            (args.out / f"training-restart{RESTART}-rank{self.global_rank}").touch()
+            (args.out / f"training-restart{RESTART}-rank{module.global_rank}").touch()
         if RESTART == 0 and args.seconds_per_step:
             time.sleep(args.seconds_per_step)
-        return nn.functional.cross_entropy(self.net(batch[0]), batch[1])
 
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
-
-    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+    def on_save_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
         # Every rank saves before rank 0 requeues (which ends the job's processes), so the line of a run
         # that a signal stops is written here, not when the rank exits: rank 0's line is always written.
-        record(self, self.trainer, finished=False)
+        record(pl_module, trainer, finished=False)
 
 
-def record(model: Net, trainer: pl.Trainer | None, finished: bool) -> None:
+def record(model: TanhClassifier, trainer: pl.Trainer | None, finished: bool) -> None:
     digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in model.parameters())).hexdigest()
     line = {
         "rank": int(os.environ.get("SLURM_PROCID", os.environ.get("HOROVOD_RANK", "0"))),
@@ -75,7 +69,7 @@ def record(model: Net, trainer: pl.Trainer | None, finished: bool) -> None:
 generator = torch.Generator().manual_seed(0)
 x = torch.randn(256, 8, generator=generator)
 y = (x[:, 0] > 0).long()
-model = Net()
+model = TanhClassifier(on_step=FirstRunIsSlow.on_step)
 trainer = pl.Trainer(
     strategy=HorovodStrategy() if args.strategy == "instance" else args.strategy,
     accelerator="cpu",
@@ -85,6 +79,7 @@ trainer = pl.Trainer(
     enable_checkpointing=False,
     enable_progress_bar=False,
     enable_model_summary=False,
+    callbacks=[FirstRunIsSlow()],
 )
 trainer.fit(model, DataLoader(TensorDataset(x, y), batch_size=8, shuffle=True))  # a signal's stop exits here
 record(model, trainer, finished=True)

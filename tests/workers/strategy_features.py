@@ -20,7 +20,6 @@ from typing import Any
 import horovod.torch as hvd
 import lightning.pytorch as pl
 import torch
-import torchmetrics
 from _common import parse_out, run_checks, write_result
 from adasum_checks import adasum_report
 from faults_checks import CHECKS as FAULT_CHECKS
@@ -32,21 +31,25 @@ from lightning.pytorch.callbacks import (
     ModelCheckpoint,
 )
 from lightning.pytorch.loggers import Logger
+from models import (
+    REGRESSION_FEATURES,
+    BatchNormRegression,
+    Gan,
+    HiddenBatchNormRegression,
+    ManualAccumulation,
+    MetricClassifier,
+    Regression,
+    ScheduledRegression,
+    TwoHeads,
+    TwoSchedules,
+    regression_data,
+)
 from torch import nn
 from torch.utils.data import DataLoader, Subset, TensorDataset
 
 from hvd_plugins.pytorch import AtomicCheckpointIO, HorovodStrategy, HorovodSyncBatchNorm
 
 OUT, ARGS = parse_out()
-N_FEATURES = 5
-
-
-def make_data(n: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    generator = torch.Generator().manual_seed(seed)
-    x = torch.randn(n, N_FEATURES, generator=generator, dtype=torch.float64)
-    w = torch.arange(1, N_FEATURES + 1, dtype=torch.float64)
-    y = x @ w + 0.1 * torch.randn(n, generator=generator, dtype=torch.float64)
-    return x, y.unsqueeze(1)
 
 
 def digest(module: nn.Module) -> str:
@@ -59,40 +62,6 @@ def digest(module: nn.Module) -> str:
 
 def all_equal(value: Any) -> bool:
     return all(other == value for other in hvd.allgather_object(value))
-
-
-class Regression(pl.LightningModule):
-    def __init__(self, lr: float = 0.05, optimizer: str = "sgd") -> None:
-        super().__init__()
-        torch.manual_seed(1)
-        self.layer = nn.Linear(N_FEATURES, 1)
-        self.lr = lr
-        self.optimizer_name = optimizer
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.layer(x)
-
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        x, y = batch
-        loss = nn.functional.mse_loss(self(x), y)
-        self.log("train_loss", loss, sync_dist=True)
-        return loss
-
-    def validation_step(self, batch: Any, batch_idx: int) -> None:
-        x, y = batch
-        self.log("val_loss", nn.functional.mse_loss(self(x), y), sync_dist=True)
-
-    def test_step(self, batch: Any, batch_idx: int) -> None:
-        x, y = batch
-        self.log("test_loss", nn.functional.mse_loss(self(x), y), sync_dist=True)
-
-    def predict_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        return self(batch[0])
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        if self.optimizer_name == "adam":
-            return torch.optim.Adam(self.parameters(), lr=self.lr)
-        return torch.optim.SGD(self.parameters(), lr=self.lr)
 
 
 def trainer(**kwargs: Any) -> pl.Trainer:
@@ -108,31 +77,6 @@ def trainer(**kwargs: Any) -> pl.Trainer:
     )
     options.update(kwargs)
     return pl.Trainer(**options)
-
-
-class WithBatchNorm(Regression):
-    """Regression behind a BatchNorm layer: running statistics that depend on each rank's data."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.norm = nn.BatchNorm1d(N_FEATURES)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.layer(self.norm(x))
-
-
-class HiddenBatchNorm(Regression):
-    """BatchNorm after a trainable layer, so backward flows through the synchronized statistics."""
-
-    def __init__(self) -> None:
-        super().__init__(lr=0.05)
-        self.hidden = nn.Linear(N_FEATURES, 8)
-        self.norm = nn.BatchNorm1d(8)
-        self.head = nn.Linear(8, 1)
-        del self.layer
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(torch.tanh(self.norm(self.hidden(x))))
 
 
 def floating_buffers(module: nn.Module) -> torch.Tensor:
@@ -154,7 +98,7 @@ def reference_sgd(
 ) -> nn.Module:
     """One process, one large batch per step: the update data parallelism must reproduce."""
     torch.manual_seed(1)
-    model = nn.Linear(N_FEATURES, 1).double()
+    model = nn.Linear(REGRESSION_FEATURES, 1).double()
     optimizer = torch.optim.SGD(model.parameters(), lr=lr)
     for _ in range(epochs):
         for start in range(0, len(x), block):
@@ -177,7 +121,7 @@ def max_difference(model: nn.Module, reference: nn.Module) -> float:
 def check_accumulation() -> dict[str, Any]:
     """accumulate_grad_batches=k: one allreduce per k micro-batches, same update as a k*W batch."""
     world, micro, k, epochs = hvd.size(), 4, 2, 2
-    x, y = make_data(64)
+    x, y = regression_data(64)
     model = Regression()
     t = trainer(max_epochs=epochs, accumulate_grad_batches=k, use_distributed_sampler=False)
     t.fit(model, rank_loader(x, y, micro))
@@ -193,29 +137,11 @@ def check_accumulation() -> dict[str, Any]:
     }
 
 
-class ManualAccumulation(Regression):
-    """Manual optimization accumulating as Lightning's docs show it: ``manual_backward`` on every
-    micro-batch (no ``no_backward_sync``), a step on every k-th."""
-
-    def __init__(self, k: int) -> None:
-        super().__init__()
-        self.k = k
-        self.automatic_optimization = False
-
-    def training_step(self, batch: Any, batch_idx: int) -> None:
-        x, y = batch
-        optimizer = self.optimizers()
-        self.manual_backward(nn.functional.mse_loss(self(x), y) / self.k)
-        if (batch_idx + 1) % self.k == 0:
-            optimizer.step()
-            optimizer.zero_grad()
-
-
 def check_manual_accumulation() -> dict[str, Any]:
     """Several ``manual_backward`` calls before a step: the update of one process on the k*W batch, op average
     and sum (Horovod's hooks refuse a second backward; the strategy settles the first one's allreduces)."""
     world, micro, k, epochs = hvd.size(), 4, 2, 2
-    x, y = make_data(64)
+    x, y = regression_data(64)
     cases = {}
     for op, lr in (("average", 0.05), ("sum", 0.05 / world)):
         model = ManualAccumulation(k)
@@ -257,7 +183,7 @@ def check_waiting_without_spinning() -> dict[str, Any]:
 def check_clipping() -> dict[str, Any]:
     """Clipping by norm must see the averaged gradient, not each rank's own."""
     world, batch = hvd.size(), 8
-    x, y = make_data(64, seed=3)
+    x, y = regression_data(64, seed=3)
     model = Regression()
     t = trainer(max_epochs=1, gradient_clip_val=0.5, gradient_clip_algorithm="norm", use_distributed_sampler=False)
     t.fit(model, rank_loader(x, y, batch))
@@ -271,13 +197,7 @@ def check_clipping() -> dict[str, Any]:
 
 
 def check_scale_lr() -> dict[str, Any]:
-    x, y = make_data(16)
-
-    class WithScheduler(Regression):
-        def configure_optimizers(self) -> Any:
-            optimizer = torch.optim.SGD(self.parameters(), lr=0.01)
-            return {"optimizer": optimizer, "lr_scheduler": torch.optim.lr_scheduler.StepLR(optimizer, 10)}
-
+    x, y = regression_data(16)
     seen: dict[str, Any] = {}
 
     class Spy(Callback):
@@ -286,20 +206,22 @@ def check_scale_lr() -> dict[str, Any]:
             seen["base_lrs"] = trainer.lr_scheduler_configs[0].scheduler.base_lrs
 
     t = trainer(max_epochs=1, strategy=HorovodStrategy(scale_lr=True), callbacks=[Spy()])
-    t.fit(WithScheduler(), DataLoader(TensorDataset(x, y), batch_size=4))
+    t.fit(ScheduledRegression(), DataLoader(TensorDataset(x, y), batch_size=4))
     unscaled: dict[str, Any] = {}
 
     class SpyDefault(Callback):
         def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
             unscaled["lr"] = trainer.optimizers[0].param_groups[0]["lr"]
 
-    trainer(max_epochs=1, callbacks=[SpyDefault()]).fit(WithScheduler(), DataLoader(TensorDataset(x, y), batch_size=4))
+    trainer(max_epochs=1, callbacks=[SpyDefault()]).fit(
+        ScheduledRegression(), DataLoader(TensorDataset(x, y), batch_size=4)
+    )
     return {"lr": seen["lr"], "base_lrs": seen["base_lrs"], "default_lr": unscaled["lr"], "world": hvd.size()}
 
 
 def check_collectives() -> dict[str, Any]:
     t = trainer(max_epochs=1)
-    x, y = make_data(8)
+    x, y = regression_data(8)
     t.fit(Regression(), DataLoader(TensorDataset(x, y), batch_size=4))
     strategy = t.strategy
     rank = float(hvd.rank())
@@ -326,21 +248,10 @@ def check_collectives() -> dict[str, Any]:
 def check_metrics() -> dict[str, Any]:
     """A torchmetrics metric logged under Horovod equals the metric over the full data."""
     generator = torch.Generator().manual_seed(5)
-    x = torch.randn(80, N_FEATURES, generator=generator, dtype=torch.float64)
+    x = torch.randn(80, REGRESSION_FEATURES, generator=generator, dtype=torch.float64)
     labels = torch.randint(0, 3, (80,), generator=generator)
 
-    class Classifier(pl.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            torch.manual_seed(2)
-            self.layer = nn.Linear(N_FEATURES, 3)
-            self.accuracy = torchmetrics.classification.MulticlassAccuracy(num_classes=3, average="micro")
-
-        def validation_step(self, batch: Any, batch_idx: int) -> None:
-            self.accuracy(self.layer(batch[0]).argmax(dim=1), batch[1])
-            self.log("val_acc", self.accuracy, on_epoch=True)
-
-    model = Classifier()
+    model = MetricClassifier()
     correct = (model.layer.double()(x).argmax(dim=1) == labels).double()
     reference = float(correct.mean())
     local = float(correct[hvd.rank() :: hvd.size()].mean())  # what an unsynced metric would report
@@ -349,7 +260,7 @@ def check_metrics() -> dict[str, Any]:
 
 
 def check_loops() -> dict[str, Any]:
-    x, y = make_data(40)
+    x, y = regression_data(40)
     loader = DataLoader(TensorDataset(x, y), batch_size=5)
     model = Regression()
     t = trainer(max_epochs=1)
@@ -367,50 +278,8 @@ def check_loops() -> dict[str, Any]:
     }
 
 
-class Gan(pl.LightningModule):
-    """Manual optimization with two optimizers over one model; ``toggle=False`` is the plain DDP-style loop."""
-
-    def __init__(self, toggle: bool) -> None:
-        super().__init__()
-        torch.manual_seed(4)
-        self.toggle = toggle
-        self.automatic_optimization = False
-        self.generator = nn.Sequential(nn.Linear(3, 8), nn.Tanh(), nn.Linear(8, N_FEATURES))
-        self.discriminator = nn.Sequential(nn.Linear(N_FEATURES, 8), nn.Tanh(), nn.Linear(8, 1))
-
-    def training_step(self, batch: Any, batch_idx: int) -> None:
-        real = batch[0]
-        opt_g, opt_d = self.optimizers()
-        noise = torch.randn(len(real), 3, dtype=real.dtype, generator=torch.Generator().manual_seed(batch_idx))
-        ones, zeros = torch.ones(len(real), 1, dtype=real.dtype), torch.zeros(len(real), 1, dtype=real.dtype)
-        bce = nn.functional.binary_cross_entropy_with_logits
-        if self.toggle:
-            self.toggle_optimizer(opt_g)
-        opt_g.zero_grad()
-        g_loss = bce(self.discriminator(self.generator(noise)), ones)  # also produces discriminator gradients
-        self.manual_backward(g_loss)
-        opt_g.step()
-        if self.toggle:
-            self.untoggle_optimizer(opt_g)
-            self.toggle_optimizer(opt_d)
-        opt_d.zero_grad()  # drops the discriminator gradients of the generator's backward
-        fake = self.generator(noise).detach()
-        d_loss = (bce(self.discriminator(real), ones) + bce(self.discriminator(fake), zeros)) / 2
-        self.manual_backward(d_loss)
-        opt_d.step()
-        if self.toggle:
-            self.untoggle_optimizer(opt_d)
-        self.log_dict({"g_loss": g_loss, "d_loss": d_loss}, sync_dist=True)
-
-    def configure_optimizers(self) -> Any:
-        return (
-            torch.optim.Adam(self.generator.parameters(), lr=1e-3),
-            torch.optim.Adam(self.discriminator.parameters(), lr=1e-3),
-        )
-
-
 def fit_gan(toggle: bool) -> tuple[Gan, pl.Trainer]:
-    x, _ = make_data(64)
+    x, _ = regression_data(64)
     model = Gan(toggle)
     t = trainer(max_epochs=2)
     t.fit(model, DataLoader(TensorDataset(x), batch_size=8))
@@ -438,7 +307,7 @@ def check_manual_gan_ddp_style() -> dict[str, Any]:
 
 
 def check_bf16_mixed() -> dict[str, Any]:
-    x, y = make_data(64)
+    x, y = regression_data(64)
     model = Regression()
     t = trainer(max_epochs=2, precision="bf16-mixed")
     t.fit(model.float(), DataLoader(TensorDataset(x.float(), y.float()), batch_size=8))
@@ -476,16 +345,9 @@ def check_sync_batchnorm() -> dict[str, Any]:
 
     t = trainer(max_epochs=1, sync_batchnorm=True, callbacks=[NormTypeProbe()])
 
-    class WithBatchNorm(Regression):
-        def __init__(self) -> None:
-            super().__init__()
-            self.norm = nn.BatchNorm1d(N_FEATURES).double()
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return self.layer(self.norm(x))
-
-    model = WithBatchNorm()
-    x, y = make_data(32)
+    model = BatchNormRegression()
+    model.norm.double()
+    x, y = regression_data(32)
     t.fit(model, DataLoader(TensorDataset(x, y), batch_size=8))
     return {
         "type": type(synced).__name__,
@@ -512,7 +374,7 @@ class CountingCheckpointIO(AtomicCheckpointIO):
 def check_checkpoint_resume() -> dict[str, Any]:
     """Rank 0 alone writes; resuming gives every rank the checkpoint's weights and optimizer state."""
     directory = Path(hvd.broadcast_object(str(OUT / "checkpoints"), root_rank=0))
-    x, y = make_data(48)
+    x, y = regression_data(48)
     loader = DataLoader(TensorDataset(x, y), batch_size=6)
     t = trainer(
         max_epochs=2,
@@ -555,7 +417,7 @@ def check_checkpoint_resume() -> dict[str, Any]:
 def check_uneven_data() -> dict[str, Any]:
     """Ranks with different numbers of batches finish without hanging (Horovod join)."""
     n = 40 if hvd.rank() == 0 else 24
-    x, y = make_data(n, seed=10 + hvd.rank())
+    x, y = regression_data(n, seed=10 + hvd.rank())
     model = Regression()
     loader = DataLoader(TensorDataset(x, y), batch_size=4)
     t = trainer(max_epochs=2, use_distributed_sampler=False, limit_val_batches=2)
@@ -580,7 +442,7 @@ class EpochCalls(Callback):
 def check_accumulation_schedule() -> dict[str, Any]:
     """An accumulation schedule that changes between epochs is followed: allreduces per epoch."""
     counter = EpochCalls()
-    x, y = make_data(64)
+    x, y = regression_data(64)
     t = trainer(max_epochs=3, callbacks=[GradientAccumulationScheduler({0: 1, 1: 2, 2: 4}), counter])
     model = Regression()
     t.fit(model, DataLoader(TensorDataset(x, y), batch_size=4))
@@ -591,31 +453,6 @@ def check_accumulation_schedule() -> dict[str, Any]:
     }
 
 
-class TwoHeads(Regression):
-    """Regression plus a second head that starts frozen (BaseFinetuning unfreezes it later)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.extra = nn.Linear(N_FEATURES, 1)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.layer(x) + self.extra(x)
-
-
-class OwnOptimizerFor(TwoHeads):
-    """Both heads in the optimizer from the start, ``extra`` frozen until the callback unfreezes it."""
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.SGD(self.parameters(), lr=self.lr)
-
-
-class LayerOptimizer(TwoHeads):
-    """Only ``layer`` in the optimizer: the callback adds ``extra`` as a param group."""
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.SGD(self.layer.parameters(), lr=self.lr)
-
-
 def check_unfrozen_layers_are_averaged() -> dict[str, Any]:
     """A layer unfrozen between epochs (BaseFinetuning) is averaged like the rest, both ways of unfreezing.
 
@@ -624,11 +461,11 @@ def check_unfrozen_layers_are_averaged() -> dict[str, Any]:
     """
     cases = {}
     for name, model, new_group, accumulate in (
-        ("new_param_group", LayerOptimizer(), True, 1),
-        ("in_place_with_accumulation", OwnOptimizerFor(), False, 2),
+        ("new_param_group", TwoHeads(extra_in_optimizer=False), True, 1),
+        ("in_place_with_accumulation", TwoHeads(extra_in_optimizer=True), False, 2),
     ):
         counter = EpochCalls()
-        x, y = make_data(64)
+        x, y = regression_data(64)
         before = model.extra.weight.detach().clone()
         t = trainer(max_epochs=3, accumulate_grad_batches=accumulate, callbacks=[UnfreezeExtra(new_group), counter])
         t.fit(model, DataLoader(TensorDataset(x, y), batch_size=4))
@@ -639,33 +476,6 @@ def check_unfrozen_layers_are_averaged() -> dict[str, Any]:
             "steps_per_epoch": t.num_training_batches // accumulate,
         }
     return cases
-
-
-class TwoSchedules(TwoHeads):
-    """Two SGD optimizers of one class, each with a StepLR (manual optimization, as two optimizers need)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.automatic_optimization = False
-
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        x, y = batch
-        optimizers = self.optimizers()
-        loss = nn.functional.mse_loss(self(x), y)
-        for optimizer in optimizers:
-            optimizer.zero_grad()
-        self.manual_backward(loss)
-        for optimizer in optimizers:
-            optimizer.step()
-        for scheduler in self.lr_schedulers():
-            scheduler.step()
-        return loss
-
-    def configure_optimizers(self) -> Any:
-        first = torch.optim.SGD(self.layer.parameters(), lr=0.1)
-        second = torch.optim.SGD(self.extra.parameters(), lr=0.2)
-        steps = [torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5) for optimizer in (first, second)]
-        return [first, second], steps
 
 
 class MemoryLogger(Logger):
@@ -694,7 +504,7 @@ def check_learning_rate_schedules() -> dict[str, Any]:
     """Two optimizers of one class with their own schedules: LearningRateMonitor tells them apart, and
     the schedulers, pointed at the wrapped optimizers, raise no warning that their step was replaced."""
     logger = MemoryLogger()
-    x, y = make_data(32)
+    x, y = regression_data(32)
     monitor = LearningRateMonitor(logging_interval="step")
     t = trainer(max_epochs=1, logger=logger, log_every_n_steps=1, callbacks=[monitor])
     with warnings.catch_warnings(record=True) as caught:
@@ -719,7 +529,7 @@ def check_accumulation_change_mid_epoch() -> dict[str, Any]:
             if i == 3:
                 trainer.accumulate_grad_batches = 3
 
-    x, y = make_data(64)
+    x, y = regression_data(64)
     try:
         trainer(max_epochs=1, callbacks=[ChangeAtBatchThree()]).fit(
             Regression(), DataLoader(TensorDataset(x, y), batch_size=4)
@@ -731,10 +541,10 @@ def check_accumulation_change_mid_epoch() -> dict[str, Any]:
 
 def check_average_buffers() -> dict[str, Any]:
     """average_buffers=True: after each epoch every rank holds the mean of the ranks' own BatchNorm statistics."""
-    x, y = make_data(64, seed=20)
+    x, y = regression_data(64, seed=20)
     models = {}
     for average in (True, False):
-        model = WithBatchNorm()
+        model = BatchNormRegression()
         t = trainer(max_epochs=2, strategy=HorovodStrategy(average_buffers=average), use_distributed_sampler=False)
         t.fit(model, rank_loader(x, y, 8))  # each rank normalizes its own half: its own running statistics
         models[average] = model
@@ -767,9 +577,9 @@ class FirstGradients(Callback):
 def check_reduce_ops() -> dict[str, Any]:
     """op='sum' and gradient_predivide_factor against one process on the global batch (float64)."""
     world, batch, epochs, lr = hvd.size(), 8, 2, 0.05
-    x, y = make_data(64, seed=4)
+    x, y = regression_data(64, seed=4)
     torch.manual_seed(1)
-    probe = nn.Linear(N_FEATURES, 1).double()  # Regression's initial weights
+    probe = nn.Linear(REGRESSION_FEATURES, 1).double()  # Regression's initial weights
     nn.functional.mse_loss(probe(x[: world * batch]), y[: world * batch]).backward()
     mean_gradient = torch.cat([p.grad.reshape(-1) for p in probe.parameters()])  # over the first global batch
     average_reference = reference_sgd(x, y, block=world * batch, epochs=epochs, lr=lr, clip=None)
@@ -797,8 +607,8 @@ def check_reduce_ops() -> dict[str, Any]:
 def check_uneven_sync_batchnorm() -> dict[str, Any]:
     """SyncBatchNorm while ranks hold different numbers of batches: no hang, identical ranks after."""
     n = 40 if hvd.rank() == 0 else 24
-    x, y = make_data(n, seed=30 + hvd.rank())
-    model = HiddenBatchNorm()
+    x, y = regression_data(n, seed=30 + hvd.rank())
+    model = HiddenBatchNormRegression()
     loader = DataLoader(TensorDataset(x.float(), y.float()), batch_size=4)
     norm_types: list[str] = []
 

@@ -6,22 +6,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch import Trainer
+from models import TinyRegression
 from torch.utils.data import DataLoader, TensorDataset
 
 from hvd_plugins.pytorch.callbacks import CommunicationMonitor, HorovodTimeline, PeakMemoryMonitor
-
-
-class _Tiny(LightningModule):
-    def __init__(self) -> None:
-        super().__init__()
-        self.layer = torch.nn.Linear(4, 1)
-
-    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        return torch.nn.functional.mse_loss(self.layer(batch[0]), batch[1])
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
 def test_callbacks_are_harmless_without_horovod(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -40,7 +29,7 @@ def test_callbacks_are_harmless_without_horovod(tmp_path: Path, monkeypatch: pyt
     )
     data = TensorDataset(torch.randn(16, 4), torch.randn(16, 1))
     with pytest.warns(UserWarning, match="no comm_counters"):
-        trainer.fit(_Tiny(), DataLoader(data, batch_size=4))
+        trainer.fit(TinyRegression(lr=0.1), DataLoader(data, batch_size=4))
     assert comm.history == []
     assert [s.stage for s in memory.history] == ["train_start", "epoch_end", "epoch_end", "train_end"]
     assert all(len(values) == 1 and values[0] > 0 for s in memory.history for values in s.per_worker.values())

@@ -9,28 +9,14 @@ from typing import Any
 
 import pytest
 import torch
-from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import TQDMProgressBar
 from lightning.pytorch.strategies import SingleDeviceStrategy
+from models import TinyRegression
 from torch.utils.data import DataLoader, TensorDataset
 
 from hvd_plugins.pytorch.callbacks import LineProgressBar
 from hvd_plugins.pytorch.callbacks import progress as console_bar
-
-
-class _Tiny(LightningModule):
-    def __init__(self) -> None:
-        super().__init__()
-        self.layer = torch.nn.Linear(4, 1)
-
-    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        return torch.nn.functional.mse_loss(self.layer(batch[0]), batch[1])
-
-    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
-        self.log("val_mse", torch.nn.functional.mse_loss(self.layer(batch[0]), batch[1]), prog_bar=True)
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.SGD(self.parameters(), lr=0.05)
 
 
 def _loader() -> DataLoader:
@@ -52,7 +38,7 @@ def _trainer(**kwargs: Any) -> Trainer:
 
 def test_line_progress_bar_prints_one_line_per_epoch_and_no_carriage_return() -> None:
     stream = io.StringIO()
-    _trainer(callbacks=[LineProgressBar(stream=stream)]).fit(_Tiny(), _loader(), _loader())
+    _trainer(callbacks=[LineProgressBar(stream=stream)]).fit(TinyRegression(), _loader(), _loader())
     lines = stream.getvalue().splitlines()
     assert "\r" not in stream.getvalue()
     assert lines[0] == "training | 1 worker(s) | 2 epochs | 4 batches per epoch and worker"
@@ -66,7 +52,7 @@ def test_line_progress_bar_prints_one_line_per_epoch_and_no_carriage_return() ->
 def test_line_progress_bar_shows_the_step_loss_not_the_one_divided_for_accumulation() -> None:
     """Lightning hands callbacks the loss divided by accumulate_grad_batches; the line shows the steps' own mean."""
     stream = io.StringIO()
-    model = _Tiny()
+    model = TinyRegression()
     torch.manual_seed(3)
     loader = _loader()
     frozen = torch.optim.SGD(model.parameters(), lr=0.0)  # the model does not move: the losses can be recomputed
@@ -82,8 +68,8 @@ def test_line_progress_bar_refreshes_inside_epochs_and_validations() -> None:
     stream = io.StringIO()
     bar = LineProgressBar(refresh_seconds=1e-9, stream=stream)
     trainer = _trainer(callbacks=[bar], max_epochs=1, val_check_interval=0.5, num_sanity_val_steps=0)
-    trainer.fit(_Tiny(), _loader(), _loader())
-    trainer.validate(_Tiny(), _loader())
+    trainer.fit(TinyRegression(), _loader(), _loader())
+    trainer.validate(TinyRegression(), _loader())
     lines = stream.getvalue().splitlines()
     assert [line for line in lines if " | batch " in line] == [
         line for line in lines if re.match(r"epoch 1/1 \| batch [123]/4 \| [\d.]+ it/s \| loss ", line)
