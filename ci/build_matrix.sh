@@ -28,6 +28,9 @@
 set -uo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+# The rows import the package from the tree (PYTHONPATH), not from an install: write its generated
+# pytorch_lightning faces there first (hvd_plugins/mirror.py needs only the standard library).
+python3 "$ROOT/hvd_plugins/mirror.py" >/dev/null || { echo "hvd_plugins/mirror.py failed" >&2; exit 1; }
 DEFAULT_TORCH=(2.1.2 2.2.2 2.3.1 2.4.1 2.5.1 2.6.0 2.7.1 2.8.0 2.9.1 2.10.0 2.11.0 2.12.0 2.13.0 2.14.1 latest)
 DEFAULT_PYTHON=(3.10 3.11 3.12)
 DEFAULT_GPU=(none auto)
