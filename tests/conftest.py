@@ -68,12 +68,13 @@ def skip_without_mpi() -> None:
 def two_worker_reports(
     lightning: str, tmp_path_factory: pytest.TempPathFactory, controller: str = "gloo"
 ) -> dict[int, dict]:
-    """Every rank's report of the one two-worker, one-node job of named checks (tests/workers/strategy_features.py),
+    """Every rank's report of the one two-worker, one-node job of checks (tests/workers/strategy_features.py),
     with the worker written for ``lightning`` ("lightning.pytorch" or "pytorch_lightning") and Horovod's
     ``controller`` ("gloo" or "mpi"); run once per variant.
 
-    Shared by the Lightning-feature tests and the fault tests: one launch instead of one per file.
-    Each check is recorded on its own, so a failing check fails only the tests that read it.
+    Shared by the Lightning-feature, fault and Adasum tests: one launch instead of one per file. Each
+    check is recorded on its own, under its function's name, so a failing check fails only the tests
+    that read it (``_common.report_of(report, check_function)``).
     """
     key = (lightning, controller)
     if key not in _two_worker_reports:
@@ -97,31 +98,23 @@ def two_node_reports(
     launched by ``launch``: "gloo" (horovodrun on two emulated nodes) or "mpi" (mpirun on two network
     namespaces); run once per launch.
 
-    The two-level allreduce checks, the node-aware strategy checks and DASO's two-by-two checks
-    (under the key "daso_two_by_two") share it: four workers take long to start on a small host.
+    The two-level allreduce checks, the node-aware strategy checks and DASO's two-by-two checks share
+    it (Adasum's too, under MPI): four workers take long to start on a small host.
     """
     if launch not in _two_node_reports:
         out = tmp_path_factory.mktemp(f"two_nodes_{launch}")
-        case = ("--case", ",".join(TWO_NODE_CHECKS + (("adasum",) if launch == "mpi" else ())))
+        adasum = ("--adasum",) if launch == "mpi" else ()  # Adasum needs MPI; its checks share this launch
         if launch == "mpi":
             job = run_on_mpi_nodes(
-                request.getfixturevalue("mpi_nodes"), "hierarchical_checks.py", *case, out_dir=out, timeout=900
+                request.getfixturevalue("mpi_nodes"), "hierarchical_checks.py", *adasum, out_dir=out, timeout=900
             )
         else:
-            job = run_job("hierarchical_checks.py", *case, np=4, hosts=TWO_NODES, out_dir=out, timeout=900)
+            job = run_job("hierarchical_checks.py", np=4, hosts=TWO_NODES, out_dir=out, timeout=900)
         job.check()
         assert sorted(job.results) == [0, 1, 2, 3], job.output[-3000:]
         job.results[0]["route_lines"] = [line for line in job.output.splitlines() if "training steps took" in line]
         _two_node_reports[launch] = job.results
     return _two_node_reports[launch]
-
-
-TWO_NODE_CHECKS = (
-    *("fp64_integers", "fp64_random", "fp32_random", "fp32_fp16_wire", "fp32_mixed", "fp64_two_round_groups"),
-    *("topology", "startup", "strategy_modes", "compress_node_local", "route_tuning", "after_training"),
-    "daso_two_by_two",
-)
-"""The checks of the two-node job, in the order they run; the MPI launch adds Adasum's ("adasum")."""
 
 
 @pytest.fixture(scope="session", params=TWO_WORKER_VARIANTS, ids=lambda variant: "-".join(variant))

@@ -7,9 +7,16 @@ where OpenMPI or an MPI build of Horovod is missing.
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
+from _common import report_of
+from adasum_checks import (
+    adasum_definition,
+    adasum_refuses_accumulation,
+    adasum_refuses_clipping,
+    adasum_runs_on_mpi,
+    adasum_training,
+    adasum_unfrozen_layer,
+)
 from conftest import two_node_reports, two_worker_reports
 
 from hvd_plugins.testing.launch import mpi_launch_problem
@@ -19,8 +26,8 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.mpi]
 
 @pytest.fixture(scope="module", params=[2, 4], ids=["2_workers", "4_workers"])
 def adasum(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict]:
-    """Every rank's Adasum report, from the MPI jobs that run these checks with their own (tests/conftest.py):
-    two workers on one node, and two MPI nodes of two workers."""
+    """Every rank's report of the MPI jobs that run Adasum's checks (tests/workers/adasum_checks.py) with their
+    own (tests/conftest.py): two workers on one node, and two MPI nodes of two workers."""
     problem = mpi_launch_problem()
     if problem is not None:
         pytest.skip(f"op='adasum' needs horovodrun --mpi: {problem}")
@@ -29,19 +36,13 @@ def adasum(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
     else:
         reports = two_node_reports("mpi", tmp_path_factory, request)
     assert sorted(reports) == list(range(request.param))
-    return {rank: value(report, "adasum") for rank, report in reports.items()}
-
-
-def value(report: dict[str, Any], check: str) -> Any:
-    entry = report[check]
-    assert entry["ok"], f"check {check!r} failed: {entry['error']}\n{entry['trace']}"
-    return entry["value"]
+    return reports
 
 
 def test_the_reduction_is_adasum_applied_to_pairs_of_workers(adasum: dict[int, dict]) -> None:
     for report in adasum.values():
-        assert report["mpi_enabled"]
-        result = value(report, "definition")
+        assert report_of(report, adasum_runs_on_mpi)["mpi_enabled"]
+        result = report_of(report, adasum_definition)
         assert result["relative_error"] < 1e-9, result
         assert result["differs_from_sum"] > 0.1  # the check can tell Adasum from a plain sum
         assert result["identical_inputs_error"] < 1e-12  # Adasum(a, a) = a
@@ -49,20 +50,19 @@ def test_the_reduction_is_adasum_applied_to_pairs_of_workers(adasum: dict[int, d
 
 def test_training_with_adasum_converges_and_ranks_stay_identical(adasum: dict[int, dict]) -> None:
     for report in adasum.values():
-        result = value(report, "training")
+        result = report_of(report, adasum_training)
         assert result["ranks_identical"] and result["steps"] > 0
         assert result["final_loss"] < 0.5 * result["first_loss"], result
 
 
 def test_a_layer_unfrozen_mid_training_trains_and_ranks_stay_identical(adasum: dict[int, dict]) -> None:
     for report in adasum.values():
-        for case, result in value(report, "unfrozen_layer").items():
+        for case, result in report_of(report, adasum_unfrozen_layer).items():
             assert result == {"extra_trained": True, "ranks_identical": True}, (case, result)
 
 
 def test_accumulation_and_clipping_are_refused_before_the_first_step(adasum: dict[int, dict]) -> None:
     for report in adasum.values():
-        assert "op='adasum' cannot accumulate gradients (accumulate_grad_batches=2)" in value(
-            report, "accumulation_refused"
-        )
-        assert "op='adasum' cannot clip gradients" in value(report, "clipping_refused")
+        refused = report_of(report, adasum_refuses_accumulation)
+        assert "op='adasum' cannot accumulate gradients (accumulate_grad_batches=2)" in refused
+        assert "op='adasum' cannot clip gradients" in report_of(report, adasum_refuses_clipping)

@@ -6,6 +6,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from _common import report_of
+from console_output import default_bar, disabled_bar, given_bar_kept, warning_as_error_raises
 from hvd_launch import run_job
 
 
@@ -19,11 +21,11 @@ def test_horovodrun_prints_progress_lines_and_each_warning_once_from_rank_zero(t
     for rank, report in job.results.items():
         failed = {name: check["error"] for name, check in report.items() if not check["ok"]}
         assert not failed, f"rank {rank}: {failed}"
-        assert report["default_bar"]["value"] == "LineProgressBar"
-        assert report["given_bar_kept"]["value"]["type"] == "TQDMProgressBar"
-        assert report["disabled_bar"]["value"] is None
-        assert report["warning_as_error_raises"]["value"] is True
-    assert job.results[0]["given_bar_kept"]["value"]["carriage_returns"] > 0  # the user's tqdm bar did draw
+        assert report_of(report, default_bar) == "LineProgressBar"
+        assert report_of(report, given_bar_kept)["type"] == "TQDMProgressBar"
+        assert report_of(report, disabled_bar) is None
+        assert report_of(report, warning_as_error_raises) is True
+    assert report_of(job.results[0], given_bar_kept)["carriage_returns"] > 0  # the user's tqdm bar did draw
 
     output = job.output
     # The job's output is read as text, where each carriage return of a redrawing bar becomes a line

@@ -1,5 +1,5 @@
 """DASO under real horovodrun jobs on emulated nodes: one job per topology runs every check
-(tests/workers/daso_checks.py), and each check is reported, and asserted, by name."""
+(tests/workers/daso_checks.py), and each check is reported, and asserted, by its function."""
 
 from __future__ import annotations
 
@@ -8,7 +8,22 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from _common import Check, report_of
 from conftest import two_node_reports
+from daso_checks import (
+    allreduce_adam,
+    allreduce_sgd,
+    check_closing_average,
+    check_merge_weight,
+    daso_adam_fp16,
+    daso_sgd_fp16,
+    daso_sgd_fp32,
+    daso_two_optimizers,
+    daso_unfreeze,
+    daso_with_a_layer_one_node_never_uses,
+    refuses_iterable_without_length,
+    resume_mid_cycling,
+)
 from hvd_launch import LIGHTNING_PACKAGES, run_job
 
 pytestmark = pytest.mark.multiprocess
@@ -16,19 +31,16 @@ pytestmark = pytest.mark.multiprocess
 TWO_BY_ONE = "localhost:1,127.0.0.1:1"
 
 
-def check(reports: dict[int, dict], name: str, rank: int) -> Any:
-    """The value of check ``name`` on ``rank``; fails with that check's error only."""
-    result = reports[rank]["checks"][name]
-    assert result["ok"], result["error"] + "\n" + result["trace"]
-    return result["value"]
+def check(reports: dict[int, dict], function: Check, rank: int) -> Any:
+    """What the check ``function`` returned on ``rank``; fails with that check's error only."""
+    return report_of(reports[rank], function)
 
 
 @pytest.fixture(scope="module", params=["gloo", "mpi"])
 def two_by_two(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict]:
     """DASO's checks on two nodes of two workers (horovodrun --gloo on emulated nodes, mpirun on MPI nodes),
     run at the end of the shared two-node job (tests/conftest.py)."""
-    reports = two_node_reports(request.param, tmp_path_factory, request)
-    return {rank: report["daso_two_by_two"] for rank, report in reports.items()}
+    return two_node_reports(request.param, tmp_path_factory, request)
 
 
 @pytest.fixture(scope="module", params=LIGHTNING_PACKAGES)
@@ -37,7 +49,7 @@ def two_by_one(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPath
     out: Path = tmp_path_factory.mktemp("daso_two_by_one")
     job = run_job(
         "daso_checks.py",
-        "--case",
+        "--topology",
         "two_by_one",
         np=2,
         hosts=TWO_BY_ONE,
@@ -77,14 +89,14 @@ def test_two_by_two_synchronous_steps_and_epoch_ends_identical_and_nodes_drift_w
     two_by_two: dict[int, dict],
 ) -> None:
     for rank in range(4):
-        assert_consistent(check(two_by_two, "daso_adam_fp16", rank))
+        assert_consistent(check(two_by_two, daso_adam_fp16, rank))
 
 
 def test_two_by_two_warmup_is_one_global_fp16_round_per_step(two_by_two: dict[int, dict]) -> None:
     for rank in range(4):
-        daso = check(two_by_two, "daso_adam_fp16", rank)
+        daso = check(two_by_two, daso_adam_fp16, rank)
         assert_one_global_round_per_synchronous_step(daso)
-        flat = check(two_by_two, "allreduce_adam", rank)["bytes_per_epoch"][0]["cross_node_bytes"]
+        flat = check(two_by_two, allreduce_adam, rank)["bytes_per_epoch"][0]["cross_node_bytes"]
         warmup_bytes = sum(calls[2] for calls in daso["calls_per_step"]["warmup"])
         assert warmup_bytes <= flat / 2  # fp16 gradients, the same tensors flat allreduce sends in fp32
         # cycling: one gradient round inside the node per step (plus the allgather of a receive step);
@@ -97,20 +109,20 @@ def test_two_by_two_warmup_is_one_global_fp16_round_per_step(two_by_two: dict[in
 
 
 def test_schedule_is_fed_the_all_rank_loss_and_logged(two_by_two: dict[int, dict]) -> None:
-    histories = [check(two_by_two, "daso_adam_fp16", rank)["history"] for rank in range(4)]
+    histories = [check(two_by_two, daso_adam_fp16, rank)["history"] for rank in range(4)]
     assert all(history == histories[0] for history in histories)  # same loss, same decisions everywhere
     phases = [epoch["phase"] for epoch in histories[0]]
     assert phases[0] == "warmup" and phases[-1] == "cooldown" and "cycling" in phases
     cycling = [epoch for epoch in histories[0] if epoch["phase"] == "cycling"]
     assert (cycling[0]["global_skips"], cycling[0]["batches_to_wait"]) == (4, 1)
-    logged = check(two_by_two, "daso_adam_fp16", 0)["logged"]
+    logged = check(two_by_two, daso_adam_fp16, 0)["logged"]
     assert logged["daso/phase"] == 2.0 and logged["daso/global_skips"] == 1.0
     assert logged["daso/epoch_loss"] == pytest.approx(histories[0][-1]["loss"])
 
 
 def test_daso_reaches_the_loss_of_flat_allreduce(two_by_two: dict[int, dict]) -> None:
-    daso_run = check(two_by_two, "daso_adam_fp16", 0)
-    daso, flat = daso_run["final_loss"], check(two_by_two, "allreduce_adam", 0)["final_loss"]
+    daso_run = check(two_by_two, daso_adam_fp16, 0)
+    daso, flat = daso_run["final_loss"], check(two_by_two, allreduce_adam, 0)["final_loss"]
     assert daso < 0.8 * daso_run["history"][0]["loss"]  # it learned
     assert daso == pytest.approx(flat, rel=0.10)
 
@@ -118,10 +130,10 @@ def test_daso_reaches_the_loss_of_flat_allreduce(two_by_two: dict[int, dict]) ->
 def test_cycling_epoch_sends_at_most_one_global_skip_share_and_fp16_halves_it(two_by_two: dict[int, dict]) -> None:
     for rank in range(4):
         cycling = 1  # warmup_epochs=1, so the second epoch cycles with global_skips=4
-        fp16 = check(two_by_two, "daso_sgd_fp16", rank)["bytes_per_epoch"][cycling]["cross_node_bytes"]
-        fp32 = check(two_by_two, "daso_sgd_fp32", rank)["bytes_per_epoch"][cycling]["cross_node_bytes"]
-        flat = check(two_by_two, "allreduce_sgd", rank)["bytes_per_epoch"][cycling]["cross_node_bytes"]
-        assert check(two_by_two, "daso_sgd_fp16", rank)["history"][cycling]["global_skips"] == 4
+        fp16 = check(two_by_two, daso_sgd_fp16, rank)["bytes_per_epoch"][cycling]["cross_node_bytes"]
+        fp32 = check(two_by_two, daso_sgd_fp32, rank)["bytes_per_epoch"][cycling]["cross_node_bytes"]
+        flat = check(two_by_two, allreduce_sgd, rank)["bytes_per_epoch"][cycling]["cross_node_bytes"]
+        assert check(two_by_two, daso_sgd_fp16, rank)["history"][cycling]["global_skips"] == 4
         assert 0 < fp16 <= flat / 4
         assert fp32 <= flat / 4
         assert fp16 == fp32 / 2  # SGD without momentum: only parameters cross the nodes
@@ -134,7 +146,7 @@ def assert_closing_average_exact(job: dict[int, dict], ranks: int) -> None:
         return math.ceil(numel / local_size)
 
     for rank in range(ranks):
-        cases = {(c["dtype"], c["downcast"]): c for c in check(job, "closing_average", rank)["cases"]}
+        cases = {(c["dtype"], c["downcast"]): c for c in check(job, check_closing_average, rank)["cases"]}
         assert sorted(cases) == [("float32", "fp16"), ("float32", "fp32"), ("float64", "fp32")]
         for case in cases.values():
             assert case["blocking"]
@@ -153,7 +165,7 @@ def assert_closing_average_exact(job: dict[int, dict], ranks: int) -> None:
 def assert_merge_weight_exact(job: dict[int, dict], ranks: int) -> None:
     """The non-blocking merge equals ``(2B * p_local + S) / (2B + N)`` for B = 1 and 2 (see check_merge_weight)."""
     for rank in range(ranks):
-        result = check(job, "merge_weight", rank)
+        result = check(job, check_merge_weight, rank)
         assert result["nodes"] == 2 and result["downcast"] == "fp32" and result["merges"] == 2
         cases = result["cases"]
         assert [(case["global_skips"], case["batches_to_wait"]) for case in cases] == [(4, 1), (8, 2)]
@@ -188,7 +200,7 @@ def test_closing_sync_is_the_average_over_all_workers_with_one_worker_per_node(t
 def test_one_worker_per_node_with_a_layer_one_node_never_uses_and_accumulation(two_by_one: dict[int, dict]) -> None:
     """Zero-filled gradients give node 1 Adam state for node 0's layer, so the blocking syncs match."""
     for rank in range(2):
-        daso = check(two_by_one, "daso", rank)
+        daso = check(two_by_one, daso_with_a_layer_one_node_never_uses, rank)
         assert_consistent(daso)
         assert_one_global_round_per_synchronous_step(daso)
         warmup = daso["calls_per_step"]["warmup"]
@@ -197,14 +209,14 @@ def test_one_worker_per_node_with_a_layer_one_node_never_uses_and_accumulation(t
 
 def test_two_optimizers_each_average_once_per_step(two_by_one: dict[int, dict]) -> None:
     for rank in range(2):
-        daso = check(two_by_one, "two_optimizers", rank)
+        daso = check(two_by_one, daso_two_optimizers, rank)
         assert_consistent(daso)
         assert_one_global_round_per_synchronous_step(daso, rounds=2)
 
 
 def test_parameters_unfrozen_between_epochs_join_the_cross_node_sync(two_by_one: dict[int, dict]) -> None:
     for rank in range(2):
-        daso = check(two_by_one, "unfreeze", rank)
+        daso = check(two_by_one, daso_unfreeze, rank)
         assert_consistent(daso)  # the unfrozen layer trains while cycling, and still ends every epoch equal
         synced = daso["synced_parameters_per_epoch"]
         assert synced[1] < synced[2] == synced[3]  # unfrozen at the start of epoch 2
@@ -213,14 +225,14 @@ def test_parameters_unfrozen_between_epochs_join_the_cross_node_sync(two_by_one:
 
 def test_iterable_dataset_without_length_is_refused_on_every_rank(two_by_one: dict[int, dict]) -> None:
     for rank in range(2):
-        error = check(two_by_one, "iterable_without_length", rank)
+        error = check(two_by_one, refuses_iterable_without_length, rank)
         assert "sync='daso' needs to know how many training batches" in error
         assert "(Stream)" in error and "__len__" in error and "limit_train_batches" in error
 
 
 def test_resume_mid_cycling_continues_like_an_uninterrupted_run(two_by_one: dict[int, dict]) -> None:
     for rank in range(2):
-        resume = check(two_by_one, "resume", rank)
+        resume = check(two_by_one, resume_mid_cycling, rank)
         whole, interrupted = resume["whole_history"], resume["interrupted_history"]
         assert len(interrupted) == 4 and interrupted == whole[:4]
         assert interrupted[-1][1] == "cycling"  # the checkpoint was taken while cycling

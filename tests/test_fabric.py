@@ -7,7 +7,24 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from _common import Check, report_of
 from conftest import skip_without_mpi
+from fabric_checks import (
+    check_a_layer_unfrozen_while_training_is_averaged,
+    check_accumulating_without_no_backward_sync_equals_the_large_batch,
+    check_clipping_sees_averaged_gradients,
+    check_collectives,
+    check_daso_is_refused_at_construction,
+    check_hierarchical_accumulation_equals_the_large_batch,
+    check_mixed_precision_trains_alike_on_every_rank,
+    check_no_backward_sync_accumulates_with_one_allreduce_per_step,
+    check_save_once_load_everywhere_and_resume_identically,
+    check_schedulers_built_before_setup_set_every_ranks_rates,
+    check_setup_broadcasts_rank_zeros_state,
+    check_setup_dataloaders_split_the_data,
+    check_steps_equal_one_process_on_the_global_batch,
+    check_two_optimizers_set_up_apart_keep_distinct_names,
+)
 from hvd_launch import run_job
 
 pytestmark = pytest.mark.multiprocess
@@ -35,21 +52,19 @@ def checks(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
     return job.results
 
 
-def value(checks: dict[int, dict], name: str, rank: int) -> Any:
-    entry = checks[rank][name]
-    assert entry["ok"], f"{name}: {entry['error']}\n{entry['trace']}"
-    return entry["value"]
+def value(checks: dict[int, dict], check: Check, rank: int) -> Any:
+    return report_of(checks[rank], check)
 
 
 def test_setup_gives_every_worker_rank_zeros_parameters_and_buffers(checks: dict[int, dict]) -> None:
     for rank in (0, 1):
-        result = value(checks, "setup_broadcasts_rank_zeros_state", rank)
+        result = value(checks, check_setup_broadcasts_rank_zeros_state, rank)
         assert result == {"same": True, "weight": 1.0, "running_mean": 5.0}
 
 
 def test_backward_and_step_average_like_one_process_with_the_whole_batch(checks: dict[int, dict]) -> None:
     for rank in (0, 1):
-        result = value(checks, "steps_equal_one_process_on_the_global_batch", rank)
+        result = value(checks, check_steps_equal_one_process_on_the_global_batch, rank)
         assert result["max_diff"] < EXACT and result["same"]
         assert result["allreduces_per_step"] == result["parameter_tensors"]
 
@@ -58,24 +73,26 @@ def test_no_backward_sync_accumulates_with_one_allreduce_per_step_and_equals_the
     checks: dict[int, dict],
 ) -> None:
     for rank in (0, 1):
-        result = value(checks, "no_backward_sync_accumulates_with_one_allreduce_per_step", rank)
+        result = value(checks, check_no_backward_sync_accumulates_with_one_allreduce_per_step, rank)
         assert result["max_diff"] < EXACT and result["same"]
         assert result["allreduces_per_step"] == 4  # one per parameter tensor, not one per micro-batch
-        assert value(checks, "hierarchical_accumulation_equals_the_large_batch", rank)["max_diff"] < EXACT
+        assert value(checks, check_hierarchical_accumulation_equals_the_large_batch, rank)["max_diff"] < EXACT
 
 
 def test_accumulating_without_no_backward_sync_allreduces_every_backward_and_equals_the_large_batch(
     checks: dict[int, dict],
 ) -> None:
     for rank in (0, 1):
-        for op, result in value(checks, "accumulating_without_no_backward_sync_equals_the_large_batch", rank).items():
+        for op, result in value(
+            checks, check_accumulating_without_no_backward_sync_equals_the_large_batch, rank
+        ).items():
             assert result["max_diff"] < EXACT and result["same"], (op, result)
             assert result["allreduces_per_step"] == 12, (op, result)  # 4 parameter tensors, every micro-batch
 
 
 def test_clip_gradients_sees_the_averaged_gradients(checks: dict[int, dict]) -> None:
     for rank in (0, 1):
-        result = value(checks, "clipping_sees_averaged_gradients", rank)
+        result = value(checks, check_clipping_sees_averaged_gradients, rank)
         assert result["norms"] == pytest.approx(result["expected_norms"], rel=1e-12)
         assert min(result["expected_norms"]) > 0.05  # clipping changed every step
         assert result["max_diff"] < EXACT
@@ -83,14 +100,14 @@ def test_clip_gradients_sees_the_averaged_gradients(checks: dict[int, dict]) -> 
 
 def test_optimizers_set_up_in_separate_calls_get_distinct_allreduce_names(checks: dict[int, dict]) -> None:
     for rank in (0, 1):
-        result = value(checks, "two_optimizers_set_up_apart_keep_distinct_names", rank)
+        result = value(checks, check_two_optimizers_set_up_apart_keep_distinct_names, rank)
         assert result["same"] and len(set(result["names"])) == 8
         assert {name.split(".")[0] for name in result["names"]} == {"opt0", "opt1"}
 
 
 def test_collectives_and_dataloaders(checks: dict[int, dict]) -> None:
     for rank in (0, 1):
-        result = value(checks, "collectives", rank)
+        result = value(checks, check_collectives, rank)
         assert result == {
             "mean": 1.5,
             "sum": 3.0,
@@ -102,12 +119,12 @@ def test_collectives_and_dataloaders(checks: dict[int, dict]) -> None:
             "gathered_gradients": [[4.0 * (rank + 1), 4.0], [2.0, 2.0]],
             "broadcast": {"from": 1},
         }
-        assert value(checks, "setup_dataloaders_split_the_data", rank) == {"counts": [20, 20], "union": True}
+        assert value(checks, check_setup_dataloaders_split_the_data, rank) == {"counts": [20, 20], "union": True}
 
 
 def test_save_writes_once_and_load_continues_identically_on_every_rank(checks: dict[int, dict], tmp_path: Path) -> None:
     for rank in (0, 1):
-        result = value(checks, "save_once_load_everywhere_and_resume_identically", rank)
+        result = value(checks, check_save_once_load_everywhere_and_resume_identically, rank)
         assert result["remainder"] == {"step": 3}  # what was not a module or optimizer comes back
         assert result["resume_diff"] == 0.0 and result["same"]
         assert result["leftovers"] == []  # the atomic write left no temporary file
@@ -115,7 +132,7 @@ def test_save_writes_once_and_load_continues_identically_on_every_rank(checks: d
 
 def test_mixed_precision_trains_identically_on_every_rank(checks: dict[int, dict]) -> None:
     for rank in (0, 1):
-        result = value(checks, "mixed_precision_trains_alike_on_every_rank", rank)
+        result = value(checks, check_mixed_precision_trains_alike_on_every_rank, rank)
         assert all(entry["same"] for entry in result.values()), result
         if "16-mixed+GradScaler" in result:  # torch 2.3+ has a CPU GradScaler
             assert result["16-mixed+GradScaler"]["scaler"] == "GradScaler"
@@ -123,7 +140,7 @@ def test_mixed_precision_trains_identically_on_every_rank(checks: dict[int, dict
 
 def test_a_layer_unfrozen_while_training_is_averaged_like_the_rest(checks: dict[int, dict]) -> None:
     for rank in (0, 1):
-        result = value(checks, "a_layer_unfrozen_while_training_is_averaged", rank)
+        result = value(checks, check_a_layer_unfrozen_while_training_is_averaged, rank)
         assert result == {"same": True, "trained": True, "allreduces_per_step": [2.0, 4.0]}
 
 
@@ -132,13 +149,13 @@ def test_schedulers_built_before_setup_set_every_ranks_rates(checks: dict[int, d
     expected = {"supported": True, "rates": [0.05, 0.025, 0.0125, 0.00625], "rates_everywhere": True, "same": True,
                 "warnings": []}  # fmt: skip
     for rank in (0, 1):
-        result = value(checks, "schedulers_built_before_setup_set_every_ranks_rates", rank)
+        result = value(checks, check_schedulers_built_before_setup_set_every_ranks_rates, rank)
         assert result["kept_by_the_loop"] == expected
         assert result["handed_to_setup"] in (expected, {"supported": False})  # Fabric 2.4 added scheduler=
 
 
 def test_daso_is_refused_with_the_reason(checks: dict[int, dict]) -> None:
-    message = value(checks, "daso_is_refused_at_construction", 0)
+    message = value(checks, check_daso_is_refused_at_construction, 0)
     assert message.startswith("sync='daso' is not available with Fabric")
 
 

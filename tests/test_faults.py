@@ -8,7 +8,23 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
+from _common import Check, reports_of
 from conftest import skip_without_mpi
+from faults_checks import (
+    check_with_grad_scaler,
+    compression_differs,
+    daso_settings_differ,
+    devices_disagree_with_the_job,
+    grad_scaler_skips_everywhere,
+    inf_under_bf16,
+    nan_stops_training,
+    nan_without_check,
+    num_nodes_disagree_with_the_job,
+    op_differs,
+    optimizer_count_differs,
+    parameter_shapes_differ,
+    still_in_step,
+)
 from hvd_launch import TWO_NODES, JobResult, run_job
 
 
@@ -154,61 +170,57 @@ def test_a_job_killed_while_saving_resumes_from_the_last_complete_checkpoint(tmp
 # ---------------------------------------------------------------------------- configuration and numbers
 @pytest.fixture
 def checks(two_worker_checks: dict[int, dict]) -> dict[int, dict]:
-    """The shared two-worker job's reports (see conftest.py), which include tests/workers/faults_checks.py."""
+    """The shared two-worker job's reports (see conftest.py), which include tests/workers/faults_checks.py's."""
     return two_worker_checks
-
-
-def values(checks: dict[int, dict], name: str) -> list:
-    reports = [checks[rank][name] for rank in sorted(checks)]
-    assert all(report["ok"] for report in reports), reports
-    return [report["value"] for report in reports]
 
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize(
     ("case", "expected"),
     [
-        ("compression", "rank 1 has compression='fp16' but rank 0 has 'none'"),
-        ("op", "rank 1 has op='sum' but rank 0 has 'average'"),
-        ("parameter_shapes", "rank 1 has parameters="),
-        ("optimizer_count", "rank 1 has optimizers="),
-        ("daso_knobs", "rank 1 has daso="),
-        ("devices", "Trainer(devices=3) disagrees with the Horovod job"),
-        ("num_nodes", "Trainer(num_nodes=3) disagrees with the Horovod job"),
+        pytest.param(compression_differs, "rank 1 has compression='fp16' but rank 0 has 'none'", id="compression"),
+        pytest.param(op_differs, "rank 1 has op='sum' but rank 0 has 'average'", id="op"),
+        pytest.param(parameter_shapes_differ, "rank 1 has parameters=", id="parameter_shapes"),
+        pytest.param(optimizer_count_differs, "rank 1 has optimizers=", id="optimizer_count"),
+        pytest.param(daso_settings_differ, "rank 1 has daso=", id="daso_knobs"),
+        pytest.param(devices_disagree_with_the_job, "Trainer(devices=3) disagrees with the Horovod job", id="devices"),
+        pytest.param(
+            num_nodes_disagree_with_the_job, "Trainer(num_nodes=3) disagrees with the Horovod job", id="num_nodes"
+        ),
     ],
 )
-def test_ranks_that_disagree_fail_at_setup_with_the_same_error(checks: dict[int, dict], case: str, expected: str):
-    errors = values(checks, case)
+def test_ranks_that_disagree_fail_at_setup_with_the_same_error(checks: dict[int, dict], case: Check, expected: str):
+    errors = reports_of(checks, case)
     assert errors[0] == errors[1], errors
     assert errors[0].startswith("ValueError") and expected in errors[0], errors[0]
 
 
 @pytest.mark.multiprocess
 def test_nan_gradients_stop_every_rank_naming_step_and_rank(checks: dict[int, dict]) -> None:
-    stopped = values(checks, "nan_stops_training")
+    stopped = reports_of(checks, nan_stops_training)
     assert stopped[0] == stopped[1]
     assert stopped[0]["error"].startswith("NonFiniteGradientError: Non-finite gradients at epoch 0, global step 3")
     assert "on rank(s) [1]" in stopped[0]["error"]
     assert stopped[0]["weights_finite"]
-    assert values(checks, "nan_without_check") == [{"weights_finite": False}] * 2  # what the check prevents
-    bf16 = values(checks, "inf_under_bf16")
+    assert reports_of(checks, nan_without_check) == [{"weights_finite": False}] * 2  # what the check prevents
+    bf16 = reports_of(checks, inf_under_bf16)
     assert bf16[0] == bf16[1] and "on rank(s) [1]" in bf16[0]
 
 
 @pytest.mark.multiprocess
 def test_grad_scaler_skips_the_same_step_on_every_rank(checks: dict[int, dict]) -> None:
-    refused = values(checks, "check_with_grad_scaler")
+    refused = reports_of(checks, check_with_grad_scaler)
     if refused[0].startswith("skipped: "):
         pytest.skip(refused[0])
     assert refused[0] == refused[1] and refused[0].startswith("ValueError: check_finite_gradients=True cannot")
-    scaled = values(checks, "grad_scaler_skips_everywhere")
+    scaled = reports_of(checks, grad_scaler_skips_everywhere)
     assert scaled[0] == scaled[1] and scaled[0]["finite"]
     assert scaled[0]["scale"] < 65536.0  # the inf on rank 1 made every rank back off and skip
 
 
 @pytest.mark.multiprocess
 def test_ranks_stay_in_step_after_every_failed_case(checks: dict[int, dict]) -> None:
-    digests = values(checks, "still_in_step")
+    digests = reports_of(checks, still_in_step)
     assert digests[0] == digests[1]
 
 

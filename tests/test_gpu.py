@@ -6,6 +6,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from _common import report_of
+from gpu_checks import amp_fp16_compressed, fp32
 from hvd_launch import run_job
 
 
@@ -27,9 +29,8 @@ def test_training_on_gpus_with_nccl(tmp_path: Path) -> None:
     workers = min(2, torch.cuda.device_count())
     job = run_job("gpu_checks.py", np=workers, out_dir=tmp_path, timeout=600).check()
     for report in job.results.values():
-        for check in ("fp32", "amp_fp16_compressed"):
-            assert report[check]["ok"], report[check]
-            result = report[check]["value"]
+        for check in (fp32, amp_fp16_compressed):
+            result = report_of(report, check)
             assert result["device"] == f"cuda:{result['local_rank']}"
             assert len(set(result["digests"])) == 1  # identical weights on every GPU
             assert result["loss"] < 1.0

@@ -10,7 +10,9 @@ import re
 from typing import Any
 
 import pytest
+from _common import report_of
 from hvd_launch import LIGHTNING_PACKAGES, REPO, run_job, run_single, scripts_for
+from namespace_checks import check_foreign_callback, check_name_and_instance
 
 
 @pytest.fixture(scope="module")
@@ -22,22 +24,16 @@ def plain_process_checks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, 
     return job.results[0]
 
 
-def checked(report: dict[str, Any], check: str) -> Any:
-    entry = report[check]
-    assert entry["ok"], f"check {check!r} failed: {entry['error']}\n{entry['trace']}"
-    return entry["value"]
-
-
 def test_a_pytorch_lightning_trainer_takes_the_registered_name_and_the_documented_instance(
     plain_process_checks: dict[str, Any],
 ) -> None:
-    result = checked(plain_process_checks, "name_and_instance")
+    result = report_of(plain_process_checks, check_name_and_instance)
     assert result["by_name_class"] == "hvd_plugins.pytorch_lightning.strategies.horovod.HorovodStrategy"
     assert result["by_name_compression"] == "fp16" and result["instance_kept"]
 
 
 def test_a_callback_of_the_other_package_is_refused_naming_the_import(plain_process_checks: dict[str, Any]) -> None:
-    message = checked(plain_process_checks, "foreign_callback")
+    message = report_of(plain_process_checks, check_foreign_callback)
     if message == "Expected a parent":  # Lightning 2.1 fails on the foreign callback itself, before the strategy
         pytest.skip("this Lightning refuses the other package's callback itself ('Expected a parent')")
     assert message is not None and "from hvd_plugins.pytorch_lightning.callbacks import CommunicationMonitor" in message

@@ -6,16 +6,51 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from _common import Check, case_argument, report_of
 from conftest import two_node_reports
+from hierarchical_checks import (
+    check_compress_node_local,
+    check_route_tuning,
+    check_startup,
+    check_still_one_process_set,
+    check_strategy_modes,
+    check_topology,
+    check_two_round_groups,
+    fp32_fp16_wire,
+    fp32_mixed,
+    fp32_random,
+    fp64_integers,
+    fp64_random,
+)
 from hvd_launch import run_job, run_single
+from strategy_batchnorm import check_average_buffers, check_sync_batchnorm, check_uneven_sync_batchnorm
+from strategy_gradients import (
+    check_accumulation,
+    check_clipping,
+    check_manual_accumulation,
+    check_reduce_ops,
+    check_scale_lr,
+)
+from strategy_loops import (
+    check_bf16_mixed,
+    check_checkpoint_resume,
+    check_collectives,
+    check_float16_sum,
+    check_loops,
+    check_metrics,
+    check_uneven_data,
+    check_waiting_without_spinning,
+)
+from strategy_optimizers import (
+    check_accumulation_change_mid_epoch,
+    check_accumulation_schedule,
+    check_learning_rate_schedules,
+    check_manual_gan,
+    check_manual_gan_ddp_style,
+    check_unfrozen_layers_are_averaged,
+)
 
 pytestmark = pytest.mark.multiprocess
-
-
-def value(report: dict[str, Any], check: str) -> Any:
-    entry = report[check]
-    assert entry["ok"], f"check {check!r} failed: {entry['error']}\n{entry['trace']}"
-    return entry["value"]
 
 
 @pytest.fixture
@@ -24,12 +59,12 @@ def features(two_worker_checks: dict[int, dict]) -> dict[int, dict]:
     return two_worker_checks
 
 
-def both(features: dict[int, dict], check: str) -> list[Any]:
-    return [value(features[rank], check) for rank in (0, 1)]
+def both(features: dict[int, dict], check: Check) -> list[Any]:
+    return [report_of(features[rank], check) for rank in (0, 1)]
 
 
 def test_accumulation_allreduces_once_per_k_and_matches_large_batch(features: dict[int, dict]) -> None:
-    for result in both(features, "accumulation"):
+    for result in both(features, check_accumulation):
         # 64 samples / 2 ranks / micro-batches of 4 = 8 micro-batches, k=2: 4 steps per epoch
         assert result["steps"] == 8
         assert result["allreduce_calls"] == result["steps"] * result["parameter_tensors"]
@@ -38,21 +73,21 @@ def test_accumulation_allreduces_once_per_k_and_matches_large_batch(features: di
 
 
 def test_clipping_sees_averaged_gradients(features: dict[int, dict]) -> None:
-    for result in both(features, "clipping"):
+    for result in both(features, check_clipping):
         assert result["clipping_mattered"] > 1e-3  # the test would notice clipping on the wrong gradients
         assert result["max_diff_vs_clipped_reference"] < 1e-10
         assert result["ranks_identical"]
 
 
 def test_scale_lr_is_opt_in_and_scales_scheduler_base(features: dict[int, dict]) -> None:
-    for result in both(features, "scale_lr"):
+    for result in both(features, check_scale_lr):
         assert result["default_lr"] == pytest.approx(0.01)
         assert result["lr"] == pytest.approx(0.01 * result["world"])
         assert result["base_lrs"] == pytest.approx([0.01 * result["world"]])
 
 
 def test_reduce_all_gather_broadcast_barrier(features: dict[int, dict]) -> None:
-    for rank, result in enumerate(both(features, "collectives")):
+    for rank, result in enumerate(both(features, check_collectives)):
         assert result["is_distributed"] is True
         assert result["sum"] == [3.0] and result["mean"] == [1.5] and result["max"] == [2.0]
         assert result["int_mean"] == [0.5]
@@ -63,12 +98,12 @@ def test_reduce_all_gather_broadcast_barrier(features: dict[int, dict]) -> None:
 
 
 def test_float16_allreduce_adds_like_float32_rounded_once(features: dict[int, dict]) -> None:
-    for result in both(features, "float16_sum"):
+    for result in both(features, check_float16_sum):
         assert result["exact"] == {"1": True, "7": True, "8": True, "9": True, "1003": True, "100001": True}
 
 
 def test_a_rank_waiting_in_a_collective_leaves_the_cpu_to_the_others(features: dict[int, dict]) -> None:
-    waiting = both(features, "waiting_without_spinning")[1]  # rank 0 arrives a second late
+    waiting = both(features, check_waiting_without_spinning)[1]  # rank 0 arrives a second late
     assert waiting["waited_seconds"] > 0.5, waiting
     # A spinning wait takes about all of it.
     assert waiting["thread_cpu_seconds"] < 0.2 * waiting["waited_seconds"], waiting
@@ -77,21 +112,21 @@ def test_a_rank_waiting_in_a_collective_leaves_the_cpu_to_the_others(features: d
 def test_two_workers_on_a_host_share_its_cores_unless_omp_num_threads_says_otherwise(
     features: dict[int, dict],
 ) -> None:
-    for result in both(features, "collectives"):
+    for result in both(features, check_collectives):
         chosen = result["omp_num_threads"]
         expected = int(chosen) if chosen else max(1, result["usable_cpus"] // 2)
         assert result["torch_threads"] == expected, result
 
 
 def test_torchmetrics_sync_equals_metric_on_full_data(features: dict[int, dict]) -> None:
-    results = both(features, "metrics")
+    results = both(features, check_metrics)
     assert any(abs(r["local"] - r["full_data"]) > 1e-3 for r in results)  # syncing matters on this data
     for result in results:
         assert result["logged"] == pytest.approx(result["full_data"], abs=1e-6)  # logged as float32
 
 
 def test_validation_test_predict_loops(features: dict[int, dict]) -> None:
-    for result in both(features, "loops"):
+    for result in both(features, check_loops):
         # mean of per-rank means over equal halves = the full-data loss
         assert result["val_loss"] == pytest.approx(result["full_data_loss"], rel=1e-9)
         assert result["test_loss"] == pytest.approx(result["full_data_loss"], rel=1e-9)
@@ -100,27 +135,27 @@ def test_validation_test_predict_loops(features: dict[int, dict]) -> None:
 
 
 def test_manual_optimization_with_two_optimizers(features: dict[int, dict]) -> None:
-    for result in both(features, "manual_gan"):
+    for result in both(features, check_manual_gan):
         assert result["ranks_identical"]
         assert result["steps"] == 2 * 2 * 4  # two optimizers step on each of 4 batches for 2 epochs
         assert result["allreduce_calls"] == 2 * 4 * result["parameter_tensors"]
 
 
 def test_ddp_style_gan_loop_without_toggle_optimizer_trains_like_the_toggled_one(features: dict[int, dict]) -> None:
-    for result in both(features, "manual_gan_ddp_style"):
+    for result in both(features, check_manual_gan_ddp_style):
         assert result["ranks_identical"]
         assert result["steps"] == 2 * 2 * 4
         assert result["max_diff_vs_toggled"] < 1e-12
 
 
 def test_bf16_mixed_precision_trains_identically_on_all_ranks(features: dict[int, dict]) -> None:
-    for result in both(features, "bf16_mixed"):
+    for result in both(features, check_bf16_mixed):
         assert result["ranks_identical"]
         assert result["loss"] < 0.5 * result["first_loss"]
 
 
 def test_sync_batchnorm_equals_batchnorm_on_the_global_batch(features: dict[int, dict]) -> None:
-    for result in both(features, "sync_batchnorm"):
+    for result in both(features, check_sync_batchnorm):
         assert result["type"] == "SyncBatchNorm"
         assert result["output_diff"] < 1e-10
         assert result["input_grad_diff"] < 1e-10
@@ -130,13 +165,13 @@ def test_sync_batchnorm_equals_batchnorm_on_the_global_batch(features: dict[int,
 
 
 def test_sync_batchnorm_layers_keep_the_precision_dtype(features: dict[int, dict]) -> None:
-    for result in both(features, "sync_batchnorm"):
+    for result in both(features, check_sync_batchnorm):
         # precision="64-true" converts the module to float64 before the BatchNorm layers are swapped
         assert result["trainer_norm_dtypes"] == ["torch.float64"]
 
 
 def test_epoch_end_averages_buffers_over_ranks(features: dict[int, dict]) -> None:
-    for result in both(features, "average_buffers"):
+    for result in both(features, check_average_buffers):
         assert result["buffer_elements"] == 10  # running_mean and running_var of 5 features
         # without averaging the ranks' BatchNorm statistics differ, so the comparison below can fail
         assert result["own_spread_across_ranks"] > 1e-2 and not result["own_ranks_identical"]
@@ -148,7 +183,7 @@ def test_epoch_end_averages_buffers_over_ranks(features: dict[int, dict]) -> Non
 def test_sum_op_and_gradient_predivide_factor_match_one_process_on_the_global_batch(
     features: dict[int, dict],
 ) -> None:
-    for result in both(features, "reduce_ops"):
+    for result in both(features, check_reduce_ops):
         assert result["world"] == 2
         for case in ("predivide", "sum"):
             outcome = result[case]
@@ -162,7 +197,7 @@ def test_sum_op_and_gradient_predivide_factor_match_one_process_on_the_global_ba
 
 
 def test_checkpoint_written_by_rank0_only_and_resume_is_identical(features: dict[int, dict]) -> None:
-    rank0, rank1 = both(features, "checkpoint_resume")
+    rank0, rank1 = both(features, check_checkpoint_resume)
     assert rank0["saves"] >= 2 and rank1["saves"] == 0
     assert "last.ckpt" in rank0["files"] and not any(name.endswith(".tmp") for name in rank0["files"])
     for result in (rank0, rank1):
@@ -174,7 +209,7 @@ def test_checkpoint_written_by_rank0_only_and_resume_is_identical(features: dict
 
 
 def test_uneven_batches_do_not_hang(features: dict[int, dict]) -> None:
-    rank0, rank1 = both(features, "uneven_data")
+    rank0, rank1 = both(features, check_uneven_data)
     assert (rank0["batches"], rank1["batches"]) == (10, 6)
     assert rank0["ranks_identical"] and rank1["ranks_identical"]
     assert rank0["steps"] == 20 and rank1["steps"] == 12
@@ -182,7 +217,7 @@ def test_uneven_batches_do_not_hang(features: dict[int, dict]) -> None:
 
 def test_uneven_batches_with_sync_batchnorm_do_not_hang(features: dict[int, dict]) -> None:
     # The worker gives up on this check after 120 s and reports a hang instead of blocking the job.
-    rank0, rank1 = both(features, "uneven_sync_batchnorm")
+    rank0, rank1 = both(features, check_uneven_sync_batchnorm)
     assert (rank0["batches"], rank1["batches"]) == (10, 6)
     assert rank0["norm_type"] == rank1["norm_type"] == "SyncBatchNorm"
     assert rank0["steps"] == 20 and rank1["steps"] == 12
@@ -190,7 +225,7 @@ def test_uneven_batches_with_sync_batchnorm_do_not_hang(features: dict[int, dict
 
 
 def test_accumulation_schedule_changes_between_epochs(features: dict[int, dict]) -> None:
-    for result in both(features, "accumulation_schedule"):
+    for result in both(features, check_accumulation_schedule):
         batches = result["batches"]  # 8 per rank; 2 parameter tensors
         assert result["calls_per_epoch"] == [batches * 2, batches // 2 * 2, batches // 4 * 2]
         assert result["ranks_identical"]
@@ -198,7 +233,7 @@ def test_accumulation_schedule_changes_between_epochs(features: dict[int, dict])
 
 def test_layers_unfrozen_between_epochs_are_averaged_like_the_rest(features: dict[int, dict]) -> None:
     """Lightning's BaseFinetuning: Horovod averages only what was trainable when it wrapped the optimizer."""
-    for result in both(features, "unfrozen_layers"):
+    for result in both(features, check_unfrozen_layers_are_averaged):
         for name, case in result.items():
             assert case["ranks_identical"] and case["extra_trained"], (name, case)
             steps = case["steps_per_epoch"]
@@ -207,7 +242,7 @@ def test_layers_unfrozen_between_epochs_are_averaged_like_the_rest(features: dic
 
 def test_manual_optimization_accumulates_without_no_backward_sync(features: dict[int, dict]) -> None:
     """Lightning's manual accumulation (manual_backward each micro-batch, a step every k-th) equals the large batch."""
-    for result in both(features, "manual_accumulation"):
+    for result in both(features, check_manual_accumulation):
         for op, case in result.items():
             assert case["steps"] == 8, (op, case)  # 64 samples / 2 ranks / 4 a micro-batch / k=2, 2 epochs
             assert case["max_diff_vs_large_batch"] < 1e-10, (op, case)
@@ -216,7 +251,7 @@ def test_manual_optimization_accumulates_without_no_backward_sync(features: dict
 
 def test_learning_rate_monitor_tells_two_optimizers_of_one_class_apart(features: dict[int, dict]) -> None:
     """Horovod builds a class per wrapped optimizer; LearningRateMonitor numbers optimizers by class."""
-    for result in both(features, "learning_rate_schedules"):
+    for result in both(features, check_learning_rate_schedules):
         assert result["rows"] == 4  # 16 samples a rank, batches of 4, logged every step
         assert result["first"] == {"lr-SGD": 0.1, "lr-SGD-1": 0.2}
         assert result["last"] == {"lr-SGD": 0.05, "lr-SGD-1": 0.1}  # StepLR halves every 2 steps
@@ -225,7 +260,7 @@ def test_learning_rate_monitor_tells_two_optimizers_of_one_class_apart(features:
 
 
 def test_accumulation_change_inside_an_epoch_is_refused_clearly(features: dict[int, dict]) -> None:
-    for result in both(features, "accumulation_change_mid_epoch"):
+    for result in both(features, check_accumulation_change_mid_epoch):
         assert result["error"] is not None
         assert "accumulate_grad_batches changed to 3 in the middle of epoch 0 (was 1)" in result["error"]
 
@@ -244,7 +279,7 @@ def two_nodes_comm(request: pytest.FixtureRequest, tmp_path_factory: pytest.Temp
 
 def test_two_emulated_nodes_have_the_expected_topology(two_nodes: dict[int, dict]) -> None:
     for rank in range(4):
-        topology = value(two_nodes[rank], "topology")
+        topology = report_of(two_nodes[rank], check_topology)
         assert topology["nodes"] == [[0, 1], [2, 3]]
         assert topology["local_rank"] == topology["hvd_local_rank"]
         assert topology["node_index"] == topology["hvd_cross_rank"]
@@ -252,38 +287,39 @@ def test_two_emulated_nodes_have_the_expected_topology(two_nodes: dict[int, dict
 
 def test_node_aware_syncs_keep_the_scripts_plain_init_and_add_no_process_set(two_nodes: dict[int, dict]) -> None:
     for rank in range(4):
-        startup = value(two_nodes[rank], "startup")
+        startup = report_of(two_nodes[rank], check_startup)
         assert startup["same_ranks"] and startup["dynamic_env"] is None
         assert startup["process_sets"] == [[0, 1, 2, 3]]  # the global set only: partners are reached by alltoall
-        after = value(two_nodes[rank], "after_training")  # every hierarchical strategy of the job has trained
+        # every hierarchical strategy of the job has trained
+        after = report_of(two_nodes[rank], check_still_one_process_set)
         assert after == {"rank": rank, "size": 4, "process_sets": 1}
 
 
 @pytest.mark.parametrize(
     ("check", "tolerance"),
     [
-        ("fp64_integers", 0.0),
-        ("fp64_random", 1e-13),
-        ("fp32_random", 1e-5),
-        ("fp32_fp16_wire", 1e-2),
-        ("fp32_mixed", 1e-5),
-        ("fp64_two_round_groups", 0.0),
+        pytest.param(fp64_integers, 0.0, id="fp64_integers"),
+        pytest.param(fp64_random, 1e-13, id="fp64_random"),
+        pytest.param(fp32_random, 1e-5, id="fp32_random"),
+        pytest.param(fp32_fp16_wire, 1e-2, id="fp32_fp16_wire"),
+        pytest.param(fp32_mixed, 1e-5, id="fp32_mixed"),
+        pytest.param(check_two_round_groups, 0.0, id="fp64_two_round_groups"),
     ],
 )
 def test_hierarchical_allreduce_equals_flat_on_two_nodes(
-    two_nodes_comm: dict[int, dict], check: str, tolerance: float
+    two_nodes_comm: dict[int, dict], check: Check, tolerance: float
 ) -> None:
     for rank in range(4):
-        result = value(two_nodes_comm[rank], check)
+        result = report_of(two_nodes_comm[rank], check)
         assert result["max_abs_diff"] <= tolerance * max(1.0, result["max_abs_value"])
-        if check in ("fp64_integers", "fp64_two_round_groups"):
+        if check in (fp64_integers, check_two_round_groups):
             assert result["exactly_equal"]
 
 
 def test_hierarchical_bytes_per_leg_on_two_nodes(two_nodes_comm: dict[int, dict]) -> None:
     for rank in range(4):
-        fp32 = value(two_nodes_comm[rank], "fp32_random")
-        fp16 = value(two_nodes_comm[rank], "fp32_fp16_wire")
+        fp32 = report_of(two_nodes_comm[rank], fp32_random)
+        fp16 = report_of(two_nodes_comm[rank], fp32_fp16_wire)
         padded32 = [5 + 1, 100_001 + 1]  # each buffer padded to a multiple of the 2 local workers
         assert fp32["counters"]["node_local_bytes"] == 4 * sum(n + n // 2 for n in padded32)
         assert fp32["counters"]["cross_node_bytes"] == 4 * sum(n // 2 for n in padded32)
@@ -291,7 +327,7 @@ def test_hierarchical_bytes_per_leg_on_two_nodes(two_nodes_comm: dict[int, dict]
         assert fp16["counters"]["cross_node_bytes"] == 2 * sum(n // 2 for n in padded16)  # fp16 on the wire
         assert fp16["counters"]["node_local_bytes"] == 4 * sum(n + n // 2 for n in padded16)
         # 1,000 elements under the threshold: one flat allreduce, the whole buffer counted as cross-node
-        mixed = value(two_nodes_comm[rank], "fp32_mixed")["counters"]
+        mixed = report_of(two_nodes_comm[rank], fp32_mixed)["counters"]
         assert mixed["cross_node_bytes"] == 4 * (1000 + (100_001 + 1) // 2)
         assert mixed["node_local_bytes"] == 4 * (100_002 + 100_002 // 2)
         assert mixed["cross_node_calls"] == 2 and mixed["node_local_calls"] == 2
@@ -299,7 +335,7 @@ def test_hierarchical_bytes_per_leg_on_two_nodes(two_nodes_comm: dict[int, dict]
 
 def test_hierarchical_times_both_routes_and_every_rank_keeps_the_same_one(two_nodes: dict[int, dict]) -> None:
     for rank in range(4):
-        tuning = value(two_nodes[rank], "route_tuning")
+        tuning = report_of(two_nodes[rank], check_route_tuning)
         timed = tuning["timed_steps"]  # one warm-up step each, then 2 to 5 timed steps each (fewer when clear)
         assert timed["two_level"] == timed["flat"] and 2 <= timed["flat"] <= 5
         assert tuning["steps"] > 2 + 2 * timed["flat"]
@@ -311,7 +347,7 @@ def test_hierarchical_times_both_routes_and_every_rank_keeps_the_same_one(two_no
 
 def test_strategy_hierarchical_matches_flat_and_counts_bytes(two_nodes: dict[int, dict]) -> None:
     for rank in range(4):
-        result = value(two_nodes[rank], "strategy_modes")
+        result = report_of(two_nodes[rank], check_strategy_modes)
         assert result["hier_vs_flat"] < 1e-12
         assert result["default_vs_flat"] < 1e-12 and result["mixed_vs_flat"] < 1e-12
         assert result["hier_fp16_vs_flat"] < 5e-3 and result["flat_fp16_vs_flat"] < 5e-3
@@ -349,39 +385,41 @@ def compressed_node_local(result: dict[str, Any], local_elements: int) -> None:
 
 def test_compress_node_local_compresses_the_node_local_legs_on_two_nodes(two_nodes: dict[int, dict]) -> None:
     for rank in range(4):
-        result = value(two_nodes[rank], "compress_node_local")
+        result = report_of(two_nodes[rank], check_compress_node_local)
         assert result["steps"] == 16
         padded = result["parameters"] + result["parameters"] % 2  # padded to a multiple of the 2 local workers
         compressed_node_local(result, local_elements=padded + padded // 2)  # reduce-scatter + allgather
 
 
 def test_hierarchical_on_one_node_equals_flat(tmp_path: Path) -> None:
-    case = ("--case", "topology,startup,fp64_integers,strategy_modes,compress_node_local")  # what it asserts
+    # what it asserts
+    case = case_argument(check_topology, check_startup, fp64_integers, check_strategy_modes, check_compress_node_local)
     job = run_job("hierarchical_checks.py", *case, np=2, out_dir=tmp_path, timeout=600).check()
     for rank in range(2):
-        assert value(job.results[rank], "topology")["nodes"] == [[0, 1]]
-        assert value(job.results[rank], "startup")["process_sets"] == [[0, 1]]  # one node: no set beyond the global
-        assert value(job.results[rank], "fp64_integers")["exactly_equal"]
-        modes = value(job.results[rank], "strategy_modes")
+        assert report_of(job.results[rank], check_topology)["nodes"] == [[0, 1]]
+        startup = report_of(job.results[rank], check_startup)
+        assert startup["process_sets"] == [[0, 1]]  # one node: no set beyond the global
+        assert report_of(job.results[rank], fp64_integers)["exactly_equal"]
+        modes = report_of(job.results[rank], check_strategy_modes)
         assert modes["hier_vs_flat"] < 1e-12 and modes["mixed_vs_flat"] < 1e-12
         assert modes["hierarchical"]["cross_node_bytes"] == 0  # nothing leaves the node
         assert modes["flat"]["cross_node_bytes"] == 0
         # one node: a single node-local allreduce, compressed to fp16 only with compress_node_local=True
-        compress = value(job.results[rank], "compress_node_local")
+        compress = report_of(job.results[rank], check_compress_node_local)
         assert compress["steps"] == 32
         compressed_node_local(compress, local_elements=compress["parameters"])
 
 
 def test_hierarchical_with_one_worker_per_node_needs_no_process_set(tmp_path: Path) -> None:
     one_per_node = "localhost:1,127.0.0.1:1"
-    case = ("--case", "topology,startup,fp64_integers,strategy_modes")  # what it asserts
+    case = case_argument(check_topology, check_startup, fp64_integers, check_strategy_modes)  # what it asserts
     job = run_job("hierarchical_checks.py", *case, np=2, hosts=one_per_node, out_dir=tmp_path, timeout=600).check()
     for rank in range(2):
-        assert value(job.results[rank], "topology")["nodes"] == [[0], [1]]
-        startup = value(job.results[rank], "startup")
+        assert report_of(job.results[rank], check_topology)["nodes"] == [[0], [1]]
+        startup = report_of(job.results[rank], check_startup)
         assert startup["process_sets"] == [[0, 1]] and startup["dynamic_env"] is None  # the global set only
-        assert value(job.results[rank], "fp64_integers")["exactly_equal"]
-        modes = value(job.results[rank], "strategy_modes")
+        assert report_of(job.results[rank], fp64_integers)["exactly_equal"]
+        modes = report_of(job.results[rank], check_strategy_modes)
         assert modes["hier_vs_flat"] < 1e-12 and modes["mixed_vs_flat"] < 1e-12
         # one worker per node: the whole gradient crosses nodes, as with flat allreduce
         assert modes["hierarchical"]["cross_node_bytes"] == modes["flat"]["cross_node_bytes"] > 0

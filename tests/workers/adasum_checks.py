@@ -2,8 +2,8 @@
 
 Adasum of two vectors a, b: (1 - a.b / 2|a|^2) a + (1 - a.b / 2|b|^2) b, applied recursively to pairs
 of workers (0+1, 2+3, then the two results). Every rank runs every check and writes its report. The
-suite runs ``adasum_report`` inside its MPI jobs of two workers (strategy_features.py) and of two nodes
-of two workers (hierarchical_checks.py) rather than launching this script.
+suite runs ``checks`` inside its MPI jobs of two workers (strategy_features.py) and of two nodes of two
+workers (hierarchical_checks.py) rather than launching this script.
 """
 
 from __future__ import annotations
@@ -14,14 +14,14 @@ from typing import Any
 import horovod.torch as hvd
 import lightning.pytorch as pl
 import torch
-from _common import parse_out, run_checks, write_result
+from _common import Checks, parse_out, write_result
 from finetuning import UnfreezeExtra
 from models import Regression, TwoHeads, noiseless_regression
 from torch import nn
 
 from hvd_plugins.pytorch import HorovodStrategy
 
-OUT, ARGS = parse_out()
+checks = Checks()
 
 
 def adasum_pair(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -36,7 +36,8 @@ def adasum_of(vectors: list[torch.Tensor]) -> torch.Tensor:
     return vectors[0]
 
 
-def check_definition() -> dict[str, Any]:
+@checks.register
+def adasum_definition() -> dict[str, Any]:
     generator = torch.Generator().manual_seed(100 + hvd.rank())
     shared = torch.randn(1003, dtype=torch.float64, generator=torch.Generator().manual_seed(7))
     mine = 0.5 * shared + torch.randn(1003, dtype=torch.float64, generator=generator)  # correlated, not equal
@@ -64,7 +65,8 @@ def trainer(**kwargs: Any) -> pl.Trainer:
     return pl.Trainer(**{**options, **kwargs})
 
 
-def check_training() -> dict[str, Any]:
+@checks.register
+def adasum_training() -> dict[str, Any]:
     model = Regression(loss_name="loss")
     loader = noiseless_regression()
     first = float(nn.functional.mse_loss(model.layer(loader.dataset.tensors[0]), loader.dataset.tensors[1]))
@@ -79,7 +81,8 @@ def check_training() -> dict[str, Any]:
     }
 
 
-def check_unfrozen_layer() -> dict[str, Any]:
+@checks.register
+def adasum_unfrozen_layer() -> dict[str, Any]:
     """A layer unfrozen mid-training trains under Adasum, and every rank holds the same weights.
 
     Horovod's Adasum optimizer steps each parameter inside its backward hook; without a hook the
@@ -106,18 +109,23 @@ def refused(**kwargs: Any) -> str | None:
     return None
 
 
-def adasum_report() -> dict[str, Any]:
-    """Every check's report, and how Horovod runs; a job of other checks runs it as one more check."""
-    checks = {
-        "definition": check_definition,
-        "training": check_training,
-        "unfrozen_layer": check_unfrozen_layer,
-        "accumulation_refused": lambda: refused(accumulate_grad_batches=2),
-        "clipping_refused": lambda: refused(gradient_clip_val=1.0),
-    }
-    return {**run_checks(checks), "mpi_enabled": bool(hvd.mpi_enabled()), "size": hvd.size()}
+@checks.register
+def adasum_refuses_accumulation() -> str | None:
+    return refused(accumulate_grad_batches=2)
+
+
+@checks.register
+def adasum_refuses_clipping() -> str | None:
+    return refused(gradient_clip_val=1.0)
+
+
+@checks.register
+def adasum_runs_on_mpi() -> dict[str, Any]:
+    """How Horovod runs the job these checks ran in."""
+    return {"mpi_enabled": bool(hvd.mpi_enabled()), "size": hvd.size()}
 
 
 if __name__ == "__main__":
+    OUT, ARGS = parse_out()
     hvd.init()
-    write_result(OUT, hvd.rank(), adasum_report())
+    write_result(OUT, hvd.rank(), checks.selected(ARGS.case).run())

@@ -12,7 +12,7 @@ from contextlib import redirect_stdout
 from typing import Any
 
 import torch
-from _common import parse_out, run_checks, write_result
+from _common import Checks, parse_out, write_result
 from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import TQDMProgressBar
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
@@ -22,12 +22,8 @@ from torch.utils.data import DataLoader, TensorDataset
 from hvd_plugins.core.backend.module import horovod_torch
 from hvd_plugins.pytorch import HorovodStrategy
 
-OUT, _ = parse_out()
 MARK = "console-check"
-
-# Emitted by every rank before any Trainer or Horovod exists.
-warnings.warn(f"{MARK}: warning before the Trainer", UserWarning, stacklevel=1)
-rank_zero_info(f"{MARK}: rank-zero info before the Trainer")
+checks = Checks()
 
 
 def loader() -> DataLoader:
@@ -50,11 +46,13 @@ def fit(**trainer_kwargs: Any) -> Trainer:
     return trainer
 
 
+@checks.register
 def default_bar() -> str:
     """Lightning's default bar under horovodrun: this fit's progress goes to the job's output."""
     return type(fit().progress_bar_callback).__name__
 
 
+@checks.register
 def given_bar_kept() -> dict[str, Any]:
     """A TQDMProgressBar the user passed stays; its redraws are captured here, not in the job's output."""
     captured = io.StringIO()
@@ -63,11 +61,13 @@ def given_bar_kept() -> dict[str, Any]:
     return {"type": type(trainer.progress_bar_callback).__name__, "carriage_returns": captured.getvalue().count("\r")}
 
 
+@checks.register
 def disabled_bar() -> str | None:
     bar = fit(enable_progress_bar=False).progress_bar_callback
     return None if bar is None else type(bar).__name__
 
 
+@checks.register
 def warning_as_error_raises() -> bool:
     """Silencing warnings on ranks > 0 must not swallow a warning that the filters turn into an error."""
     with warnings.catch_warnings():
@@ -80,12 +80,9 @@ def warning_as_error_raises() -> bool:
 
 
 if __name__ == "__main__":
-    report = run_checks(
-        {
-            "default_bar": default_bar,
-            "given_bar_kept": given_bar_kept,
-            "disabled_bar": disabled_bar,
-            "warning_as_error_raises": warning_as_error_raises,
-        }
-    )
+    OUT, _ = parse_out()
+    # Emitted by every rank before any Trainer or Horovod exists.
+    warnings.warn(f"{MARK}: warning before the Trainer", UserWarning, stacklevel=1)
+    rank_zero_info(f"{MARK}: rank-zero info before the Trainer")
+    report = checks.run()
     write_result(OUT, horovod_torch().rank(), report)

@@ -1,20 +1,21 @@
-"""Every DASO check of one topology in ONE horovodrun job; each check reported by name.
+"""Every DASO check of one topology in ONE horovodrun job; each check reported under its function's name.
 
-    horovodrun -np 4 -H localhost:2,127.0.0.1:2 --gloo python tests/workers/daso_checks.py --out DIR --case two_by_two
-    horovodrun -np 2 -H localhost:1,127.0.0.1:1 --gloo python tests/workers/daso_checks.py --out DIR --case two_by_one
+    horovodrun -np 4 -H localhost:2,127.0.0.1:2 --gloo python tests/workers/daso_checks.py --out D --topology two_by_two
+    horovodrun -np 2 -H localhost:1,127.0.0.1:1 --gloo python tests/workers/daso_checks.py --out D --topology two_by_one
 
 Every rank runs the same checks in the same order and writes ``rank<N>.json``. Both jobs start
 Horovod as Horovod's docs do (plain ``hvd.init()``) before any Trainer exists; the strategy keeps
-that start (DASO reaches its partners through global alltoalls, no process sets).
+that start (DASO reaches its partners through global alltoalls, no process sets). The suite runs
+``two_by_two`` at the end of the two-node job (hierarchical_checks.py) and this script for ``two_by_one``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import argparse
 from typing import Any
 
 import horovod.torch as hvd
-from _common import parse_out, run_checks, write_result
+from _common import Checks, out_dir, parse_out, write_result
 from daso_resume import resume_matches_uninterrupted
 from daso_training import (
     check_closing_average,
@@ -28,57 +29,82 @@ from models import MlpClassifier, TwoOptimizerClassifier
 CYCLING = {"warmup_epochs": 1, "cooldown_epochs": 1, "stable_epochs": 2}
 SGD_BYTES = {"optimizer": "sgd", "batchnorm": False, "epochs": 2}
 
-
-def two_by_two_checks() -> dict[str, Callable[[], Any]]:
-    return {
-        "merge_weight": check_merge_weight,
-        "closing_average": check_closing_average,
-        "daso_adam_fp16": lambda: fit("daso", epochs=5, daso=CYCLING),
-        "allreduce_adam": lambda: fit("allreduce", epochs=5),
-        "daso_sgd_fp16": lambda: fit("daso", daso={"cooldown_epochs": 0, "warmup_epochs": 1}, **SGD_BYTES),
-        "daso_sgd_fp32": lambda: fit(
-            "daso", daso={"cooldown_epochs": 0, "warmup_epochs": 1, "downcast": "fp32"}, **SGD_BYTES
-        ),
-        "allreduce_sgd": lambda: fit("allreduce", **SGD_BYTES),
-    }
+two_by_two = Checks()
+"""DASO's checks on two nodes of two workers."""
+two_by_one = Checks()
+"""DASO's checks on two nodes of one worker."""
 
 
-def two_by_one_checks(out: Any) -> dict[str, Callable[[], Any]]:
-    return {
-        "resume": lambda: resume_matches_uninterrupted(out),
-        "merge_weight": check_merge_weight,
-        "closing_average": check_closing_average,
-        # a layer only node 0 uses: node 1 must still get its Adam state (zero-filled gradients)
-        "daso": lambda: fit(
-            "daso",
-            epochs=3,
-            daso=CYCLING,
-            batches=12,
-            accumulate=2,
-            model=MlpClassifier("adam", True, node_zero_branch=True),
-        ),
-        "two_optimizers": lambda: fit("daso", epochs=3, daso=CYCLING, model=TwoOptimizerClassifier()),
-        "unfreeze": lambda: fit(
-            "daso",
-            epochs=4,
-            daso={"warmup_epochs": 1, "cooldown_epochs": 1},
-            model=MlpClassifier("adam", True, frozen_extra=True),
-            callbacks=[UnfreezeExtra(new_group=True, epoch=2)],
-        ),
-        "iterable_without_length": refuses_iterable_without_length,  # last: the fit stops with an error
-    }
+@two_by_one.register
+def resume_mid_cycling() -> dict[str, Any]:
+    return resume_matches_uninterrupted(out_dir())
+
+
+for both in (two_by_two, two_by_one):
+    both.register(check_merge_weight)
+    both.register(check_closing_average)
+
+
+@two_by_two.register
+def daso_adam_fp16() -> dict[str, Any]:
+    return fit("daso", epochs=5, daso=CYCLING)
+
+
+@two_by_two.register
+def allreduce_adam() -> dict[str, Any]:
+    return fit("allreduce", epochs=5)
+
+
+@two_by_two.register
+def daso_sgd_fp16() -> dict[str, Any]:
+    return fit("daso", daso={"cooldown_epochs": 0, "warmup_epochs": 1}, **SGD_BYTES)
+
+
+@two_by_two.register
+def daso_sgd_fp32() -> dict[str, Any]:
+    return fit("daso", daso={"cooldown_epochs": 0, "warmup_epochs": 1, "downcast": "fp32"}, **SGD_BYTES)
+
+
+@two_by_two.register
+def allreduce_sgd() -> dict[str, Any]:
+    return fit("allreduce", **SGD_BYTES)
+
+
+@two_by_one.register
+def daso_with_a_layer_one_node_never_uses() -> dict[str, Any]:
+    """Node 1 must still get Adam state for node 0's layer (zero-filled gradients); two micro-batches a step."""
+    model = MlpClassifier("adam", True, node_zero_branch=True)
+    return fit("daso", epochs=3, daso=CYCLING, batches=12, accumulate=2, model=model)
+
+
+@two_by_one.register
+def daso_two_optimizers() -> dict[str, Any]:
+    return fit("daso", epochs=3, daso=CYCLING, model=TwoOptimizerClassifier())
+
+
+@two_by_one.register
+def daso_unfreeze() -> dict[str, Any]:
+    return fit(
+        "daso",
+        epochs=4,
+        daso={"warmup_epochs": 1, "cooldown_epochs": 1},
+        model=MlpClassifier("adam", True, frozen_extra=True),
+        callbacks=[UnfreezeExtra(new_group=True, epoch=2)],
+    )
+
+
+two_by_one.register(refuses_iterable_without_length)  # last: the fit stops with an error
+
+TOPOLOGIES = {"two_by_two": two_by_two, "two_by_one": two_by_one}
 
 
 def main() -> None:
     out, args = parse_out()
-    if args.case == "two_by_two":
-        hvd.init()  # plain, as users start; the strategy keeps it
-        checks = two_by_two_checks()
-    else:
-        hvd.init()  # as Horovod's docs start a script; the strategy keeps it
-        checks = two_by_one_checks(out)
-    report = run_checks(checks)
-    write_result(out, hvd.rank(), {"checks": report, "cross_rank": hvd.cross_rank()})
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--topology", choices=sorted(TOPOLOGIES), default="two_by_one")
+    topology, _ = parser.parse_known_args()
+    hvd.init()  # plain, as users start; the strategy keeps it
+    write_result(out, hvd.rank(), TOPOLOGIES[topology.topology].selected(args.case).run())
 
 
 if __name__ == "__main__":

@@ -2,9 +2,9 @@
 
     horovodrun -np 2 -H localhost:1,127.0.0.1:1 --gloo python tests/workers/daso_resume.py --out DIR
 
-The test suite runs it inside tests/workers/daso_checks.py. No DasoScheduleCallback is passed: the
-strategy itself saves and restores the schedule. The script calls ``hvd.init()`` itself, before
-any Trainer, without dynamic process sets.
+The test suite runs it inside tests/workers/daso_checks.py (``resume_mid_cycling``). No
+DasoScheduleCallback is passed: the strategy itself saves and restores the schedule. The script calls
+``hvd.init()`` itself, before any Trainer, without dynamic process sets.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Any
 
 import horovod.torch as hvd
 import torch
-from _common import parse_out, run_checks, write_result
+from _common import Checks, parse_out, write_result
 from lightning.pytorch import Callback, LightningModule, Trainer, seed_everything
 from lightning.pytorch.callbacks import ModelCheckpoint
 from models import DASO_BATCH_SIZE, MlpClassifier, noisy_classification
@@ -91,8 +91,13 @@ def resume_matches_uninterrupted(out: Path) -> dict[str, Any]:
 def main() -> None:
     out, _ = parse_out()
     hvd.init()  # as Horovod's docs start a script; the strategy keeps it
-    report = run_checks({"resume": lambda: resume_matches_uninterrupted(out)})
-    write_result(out, hvd.rank(), {"checks": report})
+    checks = Checks()
+
+    @checks.register
+    def resume_mid_cycling() -> dict[str, Any]:
+        return resume_matches_uninterrupted(out)
+
+    write_result(out, hvd.rank(), checks.run())
 
 
 if __name__ == "__main__":

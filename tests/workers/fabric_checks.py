@@ -15,7 +15,7 @@ from typing import Any
 
 import horovod.torch as hvd
 import torch
-from _common import parse_out, run_checks, write_result
+from _common import Checks, out_dir, parse_out, write_result
 from lightning.fabric import Fabric
 from lightning.fabric.plugins.precision import MixedPrecision
 from torch import nn
@@ -23,7 +23,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from hvd_plugins.fabric import HorovodStrategy
 
-OUT, _ = parse_out()
+checks = Checks()
 BATCH = 8
 RANK_ZERO_SEED = 10
 
@@ -114,6 +114,7 @@ def train(
     return {"model": model, "opt": opt, "norms": norms, "allreduces_per_step": calls / steps}
 
 
+@checks.register
 def check_setup_broadcasts_rank_zeros_state() -> dict[str, Any]:
     fabric = make_fabric()
     model = nn.Sequential(nn.Linear(3, 3), nn.BatchNorm1d(3)).double()
@@ -129,6 +130,7 @@ def check_setup_broadcasts_rank_zeros_state() -> dict[str, Any]:
     }
 
 
+@checks.register
 def check_steps_equal_one_process_on_the_global_batch() -> dict[str, Any]:
     result = train(make_fabric(), steps=5)
     expected, _ = reference(steps=5, micro=1)
@@ -140,6 +142,7 @@ def check_steps_equal_one_process_on_the_global_batch() -> dict[str, Any]:
     }
 
 
+@checks.register
 def check_no_backward_sync_accumulates_with_one_allreduce_per_step() -> dict[str, Any]:
     result = train(make_fabric(), steps=3, micro=3)
     expected, _ = reference(steps=3, micro=3)
@@ -150,6 +153,7 @@ def check_no_backward_sync_accumulates_with_one_allreduce_per_step() -> dict[str
     }
 
 
+@checks.register
 def check_accumulating_without_no_backward_sync_equals_the_large_batch() -> dict[str, Any]:
     """Every backward allreduced, as a DDP loop without no_backward_sync does: op average and sum agree with
     one process (Horovod's hooks refuse a second backward before the step; the strategy settles the first)."""
@@ -165,12 +169,14 @@ def check_accumulating_without_no_backward_sync_equals_the_large_batch() -> dict
     return cases
 
 
+@checks.register
 def check_hierarchical_accumulation_equals_the_large_batch() -> dict[str, Any]:
     result = train(make_fabric(sync="hierarchical"), steps=3, micro=2)
     expected, _ = reference(steps=3, micro=2)
     return {"max_diff": float((flat(result["model"]) - expected).abs().max())}
 
 
+@checks.register
 def check_clipping_sees_averaged_gradients() -> dict[str, Any]:
     result = train(make_fabric(), steps=3, clip=0.05)
     expected, norms = reference(steps=3, micro=1, clip=0.05)
@@ -181,6 +187,7 @@ def check_clipping_sees_averaged_gradients() -> dict[str, Any]:
     }
 
 
+@checks.register
 def check_two_optimizers_set_up_apart_keep_distinct_names() -> dict[str, Any]:
     fabric = make_fabric()
     first, second = net(1), net(2)
@@ -203,6 +210,7 @@ def check_two_optimizers_set_up_apart_keep_distinct_names() -> dict[str, Any]:
     return {"names": names, "same": same_on_every_rank(digest(first) + digest(second))}
 
 
+@checks.register
 def check_collectives() -> dict[str, Any]:
     """Fabric's collectives as DDP answers them: all_reduce in place, all_gather's gradients summed over ranks."""
     fabric = make_fabric()
@@ -231,6 +239,7 @@ def check_collectives() -> dict[str, Any]:
     }
 
 
+@checks.register
 def check_setup_dataloaders_split_the_data() -> dict[str, Any]:
     fabric = make_fabric()
     loader = fabric.setup_dataloaders(DataLoader(TensorDataset(torch.arange(40)), batch_size=4, shuffle=True))
@@ -239,9 +248,10 @@ def check_setup_dataloaders_split_the_data() -> dict[str, Any]:
     return {"counts": [len(s) for s in everyone], "union": sorted(set().union(*everyone)) == list(range(40))}
 
 
+@checks.register
 def check_save_once_load_everywhere_and_resume_identically() -> dict[str, Any]:
     fabric = make_fabric()
-    path = OUT / "fabric_checkpoint.ckpt"
+    path = out_dir() / "fabric_checkpoint.ckpt"
     first = train(fabric, steps=3)
     fabric.save(path, {"model": first["model"], "opt": first["opt"], "step": 3})
     uninterrupted = train(fabric, steps=3, start=3, model=first["model"], opt=first["opt"])
@@ -255,7 +265,7 @@ def check_save_once_load_everywhere_and_resume_identically() -> dict[str, Any]:
     state = {"model": fresh, "opt": fresh_opt}
     remainder = fabric.load(path, state)
     resumed = train(fabric, steps=3, start=3, model=fresh, opt=fresh_opt)
-    leftovers = sorted(p.name for p in OUT.iterdir() if p.name.startswith("fabric_checkpoint") and p != path)
+    leftovers = sorted(p.name for p in out_dir().iterdir() if p.name.startswith("fabric_checkpoint") and p != path)
     return {
         "remainder": remainder,
         "resume_diff": float((flat(resumed["model"]) - flat(uninterrupted["model"])).abs().max()),
@@ -264,6 +274,7 @@ def check_save_once_load_everywhere_and_resume_identically() -> dict[str, Any]:
     }
 
 
+@checks.register
 def check_mixed_precision_trains_alike_on_every_rank() -> dict[str, Any]:
     results = {}
     cpu_scaler = hasattr(torch.amp, "GradScaler")  # torch 2.3+
@@ -292,6 +303,7 @@ def check_mixed_precision_trains_alike_on_every_rank() -> dict[str, Any]:
     return results
 
 
+@checks.register
 def check_a_layer_unfrozen_while_training_is_averaged() -> dict[str, Any]:
     """A layer frozen at setup and unfrozen later is averaged too (Horovod hooks only what was trainable then).
 
@@ -312,6 +324,7 @@ def check_a_layer_unfrozen_while_training_is_averaged() -> dict[str, Any]:
     }
 
 
+@checks.register
 def check_schedulers_built_before_setup_set_every_ranks_rates() -> dict[str, Any]:
     """A StepLR built on the optimizer before ``fabric.setup``, handed to setup (``scheduler=``, Fabric 2.4 and
     later) or not: every rank follows its rates, before and after ``fabric.load``, with none of torch's warnings
@@ -334,7 +347,7 @@ def check_schedulers_built_before_setup_set_every_ranks_rates() -> dict[str, Any
             rates = []
             for step in range(4):
                 if step == 2:  # save and load in the middle: loading replaces the optimizer's param groups
-                    path = OUT / f"scheduled_{name}.pt"
+                    path = out_dir() / f"scheduled_{name}.pt"
                     fabric.save(path, {"model": model, "optimizer": opt})
                     fabric.load(path, {"model": model, "optimizer": opt})
                 train(fabric, steps=1, start=step, model=model, opt=opt)
@@ -350,6 +363,7 @@ def check_schedulers_built_before_setup_set_every_ranks_rates() -> dict[str, Any
     return cases
 
 
+@checks.register
 def check_daso_is_refused_at_construction() -> str:
     try:
         HorovodStrategy(sync="daso")
@@ -359,7 +373,8 @@ def check_daso_is_refused_at_construction() -> str:
 
 
 if __name__ == "__main__":
+    OUT, _ = parse_out()
     os.environ.setdefault("PYTHONWARNINGS", "ignore")
-    report = run_checks({name[len("check_") :]: fn for name, fn in globals().items() if name.startswith("check_")})
+    report = checks.run()
     write_result(OUT, hvd.rank(), report)
     Path(OUT / f"pid{hvd.rank()}").write_text(str(os.getpid()))

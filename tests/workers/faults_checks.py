@@ -1,7 +1,7 @@
 """Bad configuration and bad numbers, many cases in one launch: every case must fail the same way on
 every rank (so the ranks stay in step and the next case can run), or behave identically.
 
-``CHECKS`` runs inside the two-worker job of tests/workers/strategy_features.py; run as a script
+``checks`` run inside the two-worker job of tests/workers/strategy_features.py; run as a script
 (``horovodrun -np 2``) it runs them alone, after a plain ``hvd.init()``.
 """
 
@@ -13,7 +13,7 @@ from typing import Any
 
 import horovod.torch as hvd
 import torch
-from _common import parse_out, run_checks, write_result
+from _common import Checks, parse_out, write_result
 from faults_common import digest, trainer
 from lightning.pytorch.plugins.precision import MixedPrecision
 from models import FaultNet, fault_loader
@@ -22,6 +22,8 @@ from hvd_plugins import DasoConfig
 from hvd_plugins.pytorch import HorovodStrategy
 
 BAD_BATCH = 3
+checks = Checks()
+"""In the order they run: every failing case first, then whether the ranks are still in step."""
 
 
 def first_error(run: Callable[[], Any]) -> str:
@@ -94,25 +96,55 @@ def grad_scaler_skips_everywhere() -> dict[str, Any]:
     return {"digest": digest(module), "scale": float(plugin.scaler.get_scale()), "finite": weights_finite(module)}
 
 
-CHECKS: dict[str, Callable[[], Any]] = {
-    "compression": lambda: first_error(lambda: fit(HorovodStrategy(compression=mine(("none", "fp16"))))),
-    "op": lambda: first_error(lambda: fit(HorovodStrategy(op=mine(("average", "sum"))))),
-    "parameter_shapes": lambda: first_error(lambda: fit(HorovodStrategy(), FaultNet(hidden=mine((8, 9))))),
-    "optimizer_count": lambda: first_error(lambda: fit(HorovodStrategy(), FaultNet(optimizers=mine((1, 2))))),
-    "daso_knobs": lambda: first_error(
-        lambda: fit(HorovodStrategy(sync="daso", daso=DasoConfig(warmup_epochs=mine((4, 2)))))
-    ),
-    "devices": lambda: first_error(lambda: fit(HorovodStrategy(), devices=3)),
-    "num_nodes": lambda: first_error(lambda: fit(HorovodStrategy(), num_nodes=3)),
-    "nan_stops_training": nan_stops_training,
-    "nan_without_check": nan_without_check,
-    "inf_under_bf16": inf_under_bf16,
-    "check_with_grad_scaler": check_with_grad_scaler,
-    "grad_scaler_skips_everywhere": grad_scaler_skips_everywhere,
-    "still_in_step": lambda: digest(fit(HorovodStrategy())),
-}
+@checks.register
+def compression_differs() -> str:
+    return first_error(lambda: fit(HorovodStrategy(compression=mine(("none", "fp16")))))
+
+
+@checks.register
+def op_differs() -> str:
+    return first_error(lambda: fit(HorovodStrategy(op=mine(("average", "sum")))))
+
+
+@checks.register
+def parameter_shapes_differ() -> str:
+    return first_error(lambda: fit(HorovodStrategy(), FaultNet(hidden=mine((8, 9)))))
+
+
+@checks.register
+def optimizer_count_differs() -> str:
+    return first_error(lambda: fit(HorovodStrategy(), FaultNet(optimizers=mine((1, 2)))))
+
+
+@checks.register
+def daso_settings_differ() -> str:
+    return first_error(lambda: fit(HorovodStrategy(sync="daso", daso=DasoConfig(warmup_epochs=mine((4, 2))))))
+
+
+@checks.register
+def devices_disagree_with_the_job() -> str:
+    return first_error(lambda: fit(HorovodStrategy(), devices=3))
+
+
+@checks.register
+def num_nodes_disagree_with_the_job() -> str:
+    return first_error(lambda: fit(HorovodStrategy(), num_nodes=3))
+
+
+checks.register(nan_stops_training)
+checks.register(nan_without_check)
+checks.register(inf_under_bf16)
+checks.register(check_with_grad_scaler)
+checks.register(grad_scaler_skips_everywhere)
+
+
+@checks.register
+def still_in_step() -> str:
+    """After every failed case above, the ranks still train in step."""
+    return digest(fit(HorovodStrategy()))
+
 
 if __name__ == "__main__":
-    OUT, _ = parse_out()
+    OUT, ARGS = parse_out()
     hvd.init()
-    write_result(OUT, hvd.rank(), run_checks(CHECKS))
+    write_result(OUT, hvd.rank(), checks.selected(ARGS.case).run())

@@ -8,13 +8,13 @@ from typing import Any
 import horovod.torch as hvd
 import lightning.pytorch as pl
 import torch
-from _common import parse_out, run_checks, write_result
+from _common import Checks, parse_out, write_result
 from models import BatchNormClassifier
 from torch.utils.data import DataLoader, TensorDataset
 
 from hvd_plugins.pytorch import HorovodStrategy
 
-OUT, _ = parse_out()
+checks = Checks()
 
 
 def fit(precision: str, compression: str) -> dict[str, Any]:
@@ -44,12 +44,17 @@ def fit(precision: str, compression: str) -> dict[str, Any]:
     }
 
 
+@checks.register
+def fp32() -> dict[str, Any]:
+    return fit("32-true", "none")
+
+
+@checks.register
+def amp_fp16_compressed() -> dict[str, Any]:
+    return fit("16-mixed", "fp16")
+
+
 if __name__ == "__main__":
+    OUT, _ = parse_out()
     hvd.init()
-    report = run_checks(
-        {
-            "fp32": lambda: fit("32-true", "none"),
-            "amp_fp16_compressed": lambda: fit("16-mixed", "fp16"),
-        }
-    )
-    write_result(OUT, hvd.rank(), report)
+    write_result(OUT, hvd.rank(), checks.run())

@@ -1,8 +1,8 @@
 """Two-level allreduce and the node-aware strategy modes, on whatever topology horovodrun gives.
 
-Run under ``-np 4 -H localhost:2,127.0.0.1:2`` (two emulated nodes) and ``-np 2`` (one node).
-``--case ...,daso_two_by_two`` runs DASO's checks of two nodes of two workers (daso_checks.py) afterwards,
-in the same launch, and ``adasum`` (MPI only) Adasum's checks (adasum_checks.py) last.
+Run under ``-np 4 -H localhost:2,127.0.0.1:2`` (two emulated nodes) and ``-np 2`` (one node). After
+these checks DASO's of two nodes of two workers (daso_checks.py) run in the same launch, and with
+``--adasum`` (MPI only) Adasum's (adasum_checks.py) last; ``--case`` runs only the named ones.
 The script starts Horovod itself with a plain ``hvd.init()``, as Horovod's docs do; the
 node-aware syncs must keep that start (no restart, no process set beyond the global one).
 """
@@ -10,12 +10,15 @@ node-aware syncs must keep that start (no restart, no process set beyond the glo
 from __future__ import annotations
 
 import os
+import sys
 from typing import Any
 
+import adasum_checks
+import daso_checks
 import horovod.torch as hvd
 import lightning.pytorch as pl
 import torch
-from _common import parse_out, run_checks, write_result
+from _common import Checks, parse_out, write_result
 from horovod.torch.mpi_ops import _basics
 from models import TanhRegressor, WideTanhRegressor
 from torch import nn
@@ -32,7 +35,8 @@ from hvd_plugins.core.comm import (
 )
 from hvd_plugins.pytorch import HorovodStrategy
 
-OUT, ARGS = parse_out()
+checks = Checks()
+"""In the order they run: ``check_still_one_process_set`` comes after every strategy trained."""
 
 
 def rank_tensor(n: int, dtype: torch.dtype, integers: bool, seed: int) -> torch.Tensor:
@@ -42,6 +46,7 @@ def rank_tensor(n: int, dtype: torch.dtype, integers: bool, seed: int) -> torch.
     return torch.randn(n, generator=generator, dtype=torch.float64).to(dtype)
 
 
+@checks.register
 def check_topology() -> dict[str, Any]:
     topology = discover_topology()
     return {
@@ -53,6 +58,7 @@ def check_topology() -> dict[str, Any]:
     }
 
 
+@checks.register
 def check_startup() -> dict[str, Any]:
     """After the script's own plain ``hvd.init()``: the layout is gathered, Horovod keeps running as it is."""
     before = (hvd.rank(), hvd.size(), hvd.local_rank(), hvd.cross_rank())
@@ -102,6 +108,33 @@ def compare_with_flat(
     }
 
 
+@checks.register
+def fp64_integers() -> dict[str, Any]:
+    return compare_with_flat(torch.float64, True, [1, 7, 1000, 4096, 150_000], fp16=False)
+
+
+@checks.register
+def fp64_random() -> dict[str, Any]:
+    return compare_with_flat(torch.float64, False, [13, 2049], fp16=False)
+
+
+@checks.register
+def fp32_random() -> dict[str, Any]:
+    return compare_with_flat(torch.float32, False, [5, 100_001], fp16=False)
+
+
+@checks.register
+def fp32_fp16_wire() -> dict[str, Any]:
+    return compare_with_flat(torch.float32, False, [999, 4096], fp16=True)
+
+
+@checks.register
+def fp32_mixed() -> dict[str, Any]:
+    """1000 float32 (4000 B) under the 4001 B threshold go flat, 100_001 take the legs."""
+    return compare_with_flat(torch.float32, False, [1000, 100_001], fp16=False, flat_below_bytes=4001)
+
+
+@checks.register
 def check_two_round_groups() -> dict[str, Any]:
     """Groups of two summing by reduce-scatter + allgather (the path of groups larger than two) equal flat."""
     exchange_max_size = partners.EXCHANGE_MAX_SIZE
@@ -145,6 +178,7 @@ MIXED_MB = 600 / 2**20
 TWO_LEVEL = {"flat_below_mb": 0.0}  # every bucket takes the legs
 
 
+@checks.register
 def check_strategy_modes() -> dict[str, Any]:
     """sync='hierarchical' trains to the same weights as sync='allreduce', with counted bytes."""
     flat_model, flat_trainer = fit(HorovodStrategy(sync="allreduce"))
@@ -214,33 +248,15 @@ def check_compress_node_local() -> dict[str, Any]:
     }
 
 
+checks.register(check_compress_node_local)  # after check_strategy_modes, whose runs it compares with
+checks.register(check_route_tuning)
+checks.register(check_still_one_process_set)  # after every node-aware strategy of the job trained
+
+JOB = Checks(checks, daso_checks.two_by_two)
+"""The two-node job's checks without Adasum's, in order."""
+
 if __name__ == "__main__":
+    OUT, ARGS = parse_out()
     hvd.init()
-    checks = {
-        "topology": check_topology,
-        "startup": check_startup,
-        "fp64_integers": lambda: compare_with_flat(torch.float64, True, [1, 7, 1000, 4096, 150_000], fp16=False),
-        "fp64_random": lambda: compare_with_flat(torch.float64, False, [13, 2049], fp16=False),
-        "fp32_random": lambda: compare_with_flat(torch.float32, False, [5, 100_001], fp16=False),
-        "fp32_fp16_wire": lambda: compare_with_flat(torch.float32, False, [999, 4096], fp16=True),
-        # 1000 float32 (4000 B) under the 4001 B threshold go flat, 100_001 take the legs
-        "fp32_mixed": lambda: compare_with_flat(
-            torch.float32, False, [1000, 100_001], fp16=False, flat_below_bytes=4001
-        ),
-        "fp64_two_round_groups": check_two_round_groups,
-        "strategy_modes": check_strategy_modes,
-        "compress_node_local": check_compress_node_local,
-        "route_tuning": check_route_tuning,
-        "after_training": check_still_one_process_set,
-    }
-    selected = ARGS.case.split(",") if ARGS.case else list(checks)
-    report = run_checks({name: checks[name] for name in checks if name in selected})
-    if "daso_two_by_two" in selected:  # DASO's checks of this topology share the launch (workers start slowly)
-        from daso_checks import two_by_two_checks
-
-        report["daso_two_by_two"] = {"checks": run_checks(two_by_two_checks()), "cross_rank": hvd.cross_rank()}
-    if "adasum" in selected:  # Adasum's checks on four workers (MPI only), last
-        from adasum_checks import adasum_report
-
-        report["adasum"] = {"ok": True, "value": adasum_report()}
-    write_result(OUT, hvd.rank(), report)
+    job = Checks(JOB, *([adasum_checks.checks] if "--adasum" in sys.argv else []))
+    write_result(OUT, hvd.rank(), job.selected(ARGS.case).run())

@@ -351,6 +351,37 @@ class TanhClassifier(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
 
 
+SPARSE_ROWS = 40
+
+
+def sparse_lookups(samples: int = 32, lookups: int = 4) -> TensorDataset:
+    """``lookups`` embedding rows per sample, and a float64 target, for SparseRegression."""
+    generator = torch.Generator().manual_seed(1)
+    rows = torch.randint(0, SPARSE_ROWS, (samples, lookups), generator=generator)
+    targets = torch.randn(samples, 1, generator=generator, dtype=torch.float64)
+    return TensorDataset(rows, targets)
+
+
+class SparseRegression(pl.LightningModule):
+    """A sparse embedding (its gradients are sparse tensors) and a linear head, float64, SGD at 0.5."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embedding = nn.Embedding(SPARSE_ROWS, 3, sparse=True).double()
+        self.head = nn.Linear(3, 1).double()
+
+    def forward(self, lookups: torch.Tensor) -> torch.Tensor:
+        return self.head(self.embedding(lookups).mean(dim=1))
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        lookups, targets = batch
+        return nn.functional.mse_loss(self(lookups), targets)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.5)
+
+
 # ---------------------------------------------------------------------------------------------- faults
 FAULT_FEATURES = 6
 

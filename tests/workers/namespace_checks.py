@@ -8,19 +8,20 @@ from __future__ import annotations
 from typing import Any
 
 import pytorch_lightning as pl
-from _common import parse_out, run_checks, write_result
+from _common import Checks, parse_out, write_result
 from pytorch_lightning.demos.boring_classes import BoringModel
 
 from hvd_plugins import pytorch as lightning_face
 from hvd_plugins import pytorch_lightning as standalone_face
 
-OUT, _ = parse_out()
+checks = Checks()
 
 
 def trainer(**kwargs: Any) -> pl.Trainer:
     return pl.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False, **kwargs)
 
 
+@checks.register
 def check_name_and_instance() -> dict[str, Any]:
     by_name = trainer(strategy="horovod_fp16")
     given = standalone_face.HorovodStrategy(sync="hierarchical")
@@ -31,6 +32,7 @@ def check_name_and_instance() -> dict[str, Any]:
     }
 
 
+@checks.register
 def check_foreign_callback() -> str | None:
     try:
         trainer(strategy=standalone_face.HorovodStrategy(), callbacks=[lightning_face.CommunicationMonitor()]).fit(
@@ -42,5 +44,5 @@ def check_foreign_callback() -> str | None:
 
 
 if __name__ == "__main__":
-    report = run_checks({"name_and_instance": check_name_and_instance, "foreign_callback": check_foreign_callback})
-    write_result(OUT, 0, report)
+    OUT, _ = parse_out()
+    write_result(OUT, 0, checks.run())

@@ -12,14 +12,14 @@ import horovod.torch as hvd
 import lightning.pytorch as pl
 import torch
 from _common import parse_out, write_result
-from torch import nn
-from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+from models import SparseRegression, sparse_lookups
+from torch.utils.data import DataLoader, DistributedSampler
 
 from hvd_plugins.core.backend.waits import synchronize_sleeps
 from hvd_plugins.pytorch import HorovodStrategy
 
 OUT, _ = parse_out()
-ROWS, WIDTH, LOOKUPS, SAMPLES, BATCH, EPOCHS = 40, 3, 4, 32, 4, 2
+BATCH, EPOCHS = 4, 2
 VARIANTS = {
     "sparse_allgather": {"sync": "allreduce", "sparse_as_dense": False},
     "sparse_as_dense": {"sync": "allreduce", "sparse_as_dense": True},
@@ -27,37 +27,12 @@ VARIANTS = {
 }
 
 
-def data() -> TensorDataset:
-    generator = torch.Generator().manual_seed(1)
-    lookups = torch.randint(0, ROWS, (SAMPLES, LOOKUPS), generator=generator)
-    targets = torch.randn(SAMPLES, 1, generator=generator, dtype=torch.float64)
-    return TensorDataset(lookups, targets)
-
-
-class SparseRegression(pl.LightningModule):
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.embedding = nn.Embedding(ROWS, WIDTH, sparse=True).double()
-        self.head = nn.Linear(WIDTH, 1).double()
-
-    def forward(self, lookups: torch.Tensor) -> torch.Tensor:
-        return self.head(self.embedding(lookups).mean(dim=1))
-
-    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        lookups, targets = batch
-        return nn.functional.mse_loss(self(lookups), targets)
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.SGD(self.parameters(), lr=0.5)
-
-
 def reference(workers: int) -> dict[str, torch.Tensor]:
     """One process, stepping on the union of the workers' batches: the split of the DistributedSampler the
     Trainer gives each worker of a training loader (shuffled with seed 0, reshuffled every epoch), as under DDP."""
     model = SparseRegression()
     optimizer = model.configure_optimizers()
-    dataset = data()
+    dataset = sparse_lookups()
     for epoch in range(EPOCHS):
         shards = []
         for rank in range(workers):
@@ -84,7 +59,7 @@ def trained(settings: dict[str, object]) -> dict[str, torch.Tensor]:
         enable_progress_bar=False,
         enable_model_summary=False,
     )
-    trainer.fit(model, DataLoader(data(), batch_size=BATCH, shuffle=False))
+    trainer.fit(model, DataLoader(sparse_lookups(), batch_size=BATCH, shuffle=False))
     return {name: value.detach().clone() for name, value in model.state_dict().items()}
 
 
