@@ -157,12 +157,3 @@ def test_schedulers_built_before_setup_set_every_ranks_rates(checks: dict[int, d
 def test_daso_is_refused_with_the_reason(checks: dict[int, dict]) -> None:
     message = value(checks, check_daso_is_refused_at_construction, 0)
     assert message.startswith("sync='daso' is not available with Fabric")
-
-
-def test_an_unknown_sync_lists_only_what_fabric_takes() -> None:
-    from hvd_plugins.fabric import HorovodStrategy
-
-    with pytest.raises(
-        ValueError, match=r"^sync='bogus' is not supported with Fabric; choose one of \['allreduce', 'hierarchical'\]$"
-    ):
-        HorovodStrategy(sync="bogus")
