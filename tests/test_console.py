@@ -42,6 +42,10 @@ def test_horovodrun_prints_progress_lines_and_each_warning_once_from_rank_zero(t
         ("UserWarning: console-check: warning during training", 1),  # shown once per process, in the first fit
         ("console-check: rank-zero info before the Trainer", 1),
         ("GPU available:", 3),  # one per Trainer
+        ("Seed set to 0", 1),
     ):
         found = _lines(output, text)
         assert len(found) == copies and all(line.startswith("[0]<") for line in found), (text, found)
+    # Lightning's notices that concern no Horovod user (hvd_plugins/fabric/notices.py) are not shown.
+    for notice in ("Tip:", "The `srun` command is available", "LeafSpec"):
+        assert not _lines(output, notice), (notice, _lines(output, notice))

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 from _common import Checks, parse_out, write_result
-from lightning.pytorch import Trainer
+from lightning.pytorch import Trainer, seed_everything
 from lightning.pytorch.callbacks import TQDMProgressBar
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from models import TinyRegression
@@ -84,5 +84,6 @@ if __name__ == "__main__":
     # Emitted by every rank before any Trainer or Horovod exists.
     warnings.warn(f"{MARK}: warning before the Trainer", UserWarning, stacklevel=1)
     rank_zero_info(f"{MARK}: rank-zero info before the Trainer")
+    seed_everything(0)  # Lightning logs "Seed set to 0" on every worker, with no rank
     report = checks.run()
     write_result(OUT, horovod_torch().rank(), report)
