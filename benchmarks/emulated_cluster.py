@@ -3,10 +3,16 @@
 Each node is a network namespace; the link between nodes is shaped with ``tc ... tbf`` to a rate
 you choose (or left unshaped), while the workers inside a node talk over unshaped loopback.
 Horovod is launched across the namespaces without ssh (``horovod.runner.gloo_run.launch_gloo``
-with an ``exec_command`` that enters the node's namespace). Every run trains the same MLP from
+with an ``exec_command`` that enters the node's namespace). Every run of a model trains it from
 the same seed on the same data with the same global batch; the metric is the wall time until
 rank 0's training loss (mean of the last steps) first reaches a target, and its speedup over
 flat fp32 allreduce on the same link and topology.
+
+The models (``--model``): ``small`` and ``large`` MLPs (a handful of large tensors), ``transformer``
+(a decoder-only language model of 3.1 M parameters in 100 tensors, tied embedding, on sequences of a
+random Markov chain) and ``convnet`` (a ResNet with BatchNorm, 0.18 M parameters in 47 tensors, on
+noisy shifted class templates); ``convnet_syncbn`` is the convnet under ``Trainer(sync_batchnorm=True)``,
+which adds an allreduce of the batch statistics to every BatchNorm layer's forward and backward.
 
 The target of a (model, topology) group comes from its reference run: flat fp32 allreduce on the
 first link of the list (unshaped in the sweep) trains every epoch, and the target is the loss it
@@ -17,6 +23,7 @@ time, loss, DASO phase, the strategy's ``comm_counters``) for ``scaling_model.py
 
     python benchmarks/emulated_cluster.py --sweep    # the grid -> docs/benchmarks/emulated_sweep.{txt,json,csv,png}
     python benchmarks/emulated_cluster.py --link-mbit 50 --topology 2x2 --model large --modes daso/fp16
+    python benchmarks/emulated_cluster.py --link-mbit 50 --topology 2x1 --model transformer,convnet,convnet_syncbn
     python benchmarks/emulated_cluster.py --smoke    # tiny model, 2x1 at 50 Mbit/s: checks that it works
 
 Needs root (namespaces, veth, bridge, tc); exits with code 77 and a message where they cannot be
@@ -30,7 +37,6 @@ import argparse
 import contextlib
 import csv
 import datetime
-import itertools
 import json
 import math
 import sys
@@ -72,35 +78,71 @@ STARTUP_ALLOWANCE_S = 120.0
 # ------------------------------------------------------------------------------------------ what runs
 @dataclass(frozen=True)
 class Model:
-    """An MLP on a synthetic classification task; ``global_batch`` is split evenly over the workers."""
+    """A module on its synthetic task; ``global_batch`` is split evenly over the workers.
+
+    ``arch`` and ``size`` name the module (``bench.build_module(arch, lr, **size)``); ``size`` is kept
+    as (name, value) pairs so that a model stays hashable and travels to the workers as JSON.
+    """
 
     name: str
-    features: int
-    hidden: tuple[int, ...]
-    classes: int
+    arch: str
+    """``mlp``, ``transformer`` or ``convnet`` (``bench.ARCHITECTURES``)."""
+    size: tuple[tuple[str, Any], ...]
     train_samples: int
     val_samples: int
     global_batch: int
     lr: float
     epochs: int
+    sync_batchnorm: bool = False
+    """Train under ``Trainer(sync_batchnorm=True)``: BatchNorm statistics over the global batch."""
+
+    @property
+    def sizes(self) -> dict[str, Any]:
+        return dict(self.size)
+
+    def module(self) -> bench.SyntheticTaskModule:
+        return bench.build_module(self.arch, lr=self.lr, **self.sizes)
 
     @property
     def parameters(self) -> int:
-        widths = [self.features, *self.hidden, self.classes]
-        return sum(a * b + b for a, b in itertools.pairwise(widths))
+        return bench.parameter_count(self.module())
+
+    def describe(self) -> str:
+        text = bench.describe(self.arch, **self.sizes)
+        return text + (", sync_batchnorm=True" if self.sync_batchnorm else "")
+
+    @staticmethod
+    def from_dict(values: dict[str, Any]) -> Model:
+        size = tuple((key, tuple(value) if isinstance(value, list) else value) for key, value in values["size"])
+        return Model(**(values | {"size": size}))
 
 
+def _mlp(name: str, features: int, hidden: tuple[int, ...], classes: int, **rest: Any) -> Model:
+    return Model(name, "mlp", (("features", features), ("hidden", hidden), ("classes", classes)), **rest)
+
+
+CONVNET = Model("convnet", "convnet", (("channels", (16, 32, 64)), ("blocks", 2), ("classes", 10)),
+                train_samples=2048, val_samples=512, global_batch=64, lr=0.05, epochs=6)  # fmt: skip
 MODELS = {
     # 4.8 k parameters (19 KB): a step's few collective rounds cost more than its bytes, even at 50 Mbit/s.
-    "small": Model("small", features=64, hidden=(64,), classes=10, train_samples=2048, val_samples=1024,
-                   global_batch=128, lr=0.05, epochs=6),
+    "small": _mlp("small", features=64, hidden=(64,), classes=10, train_samples=2048, val_samples=1024,
+                  global_batch=128, lr=0.05, epochs=6),
     # 0.8 M parameters (3.2 MB of fp32 gradients): on a slow link a flat allreduce takes many times the
     # step's compute, so bytes on the link dominate.
-    "large": Model("large", features=256, hidden=(1024, 512), classes=10, train_samples=2048, val_samples=1024,
-                   global_batch=128, lr=0.02, epochs=6),
+    "large": _mlp("large", features=256, hidden=(1024, 512), classes=10, train_samples=2048, val_samples=1024,
+                  global_batch=128, lr=0.02, epochs=6),
+    # 3.1 M parameters in 100 tensors (12 MB of fp32 gradients), embeddings and LayerNorm; AdamW. About
+    # 0.3 s of compute per step on an idle core at 2 workers: the most bytes and tensors per step here.
+    "transformer": Model("transformer", "transformer", (("vocab", 2048), ("d_model", 192), ("layers", 6),
+                         ("heads", 4), ("context", 64)), train_samples=512, val_samples=256, global_batch=32,
+                         lr=1e-3, epochs=6),
+    # 0.18 M parameters in 47 small tensors (0.7 MB), BatchNorm; much compute per byte sent.
+    "convnet": CONVNET,
+    # The same under Trainer(sync_batchnorm=True): two more collectives per BatchNorm layer and step.
+    "convnet_syncbn": replace(CONVNET, name="convnet_syncbn", sync_batchnorm=True),
 }  # fmt: skip
-SMOKE_MODEL = Model("smoke", features=16, hidden=(32,), classes=3, train_samples=256, val_samples=64,
-                    global_batch=32, lr=0.05, epochs=3)  # fmt: skip
+SMOKE_MODEL = _mlp("smoke", features=16, hidden=(32,), classes=3, train_samples=256, val_samples=64,
+                   global_batch=32, lr=0.05, epochs=3)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -149,24 +191,31 @@ class Run:
 
     @staticmethod
     def from_dict(values: dict[str, Any]) -> Run:
-        model = values["model"] | {"hidden": tuple(values["model"]["hidden"])}
-        return Run(**(values | {"model": Model(**model), "topology": Topology(**values["topology"])}))
+        return Run(**(values | {"model": Model.from_dict(values["model"]), "topology": Topology(**values["topology"])}))
 
 
 # ------------------------------------------------------------------------------------------ worker
 def make_data(model: Model, path: Path) -> None:
-    """Write a learnable synthetic task with balanced classes (scikit-learn's make_classification, fixed seed).
+    """Write the model's learnable synthetic task (train and validation samples), from a fixed seed.
 
-    Made once by the driver and loaded by the workers, so no worker pays for importing scikit-learn.
+    MLPs: balanced classes from scikit-learn's make_classification; the transformer and the convnet:
+    ``bench.synthetic_data`` (a Markov chain's token sequences, noisy shifted class templates). Made
+    once by the driver and loaded by the workers, so no worker pays for importing scikit-learn.
     """
+    samples = model.train_samples + model.val_samples
+    if model.arch != "mlp":
+        inputs, labels = bench.synthetic_data(model.arch, samples, seed=1234, **model.sizes).tensors
+        torch.save({"inputs": inputs, "labels": labels}, path)
+        return
     from sklearn.datasets import make_classification
 
+    features, classes = model.sizes["features"], model.sizes["classes"]
     inputs, labels = make_classification(
-        n_samples=model.train_samples + model.val_samples,
-        n_features=model.features,
-        n_informative=min(32, model.features),
+        n_samples=samples,
+        n_features=features,
+        n_informative=min(32, features),
         n_redundant=0,
-        n_classes=model.classes,
+        n_classes=classes,
         n_clusters_per_class=2,
         class_sep=1.5,
         random_state=1234,
@@ -254,14 +303,13 @@ def worker_main(spec: Path, out: Path) -> None:
     strategy = HorovodStrategy(sync=sync, compression=compression, daso=daso)
     recorder = StepRecorder()
     stopper = StopAtTarget(recorder, run.target_loss, run.budget_s)
-    trainer = bench.cpu_trainer(strategy, [recorder, stopper], max_epochs=run.epochs)
-    module = bench.Classifier(run.model.features, run.model.hidden, run.model.classes, lr=run.model.lr, momentum=0.9)
+    trainer = bench.cpu_trainer(
+        strategy, [recorder, stopper], max_epochs=run.epochs, sync_batchnorm=run.model.sync_batchnorm
+    )
+    module = run.model.module()
     loader = torch.utils.data.DataLoader(train, batch_size=run.per_worker_batch, shuffle=True, drop_last=True)
     trainer.fit(module, loader)
-    module.eval()
-    with torch.no_grad():
-        inputs, labels = val.tensors
-        accuracy = float((module.net(inputs).argmax(dim=1) == labels).float().mean())
+    accuracy = module.accuracy(val)  # the transformer's: of next tokens
     write_rank_file(
         out,
         trainer.global_rank,
@@ -486,12 +534,12 @@ def report(rows: list[dict[str, Any]], grid: Grid) -> str:
             f"{r['acc_diff_pts']:+.2f}" if r["acc_diff_pts"] is not None else "-",
         ] + ([" / ".join([*(f"{a['time_to_target_s']:.1f}" if a["time_to_target_s"] else "-" for a in r["repeats"]),
                           *["failed"] * r["failed_repeats"]])] if grid.repeats > 1 else []))  # fmt: skip
-    models = ", ".join(f"{m.name} MLP {m.features}-{'-'.join(map(str, m.hidden))}-{m.classes} ({m.parameters:,} "
-                       f"parameters, {grid.epochs or m.epochs} epochs)" for m in grid.models)  # fmt: skip
+    models = ", ".join(f"{m.name} {m.describe()} ({m.parameters:,} parameters, global batch {m.global_batch}, "
+                       f"{grid.epochs or m.epochs} epochs)" for m in grid.models)  # fmt: skip
     header = (
         f"emulated_cluster sweep: NODESxWORKERS network namespaces, the link between nodes shaped with tc tbf "
-        f"(Mbit/s per node, each direction), workers inside a node on loopback. {models}; global batch "
-        f"{grid.models[0].global_batch} split over the workers; DASO: {grid.daso_warmup} warmup and "
+        f"(Mbit/s per node, each direction), workers inside a node on loopback. {models}; the global batch is "
+        f"split over the workers; DASO: {grid.daso_warmup} warmup and "
         f"{grid.daso_cooldown} cooldown epochs, cycling in between. Target per model and topology: the training "
         f"loss (rank 0, mean of last {LOSS_WINDOW} steps) flat fp32 allreduce had after {TARGET_FRACTION:.0%} of its "
         f"steps on the first link ({link_label(grid.links[0])}); a run stops at the end of the epoch in which it "
@@ -587,7 +635,7 @@ def build_grid(args: argparse.Namespace) -> Grid:
     models = []
     for name in _split(args.model or defaults["model"]):
         if name not in known_models:
-            raise ValueError(f"--model {name!r} is not known; choose from {sorted(MODELS)}")
+            raise ValueError(f"--model {name!r} is not known; choose from {list(MODELS)}")
         models.append(known_models[name])
     modes = _split(args.modes or defaults["modes"])
     unknown = [m for m in modes if m not in MODES]
@@ -642,7 +690,11 @@ def build_parser() -> argparse.ArgumentParser:
         "(the first one's flat fp32 run sets the target; default 200)",
     )
     parser.add_argument("--topology", help="comma-separated NODESxWORKERS (default 2x2; 2x1 needs only 2 cores)")
-    parser.add_argument("--model", help=f"comma-separated, from {sorted(MODELS)} (default large)")
+    parser.add_argument(
+        "--model",
+        help=f"comma-separated, from {list(MODELS)} (default large): MLPs, a Transformer LM, a ResNet with "
+        "BatchNorm, and that ResNet under Trainer(sync_batchnorm=True)",
+    )
     parser.add_argument("--epochs", type=int, help="epochs per run (default: the model's, 6)")
     parser.add_argument("--daso-warmup", type=int, default=1, help="DASO warmup epochs (default 1)")
     parser.add_argument("--daso-cooldown", type=int, default=1, help="DASO cooldown epochs (default 1)")

@@ -1,11 +1,14 @@
 """Does HorovodStrategy cost steps per second against a hand-written Horovod loop, and against Lightning's DDP?
 
-Same MLP, same synthetic data, same batch size, 2 workers on CPU, one thread each. Each repeat
+Same model, same synthetic data, same batch size, 2 workers on CPU, one thread each. Each repeat
 launches the three variants one after the other (order rotated between repeats, so drift in the
 machine's load hits all three alike); the first steps of every run are excluded from the timing.
+The model is the benchmarks' MLP (a few large tensors), or with ``--model`` a Transformer language
+model (100 tensors, tied embedding, AdamW) or a ResNet with BatchNorm (47 small tensors).
 
-    python benchmarks/overhead.py            # full run, writes docs/benchmarks/overhead.txt
-    python benchmarks/overhead.py --smoke    # tiny and fast: checks that everything runs
+    python benchmarks/overhead.py                        # full run, writes docs/benchmarks/overhead.txt
+    python benchmarks/overhead.py --model transformer    # writes docs/benchmarks/overhead_transformer.txt
+    python benchmarks/overhead.py --smoke                # tiny and fast: checks that everything runs
 
 (a) ``horovod_loop``: hvd.DistributedOptimizer + a plain torch loop, launched with horovodrun.
 (b) ``horovod_strategy``: the same model in a LightningModule, ``Trainer(strategy=HorovodStrategy())``,
@@ -19,6 +22,7 @@ from __future__ import annotations
 import argparse
 import cProfile
 import io
+import json
 import pstats
 import sys
 import tempfile
@@ -29,7 +33,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from hvd_plugins.core.tables import format_table
 from hvd_plugins.testing import benchmarking as bench
@@ -45,9 +48,9 @@ TARGET_VS_DDP = 1.0
 class Setup:
     """Model and run length; the same for all three variants."""
 
-    features: int
-    hidden: tuple[int, ...]
-    classes: int
+    model: str
+    """``mlp``, ``transformer`` or ``convnet``: ``bench.build_module(model, **dict(size))``."""
+    size: tuple[tuple[str, Any], ...]
     batch_size: int
     steps: int
     warmup_steps: int
@@ -55,29 +58,50 @@ class Setup:
     shared_job: bool = False
     """Run the two horovodrun variants in one job (the smoke: what it checks is that each runs, not their rates)."""
 
+    @property
+    def sizes(self) -> dict[str, Any]:
+        return dict(self.size)
+
     def as_args(self) -> list[str]:
         return [
-            f"--features={self.features}",
-            f"--hidden={','.join(map(str, self.hidden))}",
-            f"--classes={self.classes}",
+            f"--model={self.model}",
+            f"--size={json.dumps(self.sizes)}",
             f"--batch-size={self.batch_size}",
             f"--steps={self.steps}",
             f"--warmup-steps={self.warmup_steps}",
         ]
 
 
-FULL = Setup(features=1024, hidden=(2048, 2048), classes=10, batch_size=32, steps=70, warmup_steps=10, repeats=5)
-SMOKE = Setup(
-    features=64, hidden=(128,), classes=4, batch_size=16, steps=12, warmup_steps=3, repeats=1, shared_job=True
-)
+MODELS = ("mlp", "transformer", "convnet")
+FULL = {
+    # 6.3 M parameters in 6 tensors (24 MiB of gradients).
+    "mlp": Setup("mlp", (("features", 1024), ("hidden", (2048, 2048)), ("classes", 10)), batch_size=32, steps=70,
+                 warmup_steps=10, repeats=5),
+    # 3.1 M parameters in 100 tensors (12 MiB); 16 sequences of 64 tokens per worker and step.
+    "transformer": Setup("transformer", (("vocab", 2048), ("d_model", 192), ("layers", 6), ("heads", 4),
+                         ("context", 64)), batch_size=16, steps=40, warmup_steps=8, repeats=5),
+    # 0.18 M parameters in 47 tensors (0.7 MiB); 32 images of 32x32 per worker and step.
+    "convnet": Setup("convnet", (("channels", (16, 32, 64)), ("blocks", 2), ("classes", 10)), batch_size=32,
+                     steps=70, warmup_steps=10, repeats=5),
+}  # fmt: skip
+SMOKE = {
+    "mlp": Setup("mlp", (("features", 64), ("hidden", (128,)), ("classes", 4)), batch_size=16, steps=12,
+                 warmup_steps=3, repeats=1, shared_job=True),
+    "transformer": Setup("transformer", (("vocab", 256), ("d_model", 64), ("layers", 2), ("heads", 4),
+                         ("context", 32)), batch_size=8, steps=12, warmup_steps=3, repeats=1, shared_job=True),
+    "convnet": Setup("convnet", (("channels", (8, 16, 32)), ("blocks", 1), ("classes", 4)), batch_size=16, steps=12,
+                     warmup_steps=3, repeats=1, shared_job=True),
+}  # fmt: skip
 
 
 # ------------------------------------------------------------------------------------------ workers
-LR, MOMENTUM = 0.01, 0.9
+def _module(setup: Setup) -> bench.SyntheticTaskModule:
+    """The model with its own optimizer settings (the MLP: SGD, lr 0.01, momentum 0.9)."""
+    return bench.build_module(setup.model, **setup.sizes)
 
 
 def _dataset(setup: Setup, world: int) -> torch.utils.data.TensorDataset:
-    return bench.random_classification(setup.batch_size * setup.steps * world, setup.features, setup.classes)
+    return bench.synthetic_data(setup.model, setup.batch_size * setup.steps * world, **setup.sizes)
 
 
 def run_horovod_loop(setup: Setup) -> tuple[list[float], int]:
@@ -88,14 +112,13 @@ def run_horovod_loop(setup: Setup) -> tuple[list[float], int]:
     dataset = _dataset(setup, hvd.size())
     sampler = torch.utils.data.distributed.DistributedSampler(dataset, num_replicas=hvd.size(), rank=hvd.rank())
     loader = torch.utils.data.DataLoader(dataset, batch_size=setup.batch_size, sampler=sampler)
-    model = bench.mlp(setup.features, setup.hidden, setup.classes)
-    optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
-    optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
+    model = _module(setup)  # used as a plain torch module: its forward, loss and optimizer, no Trainer
+    optimizer = hvd.DistributedOptimizer(model.configure_optimizers(), named_parameters=model.named_parameters())
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     step_ends: list[float] = []  # absolute clock; only differences are used
     for inputs, labels in loader:
         optimizer.zero_grad()
-        loss = F.cross_entropy(model(inputs), labels)
+        loss = model.loss(inputs, labels)
         loss.backward()
         optimizer.step()  # waits for the gradient allreduces started by the backward hooks
         step_ends.append(time.perf_counter())
@@ -105,7 +128,7 @@ def run_horovod_loop(setup: Setup) -> tuple[list[float], int]:
 def _fit(setup: Setup, strategy: Any, devices: int, world: int, profile_to: Path | None) -> tuple[list[float], int]:
     clock = bench.StepClock()
     trainer = bench.cpu_trainer(strategy, [clock], devices=devices)
-    module = bench.Classifier(setup.features, setup.hidden, setup.classes, lr=LR, momentum=MOMENTUM)
+    module = _module(setup)
     loader = torch.utils.data.DataLoader(_dataset(setup, world), batch_size=setup.batch_size, shuffle=True)
     profiler = cProfile.Profile() if profile_to is not None else None
     if profiler is not None:
@@ -145,9 +168,8 @@ def worker_main(args: argparse.Namespace) -> None:
     """Run each variant of ``--worker`` (comma-separated) in turn; one rank file holds every variant's steps."""
     bench.one_thread_per_worker()
     setup = Setup(
-        features=args.features,
-        hidden=tuple(int(h) for h in args.hidden.split(",")),
-        classes=args.classes,
+        model=args.model,
+        size=tuple(json.loads(args.size).items()),
         batch_size=args.batch_size,
         steps=args.steps,
         warmup_steps=args.warmup_steps,
@@ -209,7 +231,8 @@ def measure(setup: Setup, workdir: Path) -> dict[str, list[float]]:
 
 
 def report(setup: Setup, rates: dict[str, list[float]]) -> str:
-    params = bench.parameter_count(bench.mlp(setup.features, setup.hidden, setup.classes))
+    module = _module(setup)
+    params, tensors = bench.parameter_count(module), bench.tensor_count(module)
     med = {variant: bench.median(values) for variant, values in rates.items()}
     rows = [[variant, bench.median(values), min(values), max(values), len(values)] for variant, values in rates.items()]
     per_repeat_floor = [b / a for a, b in zip(rates["horovod_loop"], rates["horovod_strategy"], strict=True)]
@@ -231,8 +254,8 @@ def report(setup: Setup, rates: dict[str, list[float]]) -> str:
         ],
     ]
     lines = [
-        f"overhead: 2 workers on CPU, 1 thread each; MLP {setup.features}-{'-'.join(map(str, setup.hidden))}-"
-        f"{setup.classes} ({params:,} parameters, {params * 4 / 2**20:.1f} MiB of fp32 gradients per step); "
+        f"overhead: 2 workers on CPU, 1 thread each; {bench.describe(setup.model, **setup.sizes)} ({params:,} "
+        f"parameters in {tensors} tensors, {params * 4 / 2**20:.1f} MiB of fp32 gradients per step); "
         f"batch {setup.batch_size} per worker; {setup.steps} steps per run, first {setup.warmup_steps} not timed; "
         f"{setup.repeats} repeats",
         "",
@@ -250,14 +273,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--smoke", action="store_true", help="tiny model, one short repeat; writes no report")
     parser.add_argument(
-        "--report", type=Path, help="write the table here (default: docs/benchmarks/overhead.txt; none with --smoke)"
+        "--model",
+        choices=MODELS,
+        default="mlp",
+        help="mlp (default; 6.3 M parameters in 6 tensors), transformer (a Transformer LM, 3.1 M in 100 tensors) "
+        "or convnet (a ResNet with BatchNorm, 0.18 M in 47 tensors)",
+    )
+    parser.add_argument(
+        "--report",
+        type=Path,
+        help="write the table here (default: docs/benchmarks/overhead.txt, overhead_<model>.txt for another model "
+        "than the MLP; none with --smoke)",
     )
     parser.add_argument("--repeats", type=int, default=None, help="override the number of repeats")
     parser.add_argument("--profile", action="store_true", help="also profile rank 0 of (b) and (c) once")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
-    for name, kind in (("features", int), ("hidden", str), ("classes", int), ("batch-size", int)):
-        parser.add_argument(f"--{name}", type=kind, help=argparse.SUPPRESS)
+    parser.add_argument("--size", help=argparse.SUPPRESS)
+    parser.add_argument("--batch-size", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--steps", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--warmup-steps", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -266,7 +299,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             parser.error(f"--worker {args.worker!r}: comma-separated from {list(VARIANTS)}")
         worker_main(args)
         return 0
-    setup = SMOKE if args.smoke else FULL
+    setup = (SMOKE if args.smoke else FULL)[args.model]
     if args.repeats is not None:
         if args.repeats < 1:
             raise ValueError(f"--repeats={args.repeats} must be >= 1")
@@ -274,7 +307,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="hvd_overhead_") as tmp:
         rates = measure(setup, Path(tmp))
         text = report(setup, rates)
-        publish_report(text, __file__, argv, args.report, None if args.smoke else "overhead.txt")
+        default_report = "overhead.txt" if args.model == "mlp" else f"overhead_{args.model}.txt"
+        publish_report(text, __file__, argv, args.report, None if args.smoke else default_report)
         if args.profile:
             for variant in ("horovod_strategy", "lightning_ddp"):
                 launch((variant,), setup, Path(tmp) / f"profile_{variant}", profile=True)

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +42,33 @@ def test_repeated_runs_report_the_median_run_and_keep_every_time() -> None:
     assert grid.repeats == 3 and grid.runs() == 6
     with pytest.raises(ValueError, match="--repeats 0 must be >= 1"):
         emulated_cluster.build_grid(emulated_cluster_args("--smoke", "--repeats", "0"))
+
+
+def test_every_model_travels_to_the_workers_as_json_and_the_convnet_runs_with_and_without_sync_batchnorm() -> None:
+    for model in emulated_cluster.MODELS.values():
+        run = emulated_cluster.Run(model, emulated_cluster.Topology(2, 2), 50.0, "daso/fp16", 6, 1, 1,
+                                   target_loss=0.0, budget_s=150.0, data_path="data.pt")  # fmt: skip
+        assert emulated_cluster.Run.from_dict(json.loads(json.dumps(asdict(run)))) == run
+        assert model.global_batch % 4 == 0 and model.train_samples % model.global_batch == 0, model.name
+    convnet, syncbn = emulated_cluster.MODELS["convnet"], emulated_cluster.MODELS["convnet_syncbn"]
+    assert syncbn.sync_batchnorm and replace(syncbn, name="convnet", sync_batchnorm=False) == convnet
+    assert syncbn.describe().endswith(", sync_batchnorm=True")
+    grid = emulated_cluster.build_grid(
+        emulated_cluster_args("--model", "transformer,convnet_syncbn", "--topology", "2x1")
+    )
+    assert [m.name for m in grid.models] == ["transformer", "convnet_syncbn"]
+    with pytest.raises(ValueError, match="--model 'resnet' is not known"):
+        emulated_cluster.build_grid(emulated_cluster_args("--model", "resnet"))
+
+
+@pytest.mark.parametrize("name", ["transformer", "convnet"])
+def test_the_driver_writes_the_data_the_workers_split_into_train_and_validation(name: str, tmp_path: Path) -> None:
+    model = replace(emulated_cluster.MODELS[name], train_samples=32, val_samples=16)
+    emulated_cluster.make_data(model, tmp_path / "data.pt")
+    train, val = emulated_cluster.load_data(model, tmp_path / "data.pt")
+    assert (len(train), len(val)) == (32, 16)
+    module = model.module()
+    assert module.loss(*train[:4]).isfinite() and 0.0 <= module.accuracy(val) <= 1.0
 
 
 def emulated_cluster_args(*argv: str) -> argparse.Namespace:
