@@ -63,7 +63,7 @@ class SyncBatchNorm(_BatchNorm):
         count = x.new_full((x.size(1),), float(x.numel() // x.size(1)))
         # One round for sums, sums of squares and the sample count; backward allreduces the grad sums.
         total = _NamedSumAllreduce.apply(torch.stack([x.sum(dims), (x * x).sum(dims), count]), "sync_bn")
-        n = float(total[2, 0])
+        n = float(total[2, 0].detach())  # a count: no gradient flows through it
         mean = total[0] / n
         var = (total[1] / n - mean * mean).clamp_min(0.0)
 
