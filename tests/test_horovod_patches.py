@@ -32,6 +32,7 @@ def test_the_script_applies_the_patches_in_order_to_the_pristine_source(gpu: str
     program = (
         'log() { :; }; die() { echo "$*" >&2; exit 1; }\n'
         f"HOROVOD_VERSION={HOROVOD_VERSION}; PATCH_DIR='{PATCH_DIR}'; GPU_MODE={gpu}\n"
+        f"PATCHES=({' '.join(patch.name for patch in PATCHES)})\n"  # the build's selection: all of them
         f'{function.group(0)}apply_patches "$1"\n'
     )
     done = subprocess.run(["bash", "-c", program, "apply", str(source)], capture_output=True, text=True, timeout=120)

@@ -76,7 +76,7 @@ class HorovodStrategyShared:
 
     @property
     def daso_sync(self) -> Any:
-        """The running fit's DasoParameterSync with ``sync="daso"`` (its ``schedule``: phase, history), else None."""
+        """With ``sync="daso"`` the running fit's DasoParameterSync (its ``schedule`` holds phase, history)."""
         return getattr(self.gradient_sync, "daso", None)
 
     @property

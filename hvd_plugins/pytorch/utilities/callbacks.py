@@ -16,10 +16,9 @@ def trainer_callbacks(trainer: Trainer) -> list[Callback]:
 
 def replace_callback(trainer: Trainer, kind: type[Callback], callback: Callback | None) -> None:
     """Put ``callback`` (None: nothing) in ``trainer.callbacks`` in place of every ``kind`` an earlier fit added."""
-    callbacks = trainer_callbacks(trainer)
-    callbacks[:] = [existing for existing in callbacks if not isinstance(existing, kind)]
-    if callback is not None:
-        callbacks.append(callback)
+    # A new list, never the old one changed: Lightning may be iterating over it (a callback's hook installs).
+    kept = [existing for existing in trainer_callbacks(trainer) if not isinstance(existing, kind)]
+    trainer.callbacks = kept + ([callback] if callback is not None else [])  # type: ignore[attr-defined]
 
 
 class StepAwareCallback(Callback):
