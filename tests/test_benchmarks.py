@@ -33,6 +33,7 @@ from benchmarks import (  # noqa: E402
     emulated_cluster,
     gloo_allreduce,
     overhead,
+    sparse_gradients,
     transport,
 )
 from hvd_plugins.testing.netns_cluster import SKIP_EXIT_CODE, process_tag  # noqa: E402
@@ -98,6 +99,22 @@ def test_overhead_smoke_prints_positive_rates_and_verdicts(tmp_path: Path, capsy
 
 
 # ------------------------------------------------------------------------------------------ gloo_allreduce
+def test_sparse_gradients_smoke_times_both_ways_of_sending_an_embedding_gradient(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["--smoke", "--report", str(tmp_path / "sparse_gradients.txt")]
+    code, printed = run_main(sparse_gradients, argv, capsys)
+    assert code == 0, printed[-3000:]
+    rows = [line.split() for line in printed.splitlines() if "rows (" in line]
+    assert len(rows) == 4, printed  # two cases x two ways
+    for cells in rows:
+        mebibytes, median_ms, ratio = float(cells[-4]), float(cells[-3]), float(cells[-1])
+        assert mebibytes >= 0 and median_ms > 0 and ratio > 0, cells  # the smoke size sends under 0.01 MiB
+        if "sparse_as_dense=True" not in cells:
+            assert ratio == 1.0, cells
+    assert_dated_report(tmp_path / "sparse_gradients.txt", "sparse_gradients.py", argv)
+
+
 def test_gloo_allreduce_smoke_times_both_libraries_on_checked_sums(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
