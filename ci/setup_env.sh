@@ -35,6 +35,8 @@ step "torch ($TORCH_SPEC)" pip install "$TORCH_SPEC"
 PACKAGES=()
 if [ "${HVD_MPI:-auto}" != no ] && ! command -v mpicc >/dev/null 2>&1; then PACKAGES+=(openmpi-bin libopenmpi-dev); fi
 if [ "${HVD_SLURM:-auto}" != no ] && ! command -v slurmctld >/dev/null 2>&1; then PACKAGES+=(slurm-wlm munge); fi
+# The Horovod build applies its source patches with patch(1).
+command -v patch >/dev/null 2>&1 || PACKAGES+=(patch)
 apt_install() { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "$@"; }
 if [ "${#PACKAGES[@]}" -gt 0 ]; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
