@@ -61,12 +61,19 @@ class ElasticJob:
 
     def kept_batches(self) -> list[dict[str, Any]]:
         """Batches not rolled back: a batch trained before a reset counts only if it is older than the commit
-        the reset went back to (the step the fit resumed at)."""
-        resumes = [event for event in self.events("train_start") if event["step"] > 0]
+        the reset went back to (the step the fit resumed at).
+
+        A reset's resume is when its first worker started again: every batch before the reset was written
+        before that, and a worker can write its first batch after it before a slower worker has logged its
+        own start (a batch is logged before its first collective)."""
+        resumed_at: dict[int, float] = {}
+        for event in self.events("train_start"):
+            if event["step"] > 0:
+                resumed_at[event["step"]] = min(event["time"], resumed_at.get(event["step"], event["time"]))
         return [
             batch
             for batch in self.events("batch")
-            if all(batch["time"] > resume["time"] or batch["step"] < resume["step"] for resume in resumes)
+            if all(batch["time"] > time or batch["step"] < step for step, time in resumed_at.items())
         ]
 
 
