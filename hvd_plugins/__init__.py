@@ -21,16 +21,27 @@ from hvd_plugins.core.faults.preemption import note_early_warning_signal
 __version__ = "0.4.0"
 
 
+class _FallbackStderrHandler(logging.StreamHandler):
+    """Prints the package's reports only while the root logger has no handler of its own.
+
+    Records still propagate, so an application that configures logging later (or pytest's
+    ``caplog``) receives them, and they are not printed twice.
+    """
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if not logging.getLogger().hasHandlers():
+            super().emit(record)
+
+
 def _log_to_stderr() -> None:
     """Library messages (route choices, failure reports) reach stderr unless the application configured logging."""
     logger = logging.getLogger("hvd_plugins")
     if logger.handlers or logging.getLogger().hasHandlers():
         return
-    handler = logging.StreamHandler()
+    handler = _FallbackStderrHandler()
     handler.setFormatter(logging.Formatter("hvd_plugins: %(message)s"))
     logger.addHandler(handler)
     logger.setLevel(logging.INFO)
-    logger.propagate = False
 
 
 def _generated_face_missing(error: ModuleNotFoundError) -> ImportError:

@@ -75,7 +75,7 @@ def main() -> None:
         enable_model_summary=False,
         num_sanity_val_steps=0,
         log_every_n_steps=5,
-        sync_batchnorm=True,
+        sync_batchnorm=args.sync != "daso",  # HorovodStrategy refuses DASO with synchronized BatchNorm
     )
     data = DataLoader(IndexedData(), batch_size=8, shuffle=True)
     validation = DataLoader(IndexedData(), batch_size=32)

@@ -19,7 +19,6 @@ from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.core.optimizer import LightningOptimizer
-from lightning.pytorch.plugins.layer_sync import TorchSyncBatchNorm
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
@@ -63,7 +62,7 @@ from hvd_plugins.fabric.strategies.shared import HorovodStrategyShared
 from hvd_plugins.pytorch.callbacks.progress import progress_bar_given_to_trainer, use_line_progress_bar
 from hvd_plugins.pytorch.elastic import COMMIT_PATH, ElasticCommitCallback, ElasticFit
 from hvd_plugins.pytorch.loop_events import TrainingLoopEvents, training_position
-from hvd_plugins.pytorch.plugins.layer_sync import HorovodSyncBatchNorm
+from hvd_plugins.pytorch.plugins.layer_sync import horovod_layer_sync
 from hvd_plugins.pytorch.preemption import RequeueOnPreemption
 from hvd_plugins.pytorch.resume_position import ResumePosition
 from hvd_plugins.pytorch.strategies.launchers.elastic import HorovodElasticLauncher
@@ -235,8 +234,7 @@ class HorovodStrategy(HorovodStrategyShared, ParallelStrategy):
         config = self.config.fingerprint()
         assert_ranks_agree(job_fingerprint(config, self.model, trainer.accumulate_grad_batches, str(trainer.state.fn)))
         self.model = self.precision_plugin.convert_module(self.model)
-        if isinstance(self._layer_sync, TorchSyncBatchNorm):  # Trainer(sync_batchnorm=True): torch's needs DDP
-            self._layer_sync = HorovodSyncBatchNorm()
+        self._layer_sync = horovod_layer_sync(self._layer_sync, self.config.sync)
         if fitting and self._layer_sync is not None:  # as DDP: while fitting, reverted at teardown
             self.model = self._layer_sync.apply(self.model)
         self.model_to_device()

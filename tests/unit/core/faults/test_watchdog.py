@@ -50,7 +50,7 @@ def ended(monkeypatch: pytest.MonkeyPatch) -> Ended:
 
 @pytest.fixture
 def messages() -> Iterator[Messages]:
-    """What the watchdog logs (the package's logger may not propagate to pytest's handlers)."""
+    """What the watchdog logs, read from a handler on its own logger."""
     handler = Messages()
     logger = logging.getLogger(watchdog_module.__name__)
     logger.addHandler(handler)
