@@ -44,8 +44,8 @@ wire hop latencies are folded into the round costs (Horovod's negotiation of eac
 them). Overlap is left out of the fit: on 2 shared cores Gloo's threads and the
 training compete for the same CPU.
 
-    python benchmarks/scaling_model.py                         # fit docs/benchmarks/emulated_sweep.json, check, project
-    python benchmarks/scaling_model.py --records other.json    # another machine's sweep
+    python benchmarks/scaling_model.py                       # fit docs/benchmarks/emulated_sweep*.json, check, project
+    python benchmarks/scaling_model.py --records other.json  # another machine's sweep
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ import json
 import math
 import sys
 import textwrap
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -447,6 +447,11 @@ def calibrate(observations: Sequence[Observation]) -> Calibration:
     return Calibration(dict(zip(names, (float(v) for v in solution), strict=True)))
 
 
+def merged_records(sweeps: Iterable[dict[str, Any]]) -> dict[str, Any]:
+    """The runs of several sweeps as one record set (one machine's: the fit shares its link constants)."""
+    return {"runs": [run for sweep in sweeps for run in sweep["runs"]]}
+
+
 def observations_from(records: dict[str, Any]) -> list[Observation]:
     """One observation per (run, phase) with at least 2 steps, from emulated_sweep.json."""
     found = []
@@ -683,8 +688,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--records",
         type=Path,
-        default=RESULTS_DIR / "emulated_sweep.json",
-        help="the sweep's records (emulated_cluster.py --sweep writes them)",
+        nargs="+",
+        help="the sweeps' records, fitted together (emulated_cluster.py --sweep writes them; default: every "
+        "emulated_sweep*.json in docs/benchmarks, the MLPs' and the other models')",
     )
     parser.add_argument(
         "--results-dir",
@@ -693,18 +699,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="where scaling_calibration.txt and scaling_projection.{txt,png} go",
     )
     args = parser.parse_args(argv)
-    if not args.records.exists():
+    paths = args.records or sorted(RESULTS_DIR.glob("emulated_sweep*.json"))
+    missing = [str(path) for path in paths if not path.exists()]
+    if missing or not paths:
         parser.error(
-            f"--records {args.records} does not exist; run `python benchmarks/emulated_cluster.py --sweep` first"
+            f"--records {missing or paths} does not exist; run `python benchmarks/emulated_cluster.py --sweep` first"
         )
-    records = json.loads(args.records.read_text())
+    sweeps = {path.name: json.loads(path.read_text()) for path in paths}
+    records = merged_records(sweeps.values())
     observations = observations_from(records)
     calibration = calibrate(observations)
     check, worst = check_against_sweep(records, calibration)
-    measured = records.get("measured")
-    source = f" (measured {measured['date']}: {measured['command']})" if measured else ""
+    sources = "; ".join(
+        f"{name}" + (f" (measured {sweep['measured']['date']}: {sweep['measured']['command']})" if sweep.get("measured")
+                     else "")
+        for name, sweep in sweeps.items()
+    )  # fmt: skip
     fitted = (
-        f"Calibrated on {args.records.name}{source}: {len(observations)} (run, phase) step times, "
+        f"Calibrated on {sources}: {len(observations)} (run, phase) step times, "
         f"{len(calibration.values)} unknowns (NNLS, weights 1 / step time)\n{describe(calibration)}"
     )
     calibration_text = (

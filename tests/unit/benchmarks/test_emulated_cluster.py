@@ -20,7 +20,7 @@ from benchmarks import emulated_cluster  # noqa: E402
 
 def test_the_two_level_allreduce_runs_only_where_a_node_has_two_workers() -> None:
     grid = emulated_cluster.build_grid(emulated_cluster_args("--smoke", "--topology", "2x1,2x2"))
-    by_topology = {topology.label: grid.modes_for(topology) for topology in grid.topologies}
+    by_topology = {topology.label: grid.modes_for(topology, grid.models[0]) for topology in grid.topologies}
     assert by_topology == {
         "2x1": ["allreduce/none", "daso/fp16"],
         "2x2": ["allreduce/none", "hierarchical/none", "daso/fp16"],
@@ -59,6 +59,18 @@ def test_every_model_travels_to_the_workers_as_json_and_the_convnet_runs_with_an
     assert [m.name for m in grid.models] == ["transformer", "convnet_syncbn"]
     with pytest.raises(ValueError, match="--model 'resnet' is not known"):
         emulated_cluster.build_grid(emulated_cluster_args("--model", "resnet"))
+
+
+def test_daso_is_left_out_under_sync_batchnorm_and_each_model_family_reports_to_its_own_files() -> None:
+    grid = emulated_cluster.build_grid(emulated_cluster_args("--sweep", "--model", "convnet,convnet_syncbn"))
+    convnet, syncbn = grid.models
+    two_by_two = emulated_cluster.Topology(2, 2)
+    assert "daso/fp16" in grid.modes_for(two_by_two, convnet)
+    assert grid.modes_for(two_by_two, syncbn) == ["allreduce/none", "allreduce/fp16", "hierarchical/none"]
+    assert grid.runs() == 3 * (3 + 4) + 3 * (2 + 3)  # links x (2x1 modes + 2x2 modes), per model
+    assert emulated_cluster.report_stem(grid.models) == "emulated_sweep_convnet_convnet_syncbn"
+    mlps = emulated_cluster.build_grid(emulated_cluster_args("--sweep")).models
+    assert emulated_cluster.report_stem(mlps) == "emulated_sweep"
 
 
 @pytest.mark.parametrize("name", ["transformer", "convnet"])

@@ -21,12 +21,12 @@ TINY_CONVNET: dict[str, Any] = {"channels": (4, 8), "blocks": 1, "classes": 4}
 def test_the_default_models_have_the_parameters_and_tensors_the_reports_quote() -> None:
     lm, convnet = bench.TransformerLM(), bench.ResidualConvNet()
     # 2 embeddings, 16 tensors per block (2 LayerNorms, q/k/v/out and 2 MLP layers, weights and biases), final norm
-    assert (bench.parameter_count(lm), bench.tensor_count(lm)) == (3_075_072, 2 + 16 * 6 + 2)
+    assert (bench.parameter_count(lm), bench.tensor_count(lm)) == (2_668_512, 2 + 16 * 16 + 2)
     # stem conv + BN, 6 blocks of 2 convs + 2 BNs, 2 projection shortcuts (conv + BN), the linear head
     assert (bench.parameter_count(convnet), bench.tensor_count(convnet)) == (175_258, 3 + 6 * 6 + 2 * 3 + 2)
     assert sum(isinstance(m, nn.BatchNorm2d) for m in convnet.modules()) == 1 + 6 * 2 + 2
     assert bench.describe("transformer") == (
-        "Transformer LM (vocab 2048, d_model 192, 6 layers, 4 heads, context 64, tied embedding)"
+        "Transformer LM (vocab 2048, d_model 112, 16 layers, 4 heads, context 64, tied embedding)"
     )
     assert (
         bench.describe("convnet", blocks=1)
