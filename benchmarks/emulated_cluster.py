@@ -122,7 +122,7 @@ def _mlp(name: str, features: int, hidden: tuple[int, ...], classes: int, **rest
 
 
 CONVNET = Model("convnet", "convnet", (("channels", (16, 32, 64)), ("blocks", 2), ("classes", 10)),
-                train_samples=1024, val_samples=512, global_batch=64, lr=0.05, epochs=6)  # fmt: skip
+                train_samples=1024, val_samples=512, global_batch=64, lr=0.05, epochs=4)  # fmt: skip
 MODELS = {
     # 4.8 k parameters (19 KB): a step's few collective rounds cost more than its bytes, even at 50 Mbit/s.
     "small": _mlp("small", features=64, hidden=(64,), classes=10, train_samples=2048, val_samples=1024,
@@ -185,6 +185,8 @@ class Run:
     budget_s: float
     """Training time after which the run stops at the end of its epoch, target reached or not."""
     data_path: str
+    daso_average_state: bool = True
+    """``DasoConfig.average_optimizer_state``: False keeps each node's optimizer state while cycling."""
 
     @property
     def per_worker_batch(self) -> int:
@@ -301,6 +303,8 @@ def worker_main(spec: Path, out: Path) -> None:
     train, val = load_data(run.model, Path(run.data_path))
     sync, compression = run.mode.split("/")
     daso = bench.daso_settings(compression, run.daso_warmup, run.daso_cooldown) if sync == "daso" else None
+    if daso is not None:
+        daso["average_optimizer_state"] = run.daso_average_state
     strategy = HorovodStrategy(sync=sync, compression=compression, daso=daso)
     recorder = StepRecorder()
     stopper = StopAtTarget(recorder, run.target_loss, run.budget_s)
@@ -319,10 +323,24 @@ def worker_main(spec: Path, out: Path) -> None:
             "train_seconds": recorder.elapsed(),
             "val_accuracy": accuracy,
             "params": bench.parameter_count(module),
+            "state_per_param": optimizer_state_per_parameter(trainer.optimizers, module),
             "epochs_run": trainer.current_epoch,
             "stop_reason": stopper.reason,
         },
     )
+
+
+def optimizer_state_per_parameter(optimizers: Sequence[torch.optim.Optimizer], module: torch.nn.Module) -> float:
+    """Floating optimizer state values with their parameter's shape, per parameter: what DASO's closing sync
+    averages (AdamW: 2, SGD with momentum: 1); ``scaling_model.py`` prices that sync with it."""
+    values = sum(
+        value.numel()
+        for optimizer in optimizers
+        for parameter, state in optimizer.state.items()
+        for value in state.values()
+        if isinstance(value, torch.Tensor) and value.is_floating_point() and value.shape == parameter.shape
+    )
+    return values / max(1, bench.parameter_count(module))
 
 
 # ------------------------------------------------------------------------------------------ launching
@@ -378,6 +396,8 @@ def summarize(run: Run, rank0: dict[str, Any], target: float) -> dict[str, Any]:
         "link_mbit": link_label(run.link_mbit),
         "mode": run.mode,
         "params": rank0["params"],
+        "state_per_param": rank0.get("state_per_param", 1.0),
+        "daso_average_state": run.daso_average_state,
         "workers": run.topology.workers,
         "per_worker_batch": run.per_worker_batch,
         "epochs": run.epochs,
@@ -440,6 +460,7 @@ class Grid:
     budget_s: float
     repeats: int = 1
     """Runs per row; the row is the run with the median time to target (``median_attempt``)."""
+    daso_average_state: bool = True
 
     def modes_for(self, topology: Topology, model: Model) -> list[str]:
         """Flat fp32 first (it is the baseline); the two-level allreduce only where a node has >= 2 workers;
@@ -491,7 +512,7 @@ def _run_group(
                 label = f"{model.name}_{topology.label}_{link_label(link)}_{mode.replace('/', '_')}"
                 run = Run(model, topology, link, mode, grid.epochs or model.epochs, grid.daso_warmup,
                           grid.daso_cooldown, target_loss=target, budget_s=grid.budget_s,
-                          data_path=str(data_path))  # fmt: skip
+                          data_path=str(data_path), daso_average_state=grid.daso_average_state)  # fmt: skip
                 out = workdir / (label if grid.repeats == 1 else f"{label}_r{repeat + 1}")
                 try:
                     launch_on_cluster(cluster, run, out)
@@ -543,7 +564,8 @@ def report(rows: list[dict[str, Any]], grid: Grid) -> str:
         f"emulated_cluster sweep: NODESxWORKERS network namespaces, the link between nodes shaped with tc tbf "
         f"(Mbit/s per node, each direction), workers inside a node on loopback. {models}; the global batch is "
         f"split over the workers; DASO: {grid.daso_warmup} warmup and "
-        f"{grid.daso_cooldown} cooldown epochs, cycling in between. Target per model and topology: the training "
+        f"{grid.daso_cooldown} cooldown epochs, cycling in between{'' if grid.daso_average_state else PER_NODE_NOTE}"
+        f". Target per model and topology: the training "
         f"loss (rank 0, mean of last {LOSS_WINDOW} steps) flat fp32 allreduce had after {TARGET_FRACTION:.0%} of its "
         f"steps on the first link ({link_label(grid.links[0])}); a run stops at the end of the epoch in which it "
         f"reached it, or after {grid.budget_s:.0f} s of training. speedup = flat fp32 allreduce's time to target "
@@ -624,10 +646,16 @@ def _split(text: str | None) -> list[str]:
     return [part.strip() for part in text.split(",") if part.strip()] if text else []
 
 
-def report_stem(models: Sequence[Model]) -> str:
+PER_NODE_NOTE = ", each node keeping its own optimizer state while cycling (average_optimizer_state=False)"
+
+
+def report_stem(models: Sequence[Model], daso_average_state: bool = True) -> str:
     """``emulated_sweep`` for the MLPs' sweep, ``emulated_sweep_<model>_...`` for any other models, so
-    each model family's report keeps its own files in ``docs/benchmarks``."""
+    each model family's report keeps its own files in ``docs/benchmarks``; runs of DASO keeping per-node
+    optimizer state are ``daso_per_node_state_<model>_...`` (``scaling_model.py`` fits emulated_sweep*)."""
     names = [model.name for model in models]
+    if not daso_average_state:
+        return "_".join(["daso_per_node_state", *names])
     return "emulated_sweep" if names == ["small", "large"] else "_".join(["emulated_sweep", *names])
 
 
@@ -675,6 +703,7 @@ def build_grid(args: argparse.Namespace) -> Grid:
         epochs=epochs,
         daso_warmup=args.daso_warmup,
         daso_cooldown=args.daso_cooldown,
+        daso_average_state=not args.daso_per_node_state,
         budget_s=args.run_budget,
         repeats=args.repeats,
     )
@@ -705,9 +734,15 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"comma-separated, from {list(MODELS)} (default large): MLPs, a Transformer LM, a ResNet with "
         "BatchNorm, and that ResNet under Trainer(sync_batchnorm=True)",
     )
-    parser.add_argument("--epochs", type=int, help="epochs per run (default: the model's, 6)")
+    parser.add_argument("--epochs", type=int, help="epochs per run (default: the model's: 6, the convnet's 4)")
     parser.add_argument("--daso-warmup", type=int, default=1, help="DASO warmup epochs (default 1)")
     parser.add_argument("--daso-cooldown", type=int, default=1, help="DASO cooldown epochs (default 1)")
+    parser.add_argument(
+        "--daso-per-node-state",
+        action="store_true",
+        help="DASO with average_optimizer_state=False (each node keeps its optimizer state while cycling); "
+        "the files are named daso_per_node_state_<models>.*",
+    )
     parser.add_argument(
         "--modes", help=f"comma-separated from {list(MODES)}; flat fp32 always runs (default: {','.join(SWEEP_MODES)})"
     )
@@ -778,7 +813,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     text = report(rows, replace(grid, models=models))
     print(f"\n{text}\n\nsweep wall time: {time.monotonic() - started:.0f} s")
     if results_dir is not None:
-        stem = report_stem(models)
+        stem = report_stem(models, grid.daso_average_state)
         reports.write_report(results_dir / f"{stem}.txt", text, __file__, argv)
         measured = {
             "date": datetime.date.today().isoformat(),

@@ -16,6 +16,7 @@ from daso_checks import (
     check_closing_average,
     check_merge_weight,
     daso_adam_fp16,
+    daso_adam_per_node_state,
     daso_sgd_fp16,
     daso_sgd_fp32,
     daso_two_optimizers,
@@ -125,6 +126,24 @@ def test_daso_reaches_the_loss_of_flat_allreduce(two_by_two: dict[int, dict]) ->
     daso, flat = daso_run["final_loss"], check(two_by_two, allreduce_adam, 0)["final_loss"]
     assert daso < 0.8 * daso_run["history"][0]["loss"]  # it learned
     assert daso == pytest.approx(flat, rel=0.10)
+
+
+def test_per_node_optimizer_state_skips_the_state_in_cycling_closes_and_averages_it_before_cooldown(
+    two_by_two: dict[int, dict],
+) -> None:
+    """``average_optimizer_state=False``: epochs 1-3 cycle, 4 cools down. The closing syncs of epochs 1 and 2
+    leave each node its own Adam state and send fewer bytes; epoch 3's, before cooldown, averages it."""
+    for rank in range(4):
+        per_node, averaged = check(two_by_two, daso_adam_per_node_state, rank), check(two_by_two, daso_adam_fp16, rank)
+        assert [r["phase"] for r in per_node["history"]] == ["warmup", "cycling", "cycling", "cycling", "cooldown"]
+        assert per_node["state_equal_per_epoch"] == [True, False, False, True, True]
+        assert averaged["state_equal_per_epoch"] == [True] * 5
+        assert per_node["epoch_ends"]["params_equal"] == 5  # parameters are averaged at every epoch end
+        assert per_node["synchronous_steps"]["state_equal"] == per_node["synchronous_steps"]["checked"] > 0
+        for epoch in (1, 2):
+            sent, sent_averaged = (run["bytes_per_epoch"][epoch]["cross_node_bytes"] for run in (per_node, averaged))
+            assert sent < sent_averaged, (epoch, sent, sent_averaged)
+        assert per_node["final_loss"] == pytest.approx(averaged["final_loss"], rel=0.10)
 
 
 def test_cycling_epoch_sends_at_most_one_global_skip_share_and_fp16_halves_it(two_by_two: dict[int, dict]) -> None:

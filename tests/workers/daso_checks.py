@@ -51,6 +51,11 @@ def daso_adam_fp16() -> dict[str, Any]:
 
 
 @two_by_two.register
+def daso_adam_per_node_state() -> dict[str, Any]:
+    return fit("daso", epochs=5, daso=CYCLING | {"average_optimizer_state": False})
+
+
+@two_by_two.register
 def allreduce_adam() -> dict[str, Any]:
     return fit("allreduce", epochs=5)
 

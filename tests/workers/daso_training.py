@@ -53,6 +53,7 @@ class ConsistencyProbe(Callback):
         self.epoch_ends = {"checked": 0, "params_equal": 0, "state_equal": 0, "buffers_equal": 0}
         self.between = {"checked": 0, "node_agrees": 0, "nodes_differ": 0}
         self.calls_per_step: dict[str, list[list[float]]] = {}
+        self.state_equal_per_epoch: list[bool] = []
         self.blocking_syncs_after_epoch: list[int] = []
         self.synced_parameters_per_epoch: list[int] = []
         self.phases_seen: set[str] = set()
@@ -87,6 +88,8 @@ class ConsistencyProbe(Callback):
         counts["checked"] += 1
         for key, part in zip(("params_equal", "state_equal", "buffers_equal"), _split(rows, sizes), strict=True):
             counts[key] += int(all(torch.equal(part[0], row) for row in part))
+            if key == "state_equal":
+                self.state_equal_per_epoch.append(all(torch.equal(part[0], row) for row in part))
         self.blocking_syncs_after_epoch.append(self.daso.blocking_syncs)
         self.synced_parameters_per_epoch.append(sum(p.numel() for p in self.daso.parameters))
 
@@ -116,6 +119,7 @@ class ConsistencyProbe(Callback):
             "epoch_ends": self.epoch_ends,
             "between": self.between,
             "calls_per_step": self.calls_per_step,
+            "state_equal_per_epoch": self.state_equal_per_epoch,
             "blocking_syncs_after_epoch": self.blocking_syncs_after_epoch,
             "synced_parameters_per_epoch": self.synced_parameters_per_epoch,
             "phases_seen": sorted(self.phases_seen),

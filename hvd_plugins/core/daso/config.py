@@ -41,10 +41,20 @@ class DasoConfig:
     since the last sync is what is sent, so its rounding stays small), 'bf16' (the reference's choice,
     emulated in float32: bf16 rounding, fp32 bytes) or 'fp32'. The gradients of warmup and cooldown
     travel as fp16 with 'fp16' and as exact fp32 otherwise."""
+    average_optimizer_state: bool = True
+    """Average the optimizer state across nodes in every cycling epoch's closing sync, so every epoch
+    ends with one optimizer state (checkpoints and resumes are the same from any rank). With Adam
+    that sync then carries two float32 moments per parameter: five times the bytes of the fp16
+    parameters. False keeps each node's own state between cycling epochs (the reference
+    implementation never averages it); it is still averaged before a warmup or cooldown epoch, so
+    their steps stay bit-identical on every worker. A checkpoint then holds rank 0's node's state."""
     verbose: bool = False
     """Print schedule changes on rank 0."""
 
     def __post_init__(self) -> None:
+        for name in ("average_optimizer_state", "verbose"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"DasoConfig.{name}={getattr(self, name)!r} must be True or False")
         for name in ("warmup_epochs", "cooldown_epochs", "stable_epochs"):
             if getattr(self, name) < 0:
                 raise ValueError(f"DasoConfig.{name}={getattr(self, name)!r} must be >= 0")

@@ -24,14 +24,15 @@ parameters and optimizer state while the nodes drift apart. Across nodes, every
    hold the same parameters again.
 
 The epoch's last batch (and whatever ``finish_epoch`` says is still owed) runs a BLOCKING sync:
-parameters and the optimizer state are averaged across nodes, and the floating buffers over all
-workers. The workers of a node hold the same parameters and state, so their average over all
-workers is their average over nodes: each local worker sums its shard of them across nodes (one
-message per wire type, at most two: the parameters' downcast type, and float32 for the state,
-float64 with float64 parameters), then the node gathers the sums, as a merge does; a node's bytes
+parameters and the optimizer state are averaged across nodes (the state only before a synchronous
+epoch with ``average_optimizer_state=False``), and the floating buffers over all workers. The
+workers of a node hold the same parameters and state, so their average over all workers is their
+average over nodes: each local worker sums its shard of them across nodes (one message per wire
+type, at most two: the parameters' downcast type, and float32 for the state, float64 with float64
+parameters), then the node gathers the sums, as a merge does; a node's bytes
 between nodes are one copy, not one per worker. Buffers follow each worker's own batches, so they
-are averaged over all workers. Afterwards parameters, optimizer state and buffers are
-bit-identical on every worker, so every epoch starts from one model.
+are averaged over all workers. Afterwards parameters, buffers and (when averaged) the optimizer
+state are bit-identical on every worker, so every epoch starts from one model.
 
 The reference: what goes on the wire is the difference between the parameters and the last
 cross-node average (``reference``), which every worker holds bit for bit. Sending
@@ -358,11 +359,17 @@ class DasoParameterSync:
             return
         buffers = self._start_buffer_average()
         if self.across_nodes:
-            self._average_over_nodes()
+            self._average_over_nodes(with_state=self._state_owed())
         finish_buffer_average(buffers)
 
-    def _average_over_nodes(self) -> None:
-        state_tensors = optimizer_state_to_average(self._optimizers)
+    def _state_owed(self) -> bool:
+        """Whether this closing sync averages the optimizer state: always, unless the config keeps it per
+        node, and then still before a synchronous epoch (its steps must be identical everywhere)."""
+        next_phase = self.schedule.phase_of(self.schedule.epoch + 1)
+        return self.config.average_optimizer_state or next_phase.synchronous
+
+    def _average_over_nodes(self, with_state: bool) -> None:
+        state_tensors = optimizer_state_to_average(self._optimizers) if with_state else []
         drift = to_wire(self._flat_parameters() - self._reference, self.config.downcast)
         exact = _flatten_as(state_tensors, self._work_dtype)
         messages = [drift, exact] if exact.dtype != drift.dtype else [torch.cat([drift, exact])]

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 REPO = Path(__file__).resolve().parents[3]
 if str(REPO) not in sys.path:
@@ -71,6 +72,18 @@ def test_daso_is_left_out_under_sync_batchnorm_and_each_model_family_reports_to_
     assert emulated_cluster.report_stem(grid.models) == "emulated_sweep_convnet_convnet_syncbn"
     mlps = emulated_cluster.build_grid(emulated_cluster_args("--sweep")).models
     assert emulated_cluster.report_stem(mlps) == "emulated_sweep"
+    per_node = emulated_cluster.build_grid(emulated_cluster_args("--model", "transformer", "--daso-per-node-state"))
+    assert not per_node.daso_average_state and grid.daso_average_state
+    assert emulated_cluster.report_stem(per_node.models, False) == "daso_per_node_state_transformer"
+
+
+def test_the_optimizer_state_per_parameter_is_what_daso_closing_sync_averages() -> None:
+    layer = torch.nn.Linear(3, 2)
+    for optimizer, expected in ((torch.optim.AdamW(layer.parameters()), 2.0),
+                                (torch.optim.SGD(layer.parameters(), lr=0.1, momentum=0.9), 1.0)):  # fmt: skip
+        layer(torch.ones(1, 3)).sum().backward()
+        optimizer.step()
+        assert emulated_cluster.optimizer_state_per_parameter([optimizer], layer) == expected
 
 
 @pytest.mark.parametrize("name", ["transformer", "convnet"])

@@ -17,6 +17,7 @@ from hvd_plugins.core.daso import DasoConfig, DasoSchedule
         ("stability_level", 1.5, r"stability_level=1.5 must be in \[0, 1\)"),
         ("downcast", "int8", "downcast='int8' is not supported"),
         ("sending_chunk_size", 0, "sending_chunk_size=0 must be >= 1"),
+        ("average_optimizer_state", "no", "average_optimizer_state='no' must be True or False"),
     ],
 )
 def test_config_rejects_bad_values(field: str, value: object, message: str) -> None:
