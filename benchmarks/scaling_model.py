@@ -17,7 +17,9 @@ bounds it, where ``bytes`` is what crosses the busiest port of that link:
   sum over a pair inside a node exchanges the tensors (one round, ``n`` bytes: a ring's), a pair
   across nodes relays them (two one-way rounds, the same bytes); a larger group reduce-scatters
   and allgathers (two rounds, a ring's bytes);
-- flat (fp32 or fp16 on the wire): one ring allreduce of the gradients over all workers;
+- flat (fp32 or fp16 on the wire): one ring allreduce of the gradients over all workers, plus a
+  cost per gradient tensor (Horovod negotiates each one and copies it into and out of its fusion
+  buffer; a Transformer hands it hundreds per step, the other legs send flat buckets);
 - hierarchical: reduce-scatter inside the node, ``L`` parallel cross-node sums of a ``1/L`` shard
   (together ``2(N-1)/N x n`` through the node's link), allgather inside the node; with one worker
   per node it is exactly the flat allreduce;
@@ -34,7 +36,8 @@ gradients as they become ready). Steps to the target are taken as equal for ever
 sweep measures this (its accuracy and steps-to-target columns), the projection assumes it.
 
 Calibration (per machine). Without overlap the model is linear in its unknowns: a compute time
-per (model, topology), a round cost for cross-node and for in-node collectives, seconds per byte
+per (model, topology), a round cost for cross-node and for in-node collectives, a cost per tensor
+of the flat allreduce (a model's tensor count is what its flat runs handed Horovod), seconds per byte
 inside a node, seconds per byte across nodes for each link rate, and seconds per float16 byte
 (a CPU converts and sums float16 slowly; taken as 0 on GPUs). Each (run, DASO phase) of
 the sweep gives one equation: its mean measured step time = the model's step time. They are
@@ -70,6 +73,9 @@ RESULTS_DIR = docs_dir(__file__)
 
 FP32_BYTES, FP16_BYTES = 4, 2
 INTER, INTRA = "inter", "intra"
+STATE_PER_PARAM = {"transformer": 2.0}
+"""Optimizer state per parameter of the sweeps' models where a record does not say: AdamW's two moments
+for the Transformer; SGD with momentum (one value) for the MLPs and the ResNet."""
 ROUNDS_FOR_FUSION_BYTES = 64 * 2**20
 """Flat allreduce: one round per this many bytes of fused gradients (a Horovod-like fusion buffer)."""
 
@@ -95,6 +101,9 @@ class Cluster:
     """Fixed cost of one collective round inside a node."""
     fp16_s_per_byte: float = 0.0
     """Extra time per float16 byte on the wire: a CPU converts and sums float16 slowly (0 on GPUs)."""
+    tensor_s: float = 0.0
+    """Per tensor of a flat allreduce: Horovod negotiates every gradient on its own and copies it into
+    and out of its fusion buffer, so a model of hundreds of small tensors pays this hundreds of times."""
 
     @property
     def workers(self) -> int:
@@ -123,6 +132,8 @@ class Leg:
     """DASO's non-blocking send may hide behind this many steps of compute."""
     fp16: bool = False
     """Carried as float16 (see ``Cluster.fp16_s_per_byte``)."""
+    tensors: float = 0.0
+    """Gradient tensors Horovod handles one by one in this leg (``Cluster.tensor_s``): a flat allreduce's."""
 
 
 @dataclass(frozen=True)
@@ -174,19 +185,19 @@ def partner_sum(scope: str, p: int, nbytes: float, relay: bool = False, **kw: An
     return Leg(scope, 2 * (p - 1) / p * nbytes, 2, rounds=2, **kw)
 
 
-def _flat(cluster: Cluster, nbytes: float, fp16: bool = False) -> list[Leg]:
+def _flat(cluster: Cluster, nbytes: float, fp16: bool = False, tensors: float = 0.0) -> list[Leg]:
     if cluster.workers == 1:
         return []
     scope = INTER if cluster.nodes > 1 else INTRA
     rounds = max(1, math.ceil(nbytes / ROUNDS_FOR_FUSION_BYTES))
-    return [ring_allreduce(scope, cluster.workers, nbytes, rounds=rounds, fp16=fp16)]
+    return [ring_allreduce(scope, cluster.workers, nbytes, rounds=rounds, fp16=fp16, tensors=tensors)]
 
 
-def _hierarchical(cluster: Cluster, nbytes: float, cross_bytes: float) -> list[Leg]:
+def _hierarchical(cluster: Cluster, nbytes: float, cross_bytes: float, tensors: float = 0.0) -> list[Leg]:
     n, local = cluster.nodes, cluster.workers_per_node
     fp16 = cross_bytes < nbytes
-    if local == 1 or n == 1:
-        return _flat(cluster, cross_bytes, fp16) if n > 1 else _flat(cluster, nbytes)
+    if local == 1 or n == 1:  # Horovod's own flat allreduce, gradient by gradient
+        return _flat(cluster, cross_bytes, fp16, tensors) if n > 1 else _flat(cluster, nbytes, tensors=tensors)
     return [
         partner_scatter(INTRA, local, nbytes),
         # L relays of n/L bytes share the node's link: 2(N-1)/N x n
@@ -236,16 +247,19 @@ def _daso_blocking_sync(cluster: Cluster, params: float, plan: DasoPlan, per_ste
     return _shards_across_nodes(cluster, nbytes, per_step, messages=messages)
 
 
-def legs_of(mode: str, phase: str, cluster: Cluster, params: float, plan: DasoPlan | None = None) -> list[Leg]:
-    """The collectives of one step of ``mode`` (``phase`` matters for DASO only)."""
+def legs_of(
+    mode: str, phase: str, cluster: Cluster, params: float, plan: DasoPlan | None = None, tensors: float = 0.0
+) -> list[Leg]:
+    """The collectives of one step of ``mode`` (``phase`` matters for DASO only); ``tensors``: the model's
+    gradient tensors, which Horovod's flat allreduce handles one by one (the other legs send flat buckets)."""
     if mode not in MODES:
         raise ValueError(f"mode {mode!r} is not modelled; choose from {list(MODES)}")
     sync, compression = mode.split("/")
     wire = FP16_BYTES if compression == "fp16" else FP32_BYTES
     if sync == "allreduce":
-        return _flat(cluster, params * wire, fp16=wire == FP16_BYTES)
+        return _flat(cluster, params * wire, fp16=wire == FP16_BYTES, tensors=tensors)
     if sync == "hierarchical":
-        return _hierarchical(cluster, params * FP32_BYTES, params * wire)
+        return _hierarchical(cluster, params * FP32_BYTES, params * wire, tensors)
     plan = plan or DasoPlan(downcast_bytes=wire)
     if phase in ("warmup", "cooldown", "sync"):
         return _flat(cluster, params * plan.downcast_bytes, fp16=plan.downcast_bytes == FP16_BYTES)
@@ -268,7 +282,8 @@ def leg_seconds(leg: Leg, cluster: Cluster) -> float:
         (cluster.inter, cluster.round_inter_s) if leg.scope == INTER else (cluster.intra, cluster.round_intra_s)
     )
     fp16 = leg.bytes * cluster.fp16_s_per_byte if leg.fp16 else 0.0
-    return leg.rounds * round_s + leg.hops * link.latency_s + leg.bytes / link.bytes_per_s + fp16
+    per_tensor = leg.tensors * cluster.tensor_s
+    return leg.rounds * round_s + leg.hops * link.latency_s + leg.bytes / link.bytes_per_s + fp16 + per_tensor
 
 
 def step_seconds(legs: Sequence[Leg], cluster: Cluster, workload: Workload) -> float:
@@ -285,7 +300,9 @@ def step_seconds(legs: Sequence[Leg], cluster: Cluster, workload: Workload) -> f
 def linear_terms(legs: Sequence[Leg]) -> dict[str, float]:
     """Coefficients of the model without overlap: rounds and bytes per step on each kind of link."""
     terms = {"rounds_inter": 0.0, "rounds_intra": 0.0, "bytes_inter": 0.0, "bytes_intra": 0.0, "bytes_fp16": 0.0}
+    terms["tensors"] = 0.0
     for leg in legs:
+        terms["tensors"] += leg.tensors * leg.per_step
         terms[f"rounds_{leg.scope}"] += leg.rounds * leg.per_step
         terms[f"bytes_{leg.scope}"] += leg.bytes * leg.per_step
         terms["bytes_fp16"] += leg.bytes * leg.per_step if leg.fp16 else 0.0
@@ -310,6 +327,10 @@ class Observation:
     """A hierarchical run whose buckets took the flat allreduce (small buckets, or the route measured faster)."""
     cross_bytes_per_step: float | None = None
     """Bytes each worker handed to cross-node collectives per step (the run's counters; None: not recorded)."""
+    tensors: float = 0.0
+    """The model's gradient tensors (what its flat allreduce runs hand Horovod per step)."""
+    state_per_param: float = 1.0
+    """Optimizer state values per parameter that DASO's closing sync averages (``DasoPlan``)."""
 
     @property
     def nodes_and_local(self) -> tuple[int, int]:
@@ -332,7 +353,7 @@ class Observation:
         return UNSHAPED if node_bytes <= SHAPER_BURST_BYTES and refill_s <= self.step_s else self.link
 
     @staticmethod
-    def of(run: dict[str, Any], phase: str, stats: dict[str, Any]) -> Observation:
+    def of(run: dict[str, Any], phase: str, stats: dict[str, Any], tensors: float = 0.0) -> Observation:
         """The observation of one phase of one run record of emulated_sweep.json."""
         return Observation(
             run["model"],
@@ -346,6 +367,8 @@ class Observation:
             stats["step_s"],
             flat_route=run["mode"].startswith("hierarchical") and _crossed_whole_gradient(run, stats),
             cross_bytes_per_step=stats.get("cross_node_bytes_per_step"),
+            tensors=tensors,
+            state_per_param=float(run.get("state_per_param", STATE_PER_PARAM.get(run["model"], 1.0))),
         )
 
 
@@ -367,6 +390,7 @@ class Calibration:
             round_inter_s=self.values.get("round_inter_s", 0.0),
             round_intra_s=self.values.get("round_intra_s", 0.0),
             fp16_s_per_byte=self.values.get("s_per_fp16_byte", 0.0),
+            tensor_s=self.values.get("s_per_tensor", 0.0),
         )
 
     def predict(self, obs: Observation) -> float:
@@ -394,8 +418,9 @@ def _observed_legs(obs: Observation, cluster: Cluster) -> list[Leg]:
         global_skips=1 / obs.syncs_per_step if obs.syncs_per_step > 0 else math.inf,
         batches_to_wait=0,
         steps_per_epoch=obs.steps_per_epoch,
+        state_per_param=obs.state_per_param,
     )
-    return legs_of(obs.mode, obs.phase, cluster, obs.params, plan)
+    return legs_of(obs.mode, obs.phase, cluster, obs.params, plan, obs.tensors)
 
 
 def unknowns_of(obs: Observation) -> dict[str, float]:
@@ -409,6 +434,7 @@ def unknowns_of(obs: Observation) -> dict[str, float]:
         "s_per_byte_intra": terms["bytes_intra"],
         f"s_per_byte_inter[{obs.priced_link}]": terms["bytes_inter"],
         "s_per_fp16_byte": terms["bytes_fp16"],
+        "s_per_tensor": terms["tensors"],
     }
 
 
@@ -452,26 +478,39 @@ def merged_records(sweeps: Iterable[dict[str, Any]]) -> dict[str, Any]:
     return {"runs": [run for sweep in sweeps for run in sweep["runs"]]}
 
 
+def tensor_counts(records: dict[str, Any]) -> dict[str, float]:
+    """Gradient tensors per model: what each worker's flat allreduce handed Horovod per step (its counters)."""
+    counts: dict[str, float] = {}
+    for run in records["runs"]:
+        stats = run["phases"].get("sync")
+        if run["mode"].startswith("allreduce") and stats:
+            calls = stats.get("cross_node_calls_per_step") or stats.get("node_local_calls_per_step") or 0.0
+            counts[run["model"]] = max(counts.get(run["model"], 0.0), float(calls))
+    return counts
+
+
 def observations_from(records: dict[str, Any]) -> list[Observation]:
     """One observation per (run, phase) with at least 2 steps, from emulated_sweep.json."""
     found = []
+    tensors = tensor_counts(records)
     for run in records["runs"]:
         for phase, stats in run["phases"].items():
             if stats["steps"] >= 2:
-                found.append(Observation.of(run, phase, stats))
+                found.append(Observation.of(run, phase, stats, tensors.get(run["model"], 0.0)))
     return found
 
 
 def check_against_sweep(records: dict[str, Any], calibration: Calibration) -> tuple[str, float]:
     """Predicted vs measured mean step time and time to target per sweep row; returns the table and worst error."""
     rows, worst = [], 0.0
+    tensors = tensor_counts(records)
     for run in records["runs"]:
         phases = {p: s for p, s in run["phases"].items() if s["steps"] > 0}
         if not phases:  # a run of a single step has no step time apart from its setup
             continue
         predicted = {}
         for phase, stats in phases.items():
-            predicted[phase] = calibration.predict(Observation.of(run, phase, stats))
+            predicted[phase] = calibration.predict(Observation.of(run, phase, stats, tensors.get(run["model"], 0.0)))
         steps = sum(s["steps"] for s in phases.values())
         measured_step = sum(s["steps"] * s["step_s"] for s in phases.values()) / steps
         predicted_step = sum(s["steps"] * predicted[p] for p, s in phases.items()) / steps

@@ -6,6 +6,7 @@ Pure arithmetic (numpy only): no workers are launched.
 
 from __future__ import annotations
 
+import json
 import math
 import re
 import sys
@@ -78,7 +79,10 @@ def test_daso_phases_by_hand() -> None:
     plan = sm.DasoPlan(sm.FP16_BYTES, global_skips=4, batches_to_wait=0)
     terms = sm.linear_terms(sm.legs_of("daso/fp16", "cycling", c, 1000, plan))
     assert terms == {"rounds_inter": 0.5, "rounds_intra": 1.25, "bytes_inter": 500.0, "bytes_intra": 2250.0,
-                     "bytes_fp16": 2500.0}  # fmt: skip
+                     "bytes_fp16": 2500.0, "tensors": 0.0}  # fmt: skip
+    # Horovod's flat allreduce handles the model's tensors one by one; DASO's flat warmup sends one bucket.
+    assert sm.linear_terms(sm.legs_of("allreduce/none", "sync", c, 1000, tensors=260))["tensors"] == 260
+    assert sm.linear_terms(sm.legs_of("daso/fp16", "warmup", c, 1000, tensors=260))["tensors"] == 0
     # One blocking sync per 8-step epoch replaces one of the two sends of that epoch. A node's workers hold
     # the same parameters and momentum, so each relays its half of them across, in two messages (fp16
     # parameters, fp32 momentum: 4 rounds), and the node gathers them (2 rounds): 2 x 1/8 relay + 4/8
@@ -130,15 +134,18 @@ def test_calibration_recovers_known_constants_from_synthetic_sweep_records() -> 
         "compute_s[large,2x1]": 0.020, "compute_s[large,2x2]": 0.035, "compute_s[small,2x2]": 0.004,
         "round_inter_s": 0.012, "round_intra_s": 0.006, "s_per_byte_intra": 1 / 2e9,
         "s_per_byte_inter[50]": 8 / 50e6, "s_per_byte_inter[200]": 8 / 200e6, "s_per_fp16_byte": 2e-9,
+        "s_per_tensor": 3e-4,
     })  # fmt: skip
     observations = []
+    tensors = {"large": 6.0, "small": 260.0}  # a few large tensors; hundreds of small ones
     for model, params in (("large", 8e5), ("small", 5e3)):
         for topology in ("2x1", "2x2") if model == "large" else ("2x2",):
             for link in ("50", "200"):
                 for mode in ("allreduce/none", "allreduce/fp16", "hierarchical/none", "daso/fp16"):
                     for phase in ("warmup", "cycling") if mode.startswith("daso") else ("sync",):
                         syncs = 0.25 if phase == "cycling" else 1.0
-                        obs = sm.Observation(model, topology, link, mode, phase, params, syncs, 16.0, 0.0)
+                        obs = sm.Observation(model, topology, link, mode, phase, params, syncs, 16.0, 0.0,
+                                             tensors=tensors[model])  # fmt: skip
                         observations.append(replace(obs, step_s=truth.predict(obs)))
     fitted = sm.calibrate(observations)
     assert set(fitted.values) == set(truth.values)
@@ -175,5 +182,8 @@ def test_the_script_refits_the_committed_sweep_and_reproduces_the_committed_proj
     assert calibration.splitlines()[0] == committed.splitlines()[0]  # same records, run count and unknowns
     worst = re.findall(r"worst error (\d+) %", calibration + "\n" + committed)
     assert len(worst) == 2 and worst[0] == worst[1], worst
-    rows = [sum(line.startswith(("small ", "large ")) for line in t.splitlines()) for t in (calibration, committed)]
-    assert rows == [35, 35]  # one per run of the sweep
+    sweeps = sorted(DOCS.glob("emulated_sweep*.json"))
+    runs = sum(len(json.loads(path.read_text())["runs"]) for path in sweeps)
+    models = tuple(f"{run['model']} " for path in sweeps for run in json.loads(path.read_text())["runs"])
+    rows = [sum(line.startswith(models) for line in t.splitlines()) for t in (calibration, committed)]
+    assert rows == [runs, runs]  # one per run of every sweep fitted
