@@ -185,5 +185,5 @@ def test_the_script_refits_the_committed_sweep_and_reproduces_the_committed_proj
     sweeps = sorted(DOCS.glob("emulated_sweep*.json"))
     runs = sum(len(json.loads(path.read_text())["runs"]) for path in sweeps)
     models = tuple(f"{run['model']} " for path in sweeps for run in json.loads(path.read_text())["runs"])
-    rows = [sum(line.startswith(models) for line in t.splitlines()) for t in (calibration, committed)]
+    rows = [sum(line.lstrip().startswith(models) for line in t.splitlines()) for t in (calibration, committed)]
     assert rows == [runs, runs]  # one per run of every sweep fitted
