@@ -44,8 +44,11 @@ the sweep gives one equation: its mean measured step time = the model's step tim
 solved by non-negative least squares weighted by 1 / measured time (relative errors count), so
 one machine's sweep gives that machine's constants; rerun the sweep to calibrate another. The
 wire hop latencies are folded into the round costs (Horovod's negotiation of each round dwarfs
-them). Overlap is left out of the fit: on 2 shared cores Gloo's threads and the
-training compete for the same CPU.
+them). On a shaped link the first ``SHAPER_BURST_BYTES`` of a step leave at the line rate (the
+shaper's bucket fills while the workers compute). Horovod's hook-driven flat allreduce runs while
+backward computes: up to a share of the compute hides it, one share per model (how early its
+gradients are ready), chosen from a grid by coordinate descent, each choice refitted until the hidden
+time settles; the two-level legs and DASO's syncs start after backward and hide nothing.
 
     python benchmarks/scaling_model.py                       # fit docs/benchmarks/emulated_sweep*.json, check, project
     python benchmarks/scaling_model.py --records other.json  # another machine's sweep
@@ -352,6 +355,22 @@ class Observation:
         refill_s = node_bytes / (float(self.link) * 1e6 / 8)
         return UNSHAPED if node_bytes <= SHAPER_BURST_BYTES and refill_s <= self.step_s else self.link
 
+    @property
+    def hook_driven(self) -> bool:
+        """Gradients summed by Horovod's flat allreduce as backward produces them (not after it)."""
+        return self.mode.startswith("allreduce") or self.flat_route
+
+    def burst_credit_bytes(self, link_bytes_per_step: float) -> float:
+        """Bytes of a step that the shaper's bucket lets through at the line rate, on a shaped link.
+
+        Every byte takes a token and tokens arrive at the shaped rate, so over a step the link cannot
+        carry more than the rate allows; but the bucket fills up (to ``SHAPER_BURST_BYTES``) while the
+        workers compute, and that much of the next exchange leaves without waiting for the rate.
+        """
+        if self.priced_link == UNSHAPED:
+            return 0.0
+        return min(float(SHAPER_BURST_BYTES), link_bytes_per_step)
+
     @staticmethod
     def of(run: dict[str, Any], phase: str, stats: dict[str, Any], tensors: float = 0.0) -> Observation:
         """The observation of one phase of one run record of emulated_sweep.json."""
@@ -396,7 +415,23 @@ class Calibration:
     def predict(self, obs: Observation) -> float:
         cluster = self.cluster(obs.topology, obs.priced_link)
         workload = Workload(obs.model, obs.params, self.values.get(f"compute_s[{obs.model},{obs.topology}]", 0.0))
-        return step_seconds(_observed_legs(obs, cluster), cluster, workload)
+        legs = _observed_legs(obs, cluster)
+        burst = obs.burst_credit_bytes(linear_terms(legs)["bytes_inter"])
+        linear = step_seconds(legs, cluster, workload) - burst / cluster.inter.bytes_per_s
+        return linear - self.hidden_behind_backward(obs, linear)
+
+    def hidden_behind_backward(self, obs: Observation, linear_step_s: float) -> float:
+        """Communication of a hook-driven flat allreduce that runs while backward still computes.
+
+        Horovod starts each gradient's allreduce from its backward hook, so up to ``overlap_share`` of
+        the compute can hide it (a share per model: how early its gradients are ready); the two-level
+        legs and DASO's syncs start after backward.
+        """
+        share = self.values.get(f"overlap_share[{obs.model}]", 0.0)
+        if share <= 0 or not obs.hook_driven:
+            return 0.0
+        compute = self.values.get(f"compute_s[{obs.model},{obs.topology}]", 0.0)
+        return min(max(0.0, linear_step_s - compute), share * compute)
 
 
 def _crossed_whole_gradient(run: dict[str, Any], stats: dict[str, Any]) -> bool:
@@ -432,7 +467,7 @@ def unknowns_of(obs: Observation) -> dict[str, float]:
         "round_inter_s": terms["rounds_inter"],
         "round_intra_s": terms["rounds_intra"],
         "s_per_byte_intra": terms["bytes_intra"],
-        f"s_per_byte_inter[{obs.priced_link}]": terms["bytes_inter"],
+        f"s_per_byte_inter[{obs.priced_link}]": terms["bytes_inter"] - obs.burst_credit_bytes(terms["bytes_inter"]),
         "s_per_fp16_byte": terms["bytes_fp16"],
         "s_per_tensor": terms["tensors"],
     }
@@ -462,15 +497,46 @@ def nonnegative_least_squares(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return x
 
 
-def calibrate(observations: Sequence[Observation]) -> Calibration:
-    """Fit every unknown the observations touch, weighting rows by 1 / measured step time."""
+OVERLAP_SHARES = tuple(share / 10 for share in range(8))
+"""Shares of compute tried for how much of a hook-driven allreduce backward hides (``overlap_share``)."""
+
+
+def calibrate(observations: Sequence[Observation], overlap_shares: Sequence[float] = OVERLAP_SHARES) -> Calibration:
+    """Fit every unknown the observations touch, weighting rows by 1 / measured step time.
+
+    The model is linear but for the overlap of hook-driven allreduces with backward: for given
+    overlap shares (one per model) the fit is repeated with the time they hid added back to the
+    measured steps until it settles, and each model's share is chosen from ``overlap_shares`` by
+    coordinate descent on the weighted error.
+    """
     rows = [unknowns_of(obs) for obs in observations]
     names = sorted({name for row in rows for name, value in row.items() if value != 0})
     a = np.array([[row.get(name, 0.0) for name in names] for row in rows])
-    b = np.array([obs.step_s for obs in observations])
-    weights = 1 / b
-    solution = nonnegative_least_squares(a * weights[:, None], b * weights)
-    return Calibration(dict(zip(names, (float(v) for v in solution), strict=True)))
+    measured = np.array([obs.step_s for obs in observations])
+    weights = 1 / measured
+
+    def fit(shares: dict[str, float]) -> tuple[float, Calibration]:
+        calibration, hidden = Calibration(dict(shares)), np.zeros(len(observations))
+        for _ in range(6):
+            solution = nonnegative_least_squares(a * weights[:, None], (measured + hidden) * weights)
+            calibration = Calibration(dict(zip(names, (float(v) for v in solution), strict=True)) | shares)
+            linear = a @ solution
+            hidden = np.array(
+                [calibration.hidden_behind_backward(o, s) for o, s in zip(observations, linear, strict=True)]
+            )
+        predicted = np.array([calibration.predict(obs) for obs in observations])
+        return float(np.sum(((predicted - measured) * weights) ** 2)), calibration
+
+    models = sorted({obs.model for obs in observations if obs.hook_driven})
+    shares = {f"overlap_share[{model}]": 0.0 for model in models}
+    best = fit(shares)
+    for _ in range(3):
+        for key in shares:
+            for share in overlap_shares:
+                candidate = fit(shares | {key: share})
+                if candidate[0] < best[0] - 1e-12:
+                    best, shares = candidate, shares | {key: share}
+    return best[1]
 
 
 def merged_records(sweeps: Iterable[dict[str, Any]]) -> dict[str, Any]:
@@ -541,7 +607,9 @@ def check_against_sweep(records: dict[str, Any], calibration: Calibration) -> tu
 def describe(calibration: Calibration) -> str:
     lines = []
     for name, value in sorted(calibration.values.items()):
-        if name.startswith("s_per_byte"):
+        if name.startswith("overlap_share"):
+            lines.append(f"  {name:<40} {value:8.2f} of compute hides a hook-driven allreduce")
+        elif name.startswith("s_per_byte"):
             rate = f"{8 / value / 1e6:,.4g} Mbit/s" if value > 0 else "not resolved (bytes too few to matter)"
             lines.append(f"  {name:<40} {value:.3e} s/byte = {rate}")
         else:

@@ -148,6 +148,8 @@ def test_calibration_recovers_known_constants_from_synthetic_sweep_records() -> 
                                              tensors=tensors[model])  # fmt: skip
                         observations.append(replace(obs, step_s=truth.predict(obs)))
     fitted = sm.calibrate(observations)
+    shares = {name: fitted.values.pop(name) for name in list(fitted.values) if name.startswith("overlap_share")}
+    assert shares == {"overlap_share[large]": 0.0, "overlap_share[small]": 0.0}  # nothing hidden in the truth
     assert set(fitted.values) == set(truth.values)
     for name, value in truth.values.items():
         assert fitted.values[name] == pytest.approx(value, rel=1e-6), name
