@@ -58,6 +58,11 @@ class Events:
             file.write(json.dumps({"kind": kind, "time": time.time(), "pid": os.getpid(), **fields}) + "\n")
 
 
+WAIT_FOR_JOIN_S = 0.25
+"""A growing job's pause per step until the new workers join, so a short run cannot end before they
+have started (they import torch and Lightning first); join times are wall times, not step times."""
+
+
 def worker(args: argparse.Namespace) -> None:
     import horovod.torch as hvd
     import lightning.pytorch as pl
@@ -88,6 +93,8 @@ def worker(args: argparse.Namespace) -> None:
                 marker.write_text(str(step))
                 args.hosts_file.write_text(HOSTS.replace(",", "\n") + "\n")  # both hosts get a second slot
                 events.write("grown", step=step)
+            if 0 <= args.grow_step < step and hvd.size() < 4:
+                time.sleep(WAIT_FOR_JOIN_S)  # keep the job alive until the new workers have started
             self.commits_before = len(strategy.elastic.commit_seconds) if strategy.elastic else 0
             self.start = time.perf_counter()
 

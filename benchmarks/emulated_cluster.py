@@ -650,13 +650,14 @@ PER_NODE_NOTE = ", each node keeping its own optimizer state while cycling (aver
 
 
 def report_stem(models: Sequence[Model], daso_average_state: bool = True) -> str:
-    """``emulated_sweep`` for the MLPs' sweep, ``emulated_sweep_<model>_...`` for any other models, so
+    """``emulated_sweep`` for MLPs (the sweep's, or the smoke model), ``emulated_sweep_<model>_...`` for others, so
     each model family's report keeps its own files in ``docs/benchmarks``; runs of DASO keeping per-node
     optimizer state are ``daso_per_node_state_<model>_...`` (``scaling_model.py`` fits emulated_sweep*)."""
     names = [model.name for model in models]
     if not daso_average_state:
         return "_".join(["daso_per_node_state", *names])
-    return "emulated_sweep" if names == ["small", "large"] else "_".join(["emulated_sweep", *names])
+    mlps_only = all(model.arch == "mlp" for model in models)  # the MLP sweep, a part of it, or the smoke model
+    return "emulated_sweep" if mlps_only else "_".join(["emulated_sweep", *names])
 
 
 def build_grid(args: argparse.Namespace) -> Grid:
