@@ -50,6 +50,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 
+from hvd_plugins.core.daso.parameter_sync import optimizer_state_to_average
 from hvd_plugins.core.tables import format_table
 from hvd_plugins.testing import benchmarking as bench
 from hvd_plugins.testing import reports
@@ -331,15 +332,9 @@ def worker_main(spec: Path, out: Path) -> None:
 
 
 def optimizer_state_per_parameter(optimizers: Sequence[torch.optim.Optimizer], module: torch.nn.Module) -> float:
-    """Floating optimizer state values with their parameter's shape, per parameter: what DASO's closing sync
-    averages (AdamW: 2, SGD with momentum: 1); ``scaling_model.py`` prices that sync with it."""
-    values = sum(
-        value.numel()
-        for optimizer in optimizers
-        for parameter, state in optimizer.state.items()
-        for value in state.values()
-        if isinstance(value, torch.Tensor) and value.is_floating_point() and value.shape == parameter.shape
-    )
+    """Optimizer state values per parameter that DASO's closing sync averages (AdamW: 2, SGD with momentum:
+    1); ``scaling_model.py`` prices that sync with it."""
+    values = sum(tensor.numel() for tensor in optimizer_state_to_average(optimizers))
     return values / max(1, bench.parameter_count(module))
 
 
@@ -396,7 +391,7 @@ def summarize(run: Run, rank0: dict[str, Any], target: float) -> dict[str, Any]:
         "link_mbit": link_label(run.link_mbit),
         "mode": run.mode,
         "params": rank0["params"],
-        "state_per_param": rank0.get("state_per_param", 1.0),
+        "state_per_param": rank0["state_per_param"],
         "daso_average_state": run.daso_average_state,
         "workers": run.topology.workers,
         "per_worker_batch": run.per_worker_batch,

@@ -818,7 +818,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     calibration = calibrate(observations)
     check, worst = check_against_sweep(records, calibration)
     sources = "; ".join(
-        f"{name}" + (f" (measured {sweep['measured']['date']}: {sweep['measured']['command']})" if sweep.get("measured")
+        name + (f" (measured {sweep['measured']['date']}: {sweep['measured']['command']})" if sweep.get("measured")
                      else "")
         for name, sweep in sweeps.items()
     )  # fmt: skip

@@ -87,9 +87,10 @@ class ConsistencyProbe(Callback):
         counts = self.epoch_ends
         counts["checked"] += 1
         for key, part in zip(("params_equal", "state_equal", "buffers_equal"), _split(rows, sizes), strict=True):
-            counts[key] += int(all(torch.equal(part[0], row) for row in part))
+            equal = all(torch.equal(part[0], row) for row in part)
+            counts[key] += int(equal)
             if key == "state_equal":
-                self.state_equal_per_epoch.append(all(torch.equal(part[0], row) for row in part))
+                self.state_equal_per_epoch.append(equal)
         self.blocking_syncs_after_epoch.append(self.daso.blocking_syncs)
         self.synced_parameters_per_epoch.append(sum(p.numel() for p in self.daso.parameters))
 
