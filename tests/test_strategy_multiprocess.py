@@ -9,6 +9,7 @@ import pytest
 from _common import Check, case_argument, report_of
 from conftest import two_node_reports
 from hierarchical_checks import (
+    check_buckets_start_in_backward,
     check_compress_node_local,
     check_route_tuning,
     check_startup,
@@ -369,6 +370,25 @@ def test_strategy_hierarchical_matches_flat_and_counts_bytes(two_nodes: dict[int
         # [96 float64] takes the legs (half crosses), [33 float64] one flat allreduce (all of it crosses)
         assert result["mixed"]["cross_node_bytes"] == steps * (33 + 96 // 2) * 8
         assert result["mixed"]["node_local_bytes"] == steps * (96 + 96 // 2) * 8
+
+
+def test_buckets_start_their_legs_in_backward_and_train_as_flat(two_nodes: dict[int, dict]) -> None:
+    for rank in range(4):
+        result = report_of(two_nodes[rank], check_buckets_start_in_backward)
+        for accumulate in (1, 2):
+            case = result[f"accumulate_{accumulate}"]
+            assert case["vs_flat"] < 1e-12
+            steps, tensors = case["steps"], case["tensors"]
+            assert steps == 16 // accumulate and tensors == 4
+            assert case["started"] == steps * tensors  # one sum per bucket and step, no more
+            # every bucket but the first layer's weight or bias, whose gradient may come last, starts in backward
+            assert case["started_in_backward"] >= steps * (tensors - 1)
+        for op in ("average", "sum"):
+            manual = result[f"manual_{op}"]
+            assert manual["vs_large_batch"] < 1e-12 and manual["ranks_identical"]
+        for name in ("new_param_group", "in_place_accumulating"):
+            unfrozen = result[f"unfrozen_{name}"]
+            assert unfrozen["vs_flat"] < 1e-12 and unfrozen["ranks_identical"]
 
 
 def compressed_node_local(result: dict[str, Any], local_elements: int) -> None:

@@ -19,8 +19,10 @@ import horovod.torch as hvd
 import lightning.pytorch as pl
 import torch
 from _common import Checks, parse_out, write_result
+from finetuning import UnfreezeExtra
 from horovod.torch.mpi_ops import _basics
-from models import TanhRegressor, WideTanhRegressor
+from models import ManualAccumulation, TanhRegressor, TwoHeads, WideTanhRegressor, regression_data
+from strategy_common import all_equal, digest, max_difference, rank_loader, reference_sgd, trainer
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -30,6 +32,7 @@ from hvd_plugins.core.comm import (
     build_node_groups,
     discover_topology,
     hierarchical_allreduce_,
+    hierarchical_sync,
     partners,
     start_horovod_and_discover,
 )
@@ -246,6 +249,80 @@ def check_compress_node_local() -> dict[str, Any]:
         "counters": trainer.strategy.comm_counters.as_dict(),
         "uncompressed_node_local_counters": fp16_counters,
     }
+
+
+ONE_BUCKET_PER_TENSOR = {"bucket_mb": 1e-9, "flat_below_mb": 0.0}
+"""Every gradient its own bucket, and every bucket over the two-level legs."""
+
+
+def record_bucket_starts() -> tuple[list[bool], Any]:
+    """Wrap the sync's bucket start: one entry per bucket started, whether backward was still running then."""
+    starts: list[bool] = []
+    original = hierarchical_sync.start_bucket_sum
+
+    def recording(*args: Any, **kwargs: Any) -> Any:
+        starts.append(torch._C._current_autograd_node() is not None)  # set while autograd runs a node
+        return original(*args, **kwargs)
+
+    hierarchical_sync.start_bucket_sum = recording
+    return starts, original
+
+
+@checks.register
+def check_buckets_start_in_backward() -> dict[str, Any]:
+    """Buckets start their legs from backward's hooks, and training still equals the flat allreduce's.
+
+    One bucket per gradient tensor: with accumulation (the legs start on the last micro-batch only),
+    with ``op="sum"``, with a second ``manual_backward`` before the step (DDP-style accumulation,
+    op average and sum), and with a layer unfrozen between epochs (both ways of unfreezing).
+    """
+    result: dict[str, Any] = {}
+    starts, original = record_bucket_starts()
+    try:
+        for accumulate in (1, 2):
+            flat_model, _ = fit(HorovodStrategy(sync="allreduce"), accumulate=accumulate)
+            starts.clear()
+            model, trainer_ = fit(HorovodStrategy(sync="hierarchical", **ONE_BUCKET_PER_TENSOR), accumulate=accumulate)
+            result[f"accumulate_{accumulate}"] = {
+                "vs_flat": float((parameters_of(model) - parameters_of(flat_model)).abs().max()),
+                "steps": trainer_.global_step,
+                "started": len(starts),
+                "started_in_backward": sum(starts),
+                "tensors": len(list(model.parameters())),
+            }
+        world, micro, k = hvd.size(), 4, 2
+        x, y = regression_data(64)
+        for op, lr in (("average", 0.05), ("sum", 0.05 / world)):
+            model = ManualAccumulation(k)
+            model.lr = lr
+            strategy = HorovodStrategy(sync="hierarchical", op=op, **ONE_BUCKET_PER_TENSOR)
+            t = trainer(max_epochs=2, strategy=strategy, use_distributed_sampler=False)
+            t.fit(model, rank_loader(x, y, micro))
+            reference = reference_sgd(x, y, block=world * micro * k, epochs=2, lr=0.05, clip=None)
+            result[f"manual_{op}"] = {
+                "vs_large_batch": max_difference(model, reference),
+                "ranks_identical": all_equal(digest(model)),
+            }
+        for name, new_group, accumulate in (("new_param_group", True, 1), ("in_place_accumulating", False, 2)):
+            trained = {}
+            for sync in ("allreduce", "hierarchical"):
+                model = TwoHeads(extra_in_optimizer=not new_group)
+                extras = ONE_BUCKET_PER_TENSOR if sync == "hierarchical" else {}
+                t = trainer(
+                    max_epochs=3,
+                    strategy=HorovodStrategy(sync=sync, **extras),
+                    accumulate_grad_batches=accumulate,
+                    callbacks=[UnfreezeExtra(new_group)],
+                )
+                t.fit(model, DataLoader(TensorDataset(x, y), batch_size=4))
+                trained[sync] = model
+            result[f"unfrozen_{name}"] = {
+                "vs_flat": max_difference(trained["hierarchical"], trained["allreduce"]),
+                "ranks_identical": all_equal(digest(trained["hierarchical"])),
+            }
+    finally:
+        hierarchical_sync.start_bucket_sum = original
+    return result
 
 
 checks.register(check_compress_node_local)  # after check_strategy_modes, whose runs it compares with

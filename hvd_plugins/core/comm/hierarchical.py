@@ -11,53 +11,199 @@ Those are three collective rounds where a flat allreduce takes one, and a round 
 whatever its size until bytes dominate. Buffers below ``flat_below_bytes`` are therefore summed
 by one flat allreduce over all workers (latency-bound: the round count decides), larger ones
 take the three legs (bandwidth-bound: the cross-node bytes decide). See ``FLAT_BELOW_MB``.
+
+Each buffer's sum is an object in flight (``start_bucket_sum``): a training step can start one
+as soon as backward has produced its gradients and let it move from leg to leg while backward
+still runs (``progress``), then finish them all after backward (``finish_all``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Protocol
 
 import torch
 
+from hvd_plugins.core.backend.module import horovod_torch
 from hvd_plugins.core.comm.compression import Compressor, NoCompression
 from hvd_plugins.core.comm.counters import CommCounters, Scope
 from hvd_plugins.core.comm.partners import (
+    PartnerGroup,
+    PendingAlltoall,
     PendingGroupSum,
     finish_allgather,
     finish_reduce_scatter,
-    group_sum,
     pad_to_multiple,
     start_allgather,
     start_reduce_scatter,
-    wait_all,
 )
 from hvd_plugins.core.comm.topology import NodeGroups
 from hvd_plugins.core.comm.wire import nbytes
 
 
-def _two_level(
-    buffers: Sequence[torch.Tensor],
+class PendingSum(Protocol):
+    """One buffer's sum over every worker, in flight."""
+
+    @property
+    def finished(self) -> bool:
+        """Whether the sum has arrived (``total`` holds it)."""
+
+    @property
+    def total(self) -> torch.Tensor:
+        """The sum, at least as long as the buffer (padding at the end), once ``finished``."""
+
+    def progress(self) -> None:
+        """Start the next leg if the current one has arrived; never waits."""
+
+    def advance(self) -> None:
+        """Wait for the current leg and start the next (or finish)."""
+
+
+class PendingOneLevel:
+    """A sum over one group (one flat allreduce, or a partner sum where a level is missing)."""
+
+    def __init__(
+        self,
+        buffer: torch.Tensor,
+        group: PartnerGroup,
+        codec: Compressor,
+        counters: CommCounters,
+        scope: Scope,
+        name: str,
+    ) -> None:
+        self.counters = counters
+        self._sum = PendingGroupSum(buffer, group, codec, name)
+        if self._sum.nbytes:
+            counters.record(scope, self._sum.nbytes)
+        self._total: torch.Tensor | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self._total is not None
+
+    @property
+    def total(self) -> torch.Tensor:
+        assert self._total is not None
+        return self._total
+
+    def progress(self) -> None:
+        if self._total is None and self._sum.ready():
+            self.advance()
+
+    def advance(self) -> None:
+        with self.counters.waiting():
+            self._total = self._sum.wait()
+
+
+class PendingTwoLevel:
+    """Reduce-scatter inside the node, sum the shard across nodes, allgather inside the node: one leg at a time."""
+
+    def __init__(
+        self,
+        buffer: torch.Tensor,
+        groups: NodeGroups,
+        local_codec: Compressor,
+        cross_codec: Compressor,
+        counters: CommCounters,
+        name: str,
+    ) -> None:
+        assert groups.local is not None and groups.cross is not None
+        self.local, self.cross = groups.local, groups.cross
+        self.local_codec, self.cross_codec = local_codec, cross_codec
+        self.counters = counters
+        self.name = name
+        padded = pad_to_multiple(buffer, self.local.size)
+        self._scatter: PendingAlltoall | None = start_reduce_scatter(padded, self.local, local_codec, f"{name}.rs")
+        counters.record(Scope.NODE_LOCAL, self._scatter.piece_nbytes * self.local.size)
+        self._cross: PendingGroupSum | None = None
+        self._gather: PendingAlltoall | None = None
+        self._total: torch.Tensor | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self._total is not None
+
+    @property
+    def total(self) -> torch.Tensor:
+        assert self._total is not None
+        return self._total
+
+    def progress(self) -> None:
+        hvd = horovod_torch()
+        if self._scatter is not None and hvd.poll(self._scatter.handle):
+            self.advance()
+        if self._cross is not None and self._cross.ready():
+            self.advance()
+        if self._gather is not None and hvd.poll(self._gather.handle):
+            self.advance()
+
+    def advance(self) -> None:
+        with self.counters.waiting():
+            if self._scatter is not None:
+                shard = finish_reduce_scatter(self._scatter)
+                self._scatter = None
+                self._cross = PendingGroupSum(shard, self.cross, self.cross_codec, f"{self.name}.xr")
+                if self._cross.nbytes:
+                    self.counters.record(Scope.CROSS_NODE, self._cross.nbytes)
+            elif self._cross is not None:
+                total = self._cross.wait()
+                self._cross = None
+                self._gather = start_allgather(total, self.local, self.local_codec, f"{self.name}.ag")
+                self.counters.record(Scope.NODE_LOCAL, self._gather.piece_nbytes)
+            elif self._gather is not None:
+                self._total = finish_allgather(self._gather)
+                self._gather = None
+
+
+def start_bucket_sum(
+    buffer: torch.Tensor,
     groups: NodeGroups,
-    local_codec: Compressor,
-    cross_codec: Compressor,
+    *,
+    compression: Compressor | None = None,
+    compress_node_local: bool = False,
     counters: CommCounters,
     name: str,
-) -> list[torch.Tensor]:
-    """Reduce-scatter inside the node, sum each shard across nodes, allgather inside the node."""
+    flat_below_bytes: int = 0,
+) -> PendingSum | None:
+    """Start summing one 1-D buffer over every worker, node by node; None in a job of one worker.
+
+    ``compression`` applies to what crosses nodes, and to the node-local legs too when
+    ``compress_node_local`` is set. A buffer of fewer than ``flat_below_bytes`` bytes takes one flat
+    allreduce over all workers (counted as cross-node traffic of the whole buffer, compressed as
+    such); a larger one the three legs. With a single node, or one worker per node, there is one
+    leg only: a sum over every worker. Every worker must start the same sums (same names, sizes and
+    dtypes), in any order.
+    """
+    cross_codec = compression or NoCompression()
+    local_codec = cross_codec if compress_node_local else NoCompression()
     local, cross = groups.local, groups.cross
-    assert local is not None and cross is not None
-    padded = [pad_to_multiple(buffer, local.size) for buffer in buffers]
-    scatters = [start_reduce_scatter(b, local, local_codec, f"{name}.rs.{i}") for i, b in enumerate(padded)]
-    for pending in scatters:
-        counters.record(Scope.NODE_LOCAL, pending.piece_nbytes * local.size)
-    with counters.waiting():
-        shards = [finish_reduce_scatter(pending) for pending in scatters]
-    totals = group_sum(shards, cross, cross_codec, f"{name}.xr", counters, Scope.CROSS_NODE)
-    gathers = [start_allgather(t, local, local_codec, f"{name}.ag.{i}") for i, t in enumerate(totals)]
-    for pending in gathers:
-        counters.record(Scope.NODE_LOCAL, pending.piece_nbytes)
-    with counters.waiting():
-        return [finish_allgather(pending) for pending in gathers]
+    if local is None and cross is None:
+        return None
+    if local is None or cross is None:
+        group = local if local is not None else cross
+        assert group is not None
+        codec, scope = (local_codec, Scope.NODE_LOCAL) if local is not None else (cross_codec, Scope.CROSS_NODE)
+        return PendingOneLevel(buffer, group, codec, counters, scope, f"{name}.ar")
+    if nbytes(buffer) < flat_below_bytes:
+        return PendingOneLevel(buffer, groups.world, cross_codec, counters, Scope.CROSS_NODE, f"{name}.flat")
+    return PendingTwoLevel(buffer, groups, local_codec, cross_codec, counters, name)
+
+
+def finish_all(pending: Sequence[PendingSum]) -> None:
+    """Wait for every sum, in order; while one waits, the others move on to their next legs."""
+    for sum_ in pending:
+        while not sum_.finished:
+            for other in pending:
+                if other is not sum_ and not other.finished:
+                    other.progress()
+            sum_.advance()
+
+
+def write_total(buffer: torch.Tensor, total: torch.Tensor, divide_by: int | None) -> None:
+    """Copy a sum back into its buffer (dropping the padding), divided by ``divide_by`` when given."""
+    buffer.copy_(total[: buffer.numel()])
+    if divide_by is not None:
+        buffer.div_(divide_by)
 
 
 def hierarchical_allreduce_(
@@ -71,42 +217,26 @@ def hierarchical_allreduce_(
     name: str = "hier",
     flat_below_bytes: int = 0,
 ) -> None:
-    """Sum (or average) each 1-D buffer over all workers, in place, node by node.
+    """Sum (or average) each 1-D buffer over all workers, in place, node by node (see ``start_bucket_sum``).
 
-    ``compression`` applies to what crosses nodes, and to the node-local legs too when
-    ``compress_node_local`` is set. Buffers of fewer than ``flat_below_bytes`` bytes take one
-    flat allreduce over all workers (counted as cross-node traffic of the whole buffer, and
-    compressed as such); the others take the three legs. Every worker must call this with
-    buffers of the same sizes and dtypes, in the same order. The flat allreduces start first
-    and the legs run stage by stage while they are in flight, so Horovod can fuse and overlap.
-    With a single node, or one worker per node, there is one leg only: a sum over every worker.
+    Every worker must call this with buffers of the same sizes and dtypes, in the same order. All
+    sums start at once, so while one waits for a leg the others can move on.
     """
-    cross_codec = compression or NoCompression()
-    local_codec = cross_codec if compress_node_local else NoCompression()
     counters = counters if counters is not None else CommCounters()
-    local, cross = groups.local, groups.cross
-    if local is None and cross is None:  # a job of one worker
-        return
-
-    if local is None or cross is None:
-        group = local if local is not None else cross
-        assert group is not None
-        codec, scope = (local_codec, Scope.NODE_LOCAL) if local is not None else (cross_codec, Scope.CROSS_NODE)
-        totals = group_sum(buffers, group, codec, f"{name}.ar", counters, scope)
-    else:
-        flat = [i for i, buffer in enumerate(buffers) if nbytes(buffer) < flat_below_bytes]
-        legs = [i for i in range(len(buffers)) if i not in set(flat)]
-        # One allreduce over every worker per small buffer, counted as cross-node traffic.
-        world = groups.world
-        pending = [PendingGroupSum(buffers[i], world, cross_codec, f"{name}.flat.{n}") for n, i in enumerate(flat)]
-        for sum_ in pending:
-            counters.record(Scope.CROSS_NODE, sum_.nbytes)
-        leg_totals = _two_level([buffers[i] for i in legs], groups, local_codec, cross_codec, counters, name)
-        by_index = dict(zip(legs, leg_totals, strict=True))
-        with counters.waiting():
-            by_index.update(zip(flat, wait_all(pending), strict=True))
-        totals = [by_index[i] for i in range(len(buffers))]
-    for buffer, total in zip(buffers, totals, strict=True):
-        buffer.copy_(total[: buffer.numel()])
-        if average:
-            buffer.div_(groups.topology.size)
+    pending = [
+        start_bucket_sum(
+            buffer,
+            groups,
+            compression=compression,
+            compress_node_local=compress_node_local,
+            counters=counters,
+            name=f"{name}.{index}",
+            flat_below_bytes=flat_below_bytes,
+        )
+        for index, buffer in enumerate(buffers)
+    ]
+    started = [sum_ for sum_ in pending if sum_ is not None]
+    finish_all(started)
+    for buffer, sum_ in zip(buffers, pending, strict=True):
+        if sum_ is not None:
+            write_total(buffer, sum_.total, groups.topology.size if average else None)

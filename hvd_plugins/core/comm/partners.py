@@ -259,6 +259,16 @@ class PendingGroupSum:
             self._scatter = None
             self._gather = start_allgather(shard, self.group, NoCompression(), f"{self.name}.ag")
 
+    def ready(self) -> bool:
+        """Whether ``wait()`` would return at once; moves a sum whose first round arrived on (``progress``)."""
+        self.progress()
+        if self._relay_out is not None or self._scatter is not None:
+            return False  # the first of two rounds is still in flight
+        last = [self._allreduce, self._relay_back, getattr(self._exchange, "handle", None)]
+        last.append(getattr(self._gather, "handle", None))
+        handle = next((h for h in last if h is not None), None)
+        return handle is None or bool(horovod_torch().poll(handle))
+
     def _decompressed(self, pieces: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """Pieces that travelled in the wire type, back in the type this sum was started with."""
         return [self.codec.decompress(piece, self.ctx) for piece in pieces]
