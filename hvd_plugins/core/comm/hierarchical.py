@@ -19,8 +19,8 @@ still runs (``progress``), then finish them all after backward (``finish_all``).
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from typing import Protocol
 
 import torch
 
@@ -41,25 +41,31 @@ from hvd_plugins.core.comm.topology import NodeGroups
 from hvd_plugins.core.comm.wire import nbytes
 
 
-class PendingSum(Protocol):
-    """One buffer's sum over every worker, in flight."""
+class PendingSum(ABC):
+    """One buffer's sum over every worker, in flight; ``total`` holds it once ``finished``."""
+
+    _total: torch.Tensor | None = None
 
     @property
     def finished(self) -> bool:
-        """Whether the sum has arrived (``total`` holds it)."""
+        return self._total is not None
 
     @property
     def total(self) -> torch.Tensor:
-        """The sum, at least as long as the buffer (padding at the end), once ``finished``."""
+        """The sum, at least as long as the buffer (padding at the end)."""
+        assert self._total is not None, "the sum has not arrived yet"
+        return self._total
 
+    @abstractmethod
     def progress(self) -> None:
         """Start the next leg if the current one has arrived; never waits."""
 
+    @abstractmethod
     def advance(self) -> None:
         """Wait for the current leg and start the next (or finish)."""
 
 
-class PendingOneLevel:
+class PendingOneLevel(PendingSum):
     """A sum over one group (one flat allreduce, or a partner sum where a level is missing)."""
 
     def __init__(
@@ -75,16 +81,6 @@ class PendingOneLevel:
         self._sum = PendingGroupSum(buffer, group, codec, name)
         if self._sum.nbytes:
             counters.record(scope, self._sum.nbytes)
-        self._total: torch.Tensor | None = None
-
-    @property
-    def finished(self) -> bool:
-        return self._total is not None
-
-    @property
-    def total(self) -> torch.Tensor:
-        assert self._total is not None
-        return self._total
 
     def progress(self) -> None:
         if self._total is None and self._sum.ready():
@@ -95,7 +91,7 @@ class PendingOneLevel:
             self._total = self._sum.wait()
 
 
-class PendingTwoLevel:
+class PendingTwoLevel(PendingSum):
     """Reduce-scatter inside the node, sum the shard across nodes, allgather inside the node: one leg at a time."""
 
     def __init__(
@@ -117,16 +113,6 @@ class PendingTwoLevel:
         counters.record(Scope.NODE_LOCAL, self._scatter.piece_nbytes * self.local.size)
         self._cross: PendingGroupSum | None = None
         self._gather: PendingAlltoall | None = None
-        self._total: torch.Tensor | None = None
-
-    @property
-    def finished(self) -> bool:
-        return self._total is not None
-
-    @property
-    def total(self) -> torch.Tensor:
-        assert self._total is not None
-        return self._total
 
     def progress(self) -> None:
         hvd = horovod_torch()
