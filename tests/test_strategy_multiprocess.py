@@ -386,9 +386,10 @@ def test_buckets_start_their_legs_in_backward_and_train_as_flat(two_nodes: dict[
         for op in ("average", "sum"):
             manual = result[f"manual_{op}"]
             assert manual["vs_large_batch"] < 1e-12 and manual["ranks_identical"]
-        for name in ("new_param_group", "in_place_accumulating"):
+        for name in ("new_param_group", "in_place_accumulating", "behind_its_back"):
             unfrozen = result[f"unfrozen_{name}"]
             assert unfrozen["vs_flat"] < 1e-12 and unfrozen["ranks_identical"]
+        assert result["unfrozen_behind_its_back"]["extra_trained"]
 
 
 def compressed_node_local(result: dict[str, Any], local_elements: int) -> None:

@@ -21,7 +21,14 @@ import torch
 from _common import Checks, parse_out, write_result
 from finetuning import UnfreezeExtra
 from horovod.torch.mpi_ops import _basics
-from models import ManualAccumulation, TanhRegressor, TwoHeads, WideTanhRegressor, regression_data
+from models import (
+    ManualAccumulation,
+    TanhRegressor,
+    TwoHeads,
+    UnfrozenBehindTheStrategysBack,
+    WideTanhRegressor,
+    regression_data,
+)
 from strategy_common import all_equal, digest, max_difference, rank_loader, reference_sgd, trainer
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -274,7 +281,8 @@ def check_buckets_start_in_backward() -> dict[str, Any]:
 
     One bucket per gradient tensor: with accumulation (the legs start on the last micro-batch only),
     with ``op="sum"``, with a second ``manual_backward`` before the step (DDP-style accumulation,
-    op average and sum), and with a layer unfrozen between epochs (both ways of unfreezing).
+    op average and sum), with a layer unfrozen between epochs (both ways of unfreezing), and with one
+    made trainable while backward's buckets ran without it.
     """
     result: dict[str, Any] = {}
     starts, original = record_bucket_starts()
@@ -320,6 +328,18 @@ def check_buckets_start_in_backward() -> dict[str, Any]:
                 "vs_flat": max_difference(trained["hierarchical"], trained["allreduce"]),
                 "ranks_identical": all_equal(digest(trained["hierarchical"])),
             }
+        behind_its_back = {}  # buckets backward started without ``extra``: it is averaged after them
+        for sync in ("allreduce", "hierarchical"):
+            model = UnfrozenBehindTheStrategysBack()
+            extras = ONE_BUCKET_PER_TENSOR if sync == "hierarchical" else {}
+            t = trainer(max_epochs=1, strategy=HorovodStrategy(sync=sync, **extras))
+            t.fit(model, DataLoader(TensorDataset(x, y), batch_size=4))
+            behind_its_back[sync] = model
+        result["unfrozen_behind_its_back"] = {
+            "vs_flat": max_difference(behind_its_back["hierarchical"], behind_its_back["allreduce"]),
+            "ranks_identical": all_equal(digest(behind_its_back["hierarchical"])),
+            "extra_trained": not torch.equal(behind_its_back["hierarchical"].extra.weight, TwoHeads().extra.weight),
+        }
     finally:
         hierarchical_sync.start_bucket_sum = original
     return result

@@ -149,6 +149,25 @@ class TwoHeads(Regression):
         return torch.optim.SGD(parameters, lr=self.lr)
 
 
+class UnfrozenBehindTheStrategysBack(TwoHeads):
+    """Manual optimization that makes ``extra`` trainable at step 2 and calls ``loss.backward()`` itself, so the
+    strategy hears of the new trainable layer only when the step averages the gradients."""
+
+    def __init__(self) -> None:
+        super().__init__(extra_in_optimizer=True)
+        self.extra.requires_grad_(False)
+        self.automatic_optimization = False
+
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        optimizer = self.optimizers()
+        if self.global_step == 2:
+            self.extra.requires_grad_(True)
+        nn.functional.mse_loss(self(x), y).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+
 class TwoSchedules(TwoHeads):
     """Two SGD optimizers of one class, each with a StepLR (manual optimization, as two optimizers need)."""
 

@@ -179,10 +179,7 @@ class HorovodOptimizerSync(GradientSync):
             return
         self.synchronize(optimizer)
         if self.op == "sum":
-            workers = horovod_torch().size()
-            for parameter in optimizer_parameters(optimizer, trainable_only=True):
-                if parameter.grad is not None:
-                    parameter.grad.div_(workers)
+            divide_gradients_(optimizer, horovod_torch().size())
 
     def teardown(self, optimizers: Sequence[Optimizer]) -> None:
         for optimizer in optimizers:
@@ -236,6 +233,14 @@ class AdasumOptimizerSync(HorovodOptimizerSync):
                 "op='adasum' cannot clip gradients (gradient_clip_val is set): Horovod's Adasum optimizer has "
                 "stepped by the time Lightning clips. Drop gradient_clip_val, or use op='average'."
             )
+
+
+def divide_gradients_(optimizer: Optimizer, divisor: int) -> None:
+    """Divide the gradients of ``optimizer``'s trainable parameters in place: a settled ``op="sum"`` sum that the
+    step sums over every worker once more (see ``HorovodOptimizerSync.before_backward``)."""
+    for parameter in optimizer_parameters(optimizer, trainable_only=True):
+        if parameter.grad is not None:
+            parameter.grad.div_(divisor)
 
 
 def gradients_of(optimizer: Optimizer) -> Sequence[torch.Tensor]:

@@ -25,7 +25,12 @@ from hvd_plugins.core.comm.backward_buckets import BackwardBuckets
 from hvd_plugins.core.comm.buckets import bucket_tensors, flatten, unflatten_into
 from hvd_plugins.core.comm.compression import Compressor
 from hvd_plugins.core.comm.counters import CommCounters, Scope
-from hvd_plugins.core.comm.gradient_sync import GradientSync, HorovodOptimizerSync, gradient_to_send
+from hvd_plugins.core.comm.gradient_sync import (
+    GradientSync,
+    HorovodOptimizerSync,
+    divide_gradients_,
+    gradient_to_send,
+)
 from hvd_plugins.core.comm.hierarchical import (
     PendingSum,
     finish_all,
@@ -133,8 +138,7 @@ class HierarchicalGradientSync(GradientSync):
         for index in range(len(buckets.buckets)):
             if index not in in_flight:
                 self._start_bucket(optimizer, index)
-        order = sorted(in_flight)
-        started = [in_flight[index] for index in order]
+        started = [in_flight[index] for index in sorted(in_flight)]
         finish_all([sum_ for _, _, sum_ in started if sum_ is not None])
         divide_by = self.groups.topology.size if self.op == "average" else None
         for flat, gradients, sum_ in started:
@@ -143,19 +147,32 @@ class HierarchicalGradientSync(GradientSync):
                 unflatten_into(flat, gradients)
         in_flight.clear()
         buckets.reset(self.backward_passes)
-        late = [p for p in optimizer_parameters(optimizer, trainable_only=True) if p not in set(buckets.parameters)]
-        if late:
-            hierarchical_allreduce_(
-                [flatten(bucket) for bucket in bucket_tensors([gradient_to_send(p) for p in late], self.bucket_bytes)],
-                self.groups,
-                average=self.op == "average",
-                compression=self.compressor,
-                compress_node_local=self.compress_node_local,
-                counters=self.counters,
-                name=f"{self._names[id(optimizer)]}.late",
-                flat_below_bytes=self.flat_below_bytes,
-            )
+        self._average_late_parameters(optimizer, buckets)
         return self._tuner_for(buckets.bucket_nbytes())
+
+    def _average_late_parameters(self, optimizer: Optimizer, buckets: BackwardBuckets) -> None:
+        """Average the trainable parameters the buckets do not hold (made trainable while their sums ran)."""
+        trainable = optimizer_parameters(optimizer, trainable_only=True)
+        if buckets.matches(trainable):
+            return
+        planned = set(buckets.parameters)
+        late = [gradient_to_send(p) for p in trainable if p not in planned]
+        if not late:
+            return
+        groups = bucket_tensors(late, self.bucket_bytes)
+        flats = [flatten(group) for group in groups]
+        hierarchical_allreduce_(
+            flats,
+            self.groups,
+            average=self.op == "average",
+            compression=self.compressor,
+            compress_node_local=self.compress_node_local,
+            counters=self.counters,
+            name=f"{self._names[id(optimizer)]}.late",
+            flat_below_bytes=self.flat_below_bytes,
+        )
+        for flat, group in zip(flats, groups, strict=True):
+            unflatten_into(flat, group)
 
     def _start_bucket(self, optimizer: Optimizer, index: int) -> None:
         """Flatten one bucket's gradients and start its sum (from a backward hook, or after backward)."""
@@ -230,11 +247,9 @@ class HierarchicalGradientSync(GradientSync):
         if self._in_flight.get(id(optimizer)):
             self._two_level(optimizer)
             if self.op == "sum":
-                for parameter in optimizer_parameters(optimizer, trainable_only=True):
-                    if parameter.grad is not None:
-                        parameter.grad.div_(self.groups.topology.size)
+                divide_gradients_(optimizer, self.groups.topology.size)
             self._arm_hooks(optimizer)
-        elif id(optimizer) in self._buckets or optimizer in self._hooked or id(optimizer) in self._names:
+        elif id(optimizer) in self._names:
             self._arm_hooks(optimizer)  # buckets built again if the trainable parameters changed
 
     def on_train_epoch_start(self) -> None:
