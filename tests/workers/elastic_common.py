@@ -39,9 +39,22 @@ def parser() -> argparse.ArgumentParser:
     return parser
 
 
+GROW_PAUSE_S = 0.5
+"""A growing job's pause per step until the workers of ``--hosts-after`` have joined: they import torch and
+Lightning first, and a fast run on a loaded machine could otherwise end before they started."""
+
+
+def slots_of(hosts: str) -> int:
+    """Worker slots of a ``host:slots,host:slots`` list."""
+    return sum(int(entry.split(":")[1]) for entry in hosts.split(",") if entry)
+
+
 def leave_or_grow(args: argparse.Namespace, events: Events, step: int) -> None:
     """At ``--kill-step`` the worker of ``--kill-rank`` drops its host from the discovery file and SIGKILLs
-    itself; at ``--grow-step`` rank 0 writes ``--hosts-after`` there. Once per job."""
+    itself; at ``--grow-step`` rank 0 writes ``--hosts-after`` there, and each step pauses until the job grew.
+    Once per job."""
+    if 0 <= args.grow_step < step and hvd.size() < slots_of(args.hosts_after):
+        time.sleep(GROW_PAUSE_S)
     marker = args.out / "changed"
     if marker.exists():
         return
