@@ -80,6 +80,9 @@ class GradientSync(TrainingLoopHooks, ABC):
 
     backward_passes: int = 1  # micro-batches accumulated into one optimizer step
     topology: Topology | None = None  # the node layout, for the node-aware modes
+    world_shaped: bool = False
+    """Whether the mode holds a layout of the world (node groups, shards): an elastic reset then builds
+    it again from the config, keeping its ``state_dict``; otherwise it follows the new world in place."""
 
     def wrap(self, optimizer: Optimizer, named_parameters: list[tuple[str, torch.nn.Parameter]]) -> Optimizer:
         """Return the optimizer the Trainer should use (possibly a wrapper)."""

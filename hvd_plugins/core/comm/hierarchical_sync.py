@@ -56,6 +56,8 @@ class HierarchicalGradientSync(GradientSync):
     faster (``comm.route_tuning``); the choice is printed once by rank 0 and kept in ``route_tuner``.
     """
 
+    world_shaped = True  # its node groups are the old world's
+
     def __init__(
         self,
         groups: NodeGroups,

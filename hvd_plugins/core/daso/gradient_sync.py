@@ -36,6 +36,8 @@ class DasoGradientSync(GradientSync):
     ``setup`` every step averages over all workers.
     """
 
+    world_shaped = True  # its node groups are the old world's
+
     def __init__(
         self,
         config: DasoConfig,
