@@ -59,9 +59,9 @@ def worker(out: Path, numel: int, trials: int) -> None:
     import torch
 
     from hvd_plugins.core.comm.compression import NoCompression
-    from hvd_plugins.core.comm.hierarchical import hierarchical_allreduce_
-    from hvd_plugins.core.comm.partners import PendingGroupSum, start_one_way
+    from hvd_plugins.core.comm.partners import GroupSum, start_one_way
     from hvd_plugins.core.comm.topology import build_node_groups, start_horovod_and_discover
+    from hvd_plugins.core.comm.two_level import hierarchical_allreduce_
 
     torch.set_num_threads(1)
     groups = build_node_groups(start_horovod_and_discover(hvd))
@@ -78,8 +78,8 @@ def worker(out: Path, numel: int, trials: int) -> None:
 
     ops: dict[str, Callable[[], Any]] = {
         "flat": lambda: hvd.allreduce(buffer, op=hvd.Sum, name="duplex.flat"),
-        "exchange": lambda: PendingGroupSum(half, cross, codec, "duplex.exchange", relay=False).wait(),
-        "relay": lambda: PendingGroupSum(half, cross, codec, "duplex.relay").wait(),
+        "exchange": lambda: GroupSum(half, cross, codec, "duplex.exchange", relay=False).wait(),
+        "relay": lambda: GroupSum(half, cross, codec, "duplex.relay").wait(),
         "one_way": one_way,
         "two_level": lambda: hierarchical_allreduce_([buffer.clone()], groups, average=False),
     }

@@ -50,7 +50,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 
-from hvd_plugins.core.daso.parameter_sync import optimizer_state_to_average
+from hvd_plugins.core.sync.daso.parameter_sync import optimizer_state_to_average
 from hvd_plugins.core.tables import format_table
 from hvd_plugins.testing import benchmarking as bench
 from hvd_plugins.testing import reports

@@ -14,9 +14,9 @@ from typing import TYPE_CHECKING
 
 from hvd_plugins.core.comm.counters import CommCounters
 from hvd_plugins.core.config import HorovodConfig
-from hvd_plugins.core.daso.config import DasoConfig
 from hvd_plugins.core.faults.finite import NonFiniteGradientError
 from hvd_plugins.core.faults.preemption import note_early_warning_signal
+from hvd_plugins.core.sync.daso.config import DasoConfig
 
 __version__ = "0.4.0"
 

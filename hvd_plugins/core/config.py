@@ -14,7 +14,7 @@ from typing import Any, Literal, get_args
 from hvd_plugins.core.backend.stall import DEFAULT_STALL_TIMEOUT_SECONDS, validate_stall_timeout
 from hvd_plugins.core.comm.compression import compressor_by_name
 from hvd_plugins.core.cpu_threads import validate_cpu_threads
-from hvd_plugins.core.daso.config import DasoConfig
+from hvd_plugins.core.sync.daso.config import DasoConfig
 
 CompressionName = Literal["none", "fp16"]
 """How gradients travel: ``"none"`` (their own dtype) or ``"fp16"`` (float16 on the wire)."""

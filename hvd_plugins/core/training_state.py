@@ -13,8 +13,8 @@ from torch.optim import Optimizer
 
 from hvd_plugins.core.backend.module import horovod_torch
 from hvd_plugins.core.comm.buffers import finish_buffer_average, start_buffer_average
-from hvd_plugins.core.comm.gradient_sync import GradientSync
 from hvd_plugins.core.comm.parameters import indexed_optimizer_parameters
+from hvd_plugins.core.sync.base import GradientSync
 
 
 def named_parameters_for(optimizer: Optimizer, model: Module, prefix: str) -> list[tuple[str, Parameter]]:

@@ -23,8 +23,8 @@ import torch
 from lightning.pytorch import LightningModule, Trainer
 from typing_extensions import override
 
-from hvd_plugins.core.comm.gradient_sync import GradientSync
 from hvd_plugins.core.epoch_end import EpochEndPolicy
+from hvd_plugins.core.sync.base import GradientSync
 from hvd_plugins.pytorch.utilities.callbacks import StepAwareCallback, replace_callback
 
 

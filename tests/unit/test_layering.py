@@ -1,7 +1,8 @@
 """The package's layers, enforced: core < faces < monitoring callbacks, and one source for both Lightning packages.
 
 - ``hvd_plugins.core`` imports no Lightning and no face; inside it ``backend`` (the only code that knows
-  Horovod) imports nothing else of the core, ``comm`` only the backend, ``daso`` only those two.
+  Horovod) imports nothing else of the core, ``comm`` (mechanism) only the backend, ``sync`` (the modes,
+  policy) only those two, the config and the fault guards.
 - ``hvd_plugins.fabric`` (Fabric-level plugins) imports no Trainer code; ``hvd_plugins.pytorch`` may
   import it, and of its callbacks only the progress bar it installs by default.
 - Faces name Lightning only as ``lightning.pytorch...``/``lightning.fabric...``, which the mirror rewrites.
@@ -115,11 +116,20 @@ def test_the_core_imports_no_lightning_and_no_face() -> None:
     assert not _offenders("hvd_plugins.core", (*LIGHTNING_ROOTS, *FACES, "hvd_plugins.callbacks", "hvd_plugins.mirror"))
 
 
-def test_the_core_is_layered_backend_then_comm_then_daso() -> None:
+def test_the_core_is_layered_backend_then_comm_then_sync() -> None:
     core = "hvd_plugins.core"
     assert not _offenders(f"{core}.backend", (core,), allowed=(f"{core}.backend",))
     assert not _offenders(f"{core}.comm", (core,), allowed=(f"{core}.backend", f"{core}.comm"))
-    assert not _offenders(f"{core}.daso", (core,), allowed=(f"{core}.backend", f"{core}.comm", f"{core}.daso"))
+    below_sync = (f"{core}.backend", f"{core}.comm", f"{core}.sync", f"{core}.config", f"{core}.faults")
+    assert not _offenders(f"{core}.sync", (core,), allowed=below_sync)
+
+
+def test_a_sync_mode_knows_no_other_mode() -> None:
+    """Only the table (config -> mode) names every mode; a mode may build on ``flat`` (Horovod's own route)."""
+    modes = ("hvd_plugins.core.sync.flat", "hvd_plugins.core.sync.hierarchical", "hvd_plugins.core.sync.daso")
+    for mode in modes:
+        others = tuple(other for other in modes if other != mode and other != modes[0])
+        assert not _offenders(mode, others), mode
 
 
 def test_the_fabric_face_knows_no_trainer() -> None:

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from hvd_plugins.core.config import HorovodConfig
-from hvd_plugins.core.daso.config import DasoConfig
+from hvd_plugins.core.sync.daso.config import DasoConfig
 from hvd_plugins.fabric import HorovodStrategy as FabricHorovodStrategy
 from hvd_plugins.pytorch import HorovodStrategy
 

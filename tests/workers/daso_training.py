@@ -17,8 +17,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from hvd_plugins.core.comm.counters import CommCounters
 from hvd_plugins.core.comm.topology import build_node_groups, start_horovod_and_discover
-from hvd_plugins.core.daso.config import DasoConfig
-from hvd_plugins.core.daso.parameter_sync import DasoParameterSync
+from hvd_plugins.core.sync.daso.config import DasoConfig
+from hvd_plugins.core.sync.daso.parameter_sync import DasoParameterSync
 from hvd_plugins.pytorch import HorovodStrategy
 from hvd_plugins.pytorch.callbacks import DasoScheduleCallback
 

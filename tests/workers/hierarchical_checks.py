@@ -39,10 +39,10 @@ from hvd_plugins.core.comm import (
     build_node_groups,
     discover_topology,
     hierarchical_allreduce_,
-    hierarchical_sync,
     partners,
     start_horovod_and_discover,
 )
+from hvd_plugins.core.sync.hierarchical import mode as hierarchical_sync
 from hvd_plugins.pytorch import HorovodStrategy
 
 checks = Checks()

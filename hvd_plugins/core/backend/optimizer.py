@@ -107,20 +107,21 @@ def share_class(optimizer: HorovodOptimizer) -> None:
     optimizer.__class__ = _SHARED_CLASSES.setdefault((horovod_class.__bases__[0], flavour), horovod_class)
 
 
-def make_zero_grad_wrapper_safe(optimizer: HorovodOptimizer) -> None:
+def make_zero_grad_wrapper_safe(optimizer: HorovodOptimizer, unwrap: Callable[[Any], Any]) -> None:
     """Give a DistributedOptimizer's class a ``zero_grad`` that also works through a subclassing wrapper.
 
     Horovod's ``zero_grad`` calls ``super(self.__class__, self)``: through Fabric's optimizer wrapper
     (a subclass of the optimizer's class) that recurses forever. Each DistributedOptimizer has a class
     of its own, so this changes nothing else. Allreduces a backward started are completed first (see
-    ``_zero_grad_completing_allreduces``).
+    ``_zero_grad_completing_allreduces``). ``unwrap(obj)`` is the DistributedOptimizer a wrapper
+    stands for (``obj`` itself when it is none); the face that knows the wrapper gives it.
     """
     if not hasattr(optimizer, "_handles"):
         return
     horovod_class = type(optimizer)
 
     def zero_grad(self: Any, set_to_none: bool = True) -> None:
-        target = self.__dict__.get("_optimizer", self)  # the DistributedOptimizer itself
+        target = unwrap(self)  # the DistributedOptimizer itself
         if target._handles:
             target.synchronize()
         super(horovod_class, target).zero_grad(set_to_none=set_to_none)
@@ -173,7 +174,7 @@ def pin_zero_grad(lightning_optimizers: Iterable[Any]) -> None:
     optimizer it wraps instead.
     """
     for lightning_optimizer in lightning_optimizers:
-        lightning_optimizer.zero_grad = _zero_grad_completing_allreduces(lightning_optimizer._optimizer)
+        lightning_optimizer.zero_grad = _zero_grad_completing_allreduces(lightning_optimizer.optimizer)
 
 
 def _zero_grad_completing_allreduces(optimizer: HorovodOptimizer) -> Callable[..., None]:

@@ -1,8 +1,13 @@
-"""How bytes move: compression, topology and partners, flat and two-level allreduce."""
+"""MECHANISM: how bytes move. No sync mode lives here (``core.sync`` holds them).
+
+One in-flight protocol (``in_flight``), one shard layout (``shards``), buckets and their readiness
+from backward hooks (``backward_buckets``, ``reducer``), partner legs (``partners``), the two-level
+sum (``two_level``), cross-node shard sums (``cross_node``), buffer averages, compression and wire
+types, counters, topology.
+"""
 
 from hvd_plugins.core.comm.compression import FP16Compression, NoCompression, compressor_by_name
 from hvd_plugins.core.comm.counters import CommCounters, Scope
-from hvd_plugins.core.comm.hierarchical import hierarchical_allreduce_
 from hvd_plugins.core.comm.partners import PartnerGroup, group_sum
 from hvd_plugins.core.comm.topology import (
     NodeGroups,
@@ -11,6 +16,7 @@ from hvd_plugins.core.comm.topology import (
     discover_topology,
     start_horovod_and_discover,
 )
+from hvd_plugins.core.comm.two_level import hierarchical_allreduce_
 
 __all__ = [
     "CommCounters",

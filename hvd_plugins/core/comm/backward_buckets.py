@@ -21,7 +21,8 @@ from hvd_plugins.core.comm.buckets import bucket_tensors
 
 
 class BackwardBuckets:
-    """Buckets of ``parameters`` (reverse order, at most ``bucket_bytes`` each) and their readiness this step.
+    """Buckets of ``parameters`` (reverse order unless ``backward_order=False``, at most ``bucket_bytes`` each) and
+    their readiness this step.
 
     ``passes_needed`` is how many backward passes accumulate into the step (``set_backward_passes``
     and held backward passes raise it); a parameter counts as ready at its last one. While
@@ -29,13 +30,21 @@ class BackwardBuckets:
     """
 
     def __init__(
-        self, parameters: Sequence[Parameter], bucket_bytes: int, on_ready: Callable[[int], None], passes: int = 1
+        self,
+        parameters: Sequence[Parameter],
+        bucket_bytes: int,
+        on_ready: Callable[[int], None],
+        passes: int = 1,
+        backward_order: bool = True,
     ) -> None:
         self.parameters: tuple[torch.Tensor, ...] = tuple(parameters)
-        self.buckets: list[list[torch.Tensor]] = bucket_tensors(reversed(self.parameters), bucket_bytes)
+        order = reversed(self.parameters) if backward_order else self.parameters
+        self.buckets: list[list[torch.Tensor]] = bucket_tensors(order, bucket_bytes)
         self._bucket_of = {parameter: index for index, bucket in enumerate(self.buckets) for parameter in bucket}
         self._on_ready = on_ready
         self.armed = False
+        self.passes_per_step = passes
+        """Backward passes a step accumulates; ``passes_needed`` is this step's, held passes included."""
         self.passes_needed = passes
         self.started: set[int] = set()
         self._passes: dict[torch.Tensor, int] = {}
@@ -65,7 +74,8 @@ class BackwardBuckets:
             self._on_ready(index)
 
     def reset(self, passes: int) -> None:
-        """A new step: nothing ready, nothing started, ``passes`` backward passes to come."""
+        """A new step: nothing ready, nothing started, ``passes`` backward passes to come (from now on)."""
+        self.passes_per_step = passes
         self.passes_needed = passes
         self.started.clear()
         self._passes.clear()

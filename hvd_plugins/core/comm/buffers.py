@@ -10,7 +10,6 @@ float16 sum of running variances over many workers can overflow.
 from __future__ import annotations
 
 from contextlib import nullcontext
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -20,6 +19,7 @@ from hvd_plugins.core.backend.module import horovod_torch
 from hvd_plugins.core.backend.waits import wait_for
 from hvd_plugins.core.comm.buckets import flatten, unflatten_into
 from hvd_plugins.core.comm.counters import CommCounters, Scope
+from hvd_plugins.core.comm.in_flight import InFlight, Meanwhile
 from hvd_plugins.core.comm.wire import nbytes
 
 
@@ -27,17 +27,35 @@ def _buffer_wire_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-@dataclass
-class PendingBufferAverage:
-    """Averages in flight: one Horovod handle per wire dtype, with the buffers it will fill."""
+class BufferAverage(InFlight[None]):
+    """Averages in flight, one Horovod allreduce per wire dtype; ``wait()`` writes them into the buffers."""
 
-    parts: list[tuple[list[torch.Tensor], Any]] = field(default_factory=list)
-    counters: CommCounters | None = None
+    def __init__(self, counters: CommCounters | None = None) -> None:
+        self.parts: list[tuple[list[torch.Tensor], Any]] = []
+        self.counters = counters
+
+    def progress(self) -> None:
+        """One round: nothing to start."""
+
+    def ready(self) -> bool:
+        hvd = horovod_torch()
+        return all(hvd.poll(handle) for _, handle in self.parts)
+
+    def wait(self, meanwhile: Meanwhile = None) -> None:
+        """Wait for the averages and write them into the buffers, in place (cast back to each buffer's dtype)."""
+        for buffers, handle in self.parts:
+            if meanwhile is not None:
+                meanwhile()
+            with self.counters.waiting() if self.counters is not None else nullcontext():
+                averaged = wait_for(handle)
+            with torch.no_grad():
+                unflatten_into(averaged, buffers)
+        self.parts.clear()
 
 
 def start_buffer_average(
     module: Module, name: str, counters: CommCounters | None = None, scope: Scope = Scope.NODE_LOCAL
-) -> PendingBufferAverage | None:
+) -> BufferAverage | None:
     """Start averaging ``module``'s floating buffers over all workers; None when there is nothing to do.
 
     Every rank must call this at the same point with the same module structure and ``name``.
@@ -52,7 +70,7 @@ def start_buffer_average(
             by_dtype.setdefault(_buffer_wire_dtype(buffer.dtype), []).append(buffer)
     if not by_dtype:
         return None
-    pending = PendingBufferAverage(counters=counters)
+    pending = BufferAverage(counters)
     for dtype, buffers in by_dtype.items():
         flat = flatten([buffer.detach().to(dtype) for buffer in buffers])
         if counters is not None:
@@ -62,12 +80,7 @@ def start_buffer_average(
     return pending
 
 
-def finish_buffer_average(pending: PendingBufferAverage | None) -> None:
-    """Wait for the averages and write them into the buffers, in place (cast back to each buffer's dtype)."""
-    if pending is None:
-        return
-    for buffers, handle in pending.parts:
-        with pending.counters.waiting() if pending.counters is not None else nullcontext():
-            averaged = wait_for(handle)
-        with torch.no_grad():
-            unflatten_into(averaged, buffers)
+def finish_buffer_average(pending: BufferAverage | None) -> None:
+    """Wait for the averages and write them into the buffers (nothing for None: nothing was started)."""
+    if pending is not None:
+        pending.wait()

@@ -30,6 +30,8 @@ from hvd_plugins.core.backend.module import horovod_torch
 from hvd_plugins.core.backend.waits import wait_for
 from hvd_plugins.core.comm.compression import Compressor, NoCompression
 from hvd_plugins.core.comm.counters import CommCounters, Scope
+from hvd_plugins.core.comm.in_flight import InFlight, Meanwhile, finish_all
+from hvd_plugins.core.comm.shards import ShardLayout
 from hvd_plugins.core.comm.wire import nbytes
 
 EXCHANGE_MAX_SIZE = 2
@@ -110,14 +112,8 @@ class PartnerGroup:
         return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
 
 
-def pad_to_multiple(tensor: torch.Tensor, parts: int) -> torch.Tensor:
-    """``tensor`` zero-padded so it splits into ``parts`` equal shards."""
-    remainder = tensor.numel() % parts
-    return torch.cat([tensor, tensor.new_zeros(parts - remainder)]) if remainder else tensor
-
-
-class PendingAlltoall:
-    """A partner-only alltoall in flight; ``pieces()`` waits and returns every member's piece, decompressed.
+class PartnerAlltoall(InFlight[list[torch.Tensor]]):
+    """A partner-only alltoall in flight (one round); ``wait()`` returns every member's piece, decompressed.
 
     A worker's own piece never travels (copying it to itself through Horovod costs a copy and
     buffer space); it goes through the same compression locally, so it holds the bits the other
@@ -135,7 +131,15 @@ class PendingAlltoall:
         wire, _ = codec.compress(group.ascending(per_member))
         self.handle = horovod_torch().alltoall_async(wire, splits=group.splits(self.own.numel()), name=name)
 
-    def pieces(self) -> list[torch.Tensor]:
+    def progress(self) -> None:
+        """One round: nothing to start."""
+
+    def ready(self) -> bool:
+        return bool(horovod_torch().poll(self.handle))
+
+    def wait(self, meanwhile: Meanwhile = None) -> list[torch.Tensor]:
+        if meanwhile is not None:
+            meanwhile()
         received = wait_for(self.handle)[0]
         return [self.codec.decompress(piece, self.ctx) for piece in self.group.pieces(received, self.own)]
 
@@ -151,17 +155,17 @@ def add_in_order(pieces: Sequence[torch.Tensor]) -> torch.Tensor:
     return total
 
 
-def start_reduce_scatter(tensor: torch.Tensor, group: PartnerGroup, codec: Compressor, name: str) -> PendingAlltoall:
+def start_reduce_scatter(tensor: torch.Tensor, group: PartnerGroup, codec: Compressor, name: str) -> PartnerAlltoall:
     """Start summing ``tensor`` over ``group`` so member ``i`` gets shard ``i``; ``finish_reduce_scatter`` waits.
 
-    ``tensor.numel()`` must be a multiple of the group's size (see ``pad_to_multiple``).
+    ``tensor.numel()`` must be a multiple of the group's size (``ShardLayout.padded``).
     """
-    return PendingAlltoall(tensor.chunk(group.size), group, codec, name)
+    return PartnerAlltoall(tensor.chunk(group.size), group, codec, name)
 
 
-def finish_reduce_scatter(pending: PendingAlltoall) -> torch.Tensor:
+def finish_reduce_scatter(pending: PartnerAlltoall, meanwhile: Meanwhile = None) -> torch.Tensor:
     """This worker's shard of the group's sum, added in group order (half types in float32)."""
-    return add_in_order(pending.pieces())
+    return add_in_order(pending.wait(meanwhile))
 
 
 def accumulating(values: torch.Tensor) -> torch.Tensor:
@@ -169,14 +173,14 @@ def accumulating(values: torch.Tensor) -> torch.Tensor:
     return values.float() if values.dtype in HALF_TYPES else values
 
 
-def start_allgather(shard: torch.Tensor, group: PartnerGroup, codec: Compressor, name: str) -> PendingAlltoall:
+def start_allgather(shard: torch.Tensor, group: PartnerGroup, codec: Compressor, name: str) -> PartnerAlltoall:
     """Start sending ``shard`` to every member; ``finish_allgather`` waits."""
-    return PendingAlltoall([shard] * group.size, group, codec, name)
+    return PartnerAlltoall([shard] * group.size, group, codec, name)
 
 
-def finish_allgather(pending: PendingAlltoall) -> torch.Tensor:
+def finish_allgather(pending: PartnerAlltoall, meanwhile: Meanwhile = None) -> torch.Tensor:
     """Every member's shard, back to back in group order."""
-    return torch.cat(pending.pieces())
+    return torch.cat(pending.wait(meanwhile))
 
 
 def start_one_way(tensor: torch.Tensor, to: int | None, world: int, name: str) -> Any:
@@ -188,7 +192,7 @@ def start_one_way(tensor: torch.Tensor, to: int | None, world: int, name: str) -
     return horovod_torch().alltoall_async(send, splits=torch.tensor(splits, dtype=torch.int32), name=name)
 
 
-class PendingGroupSum:
+class GroupSum(InFlight[torch.Tensor]):
     """``tensor`` summed over ``group``, in flight: one round for groups of up to two (two for a
     relaying pair), two for larger.
 
@@ -209,9 +213,9 @@ class PendingGroupSum:
         self.codec = codec
         self.name = name
         self._allreduce: Any = None
-        self._exchange: PendingAlltoall | None = None
-        self._scatter: PendingAlltoall | None = None
-        self._gather: PendingAlltoall | None = None
+        self._exchange: PartnerAlltoall | None = None
+        self._scatter: PartnerAlltoall | None = None
+        self._gather: PartnerAlltoall | None = None
         self._relay_out: Any = None  # first round of a relay: the first sender's tensor
         self._relay_back: Any = None  # second round: the sum, back to the first sender
         self._relay_total: torch.Tensor | None = None
@@ -231,14 +235,20 @@ class PendingGroupSum:
         elif group.size <= EXCHANGE_MAX_SIZE:
             self._exchange = start_allgather(self.wire, group, plain, name)
         else:
-            padded = pad_to_multiple(self.wire, group.size)
+            padded = ShardLayout(self.wire.numel(), group.size, group.index).padded(self.wire)
             self._scatter = start_reduce_scatter(padded, group, plain, f"{name}.rs")
 
     def progress(self) -> None:
         """Start the second round if the first has arrived, without waiting (a sum in flight moves on)."""
-        first = self._relay_out if self._relay_out is not None else getattr(self._scatter, "handle", None)
-        if first is not None and horovod_torch().poll(first):
+        if self._first_round_pending() and self._first_round_arrived():
             self.start_second_round()
+
+    def _first_round_pending(self) -> bool:
+        return self._relay_out is not None or self._scatter is not None
+
+    def _first_round_arrived(self) -> bool:
+        first = self._relay_out if self._relay_out is not None else getattr(self._scatter, "handle", None)
+        return first is not None and bool(horovod_torch().poll(first))
 
     def start_second_round(self) -> None:
         """Wait for the first round and start the second: a relay's way back, or the allgather of this shard."""
@@ -254,7 +264,7 @@ class PendingGroupSum:
             self._relay_total = total.to(self.wire.dtype)  # the wire type, as it travels back
             self._relay_back = start_one_way(self._relay_total, group.first_sender, group.world, f"{self.name}.r2")
         if self._scatter is not None:
-            total = add_in_order(self._decompressed(self._scatter.pieces()))
+            total = add_in_order(self._decompressed(self._scatter.wait()))
             shard = total.to(self.wire.dtype)  # back to the wire type for the gather
             self._scatter = None
             self._gather = start_allgather(shard, self.group, NoCompression(), f"{self.name}.ag")
@@ -262,7 +272,7 @@ class PendingGroupSum:
     def ready(self) -> bool:
         """Whether ``wait()`` would return at once; moves a sum whose first round arrived on (``progress``)."""
         self.progress()
-        if self._relay_out is not None or self._scatter is not None:
+        if self._first_round_pending():
             return False  # the first of two rounds is still in flight
         last = [self._allreduce, self._relay_back, getattr(self._exchange, "handle", None)]
         last.append(getattr(self._gather, "handle", None))
@@ -273,8 +283,12 @@ class PendingGroupSum:
         """Pieces that travelled in the wire type, back in the type this sum was started with."""
         return [self.codec.decompress(piece, self.ctx) for piece in pieces]
 
-    def wait(self) -> torch.Tensor:
+    def wait(self, meanwhile: Meanwhile = None) -> torch.Tensor:
+        if meanwhile is not None and self._first_round_pending():
+            meanwhile()
         self.start_second_round()
+        if meanwhile is not None:
+            meanwhile()
         if self._allreduce is not None:
             return self.codec.decompress(wait_for(self._allreduce), self.ctx)
         if self._relay_back is not None:
@@ -282,7 +296,7 @@ class PendingGroupSum:
             total = received if self._relay_total is None else self._relay_total
             return accumulating(self.codec.decompress(total, self.ctx))
         if self._exchange is not None:
-            return add_in_order(self._decompressed(self._exchange.pieces()))
+            return add_in_order(self._decompressed(self._exchange.wait()))
         if self._gather is not None:
             return self.codec.decompress(finish_allgather(self._gather)[: self.tensor.numel()], self.ctx)
         return self.tensor.clone()
@@ -300,16 +314,9 @@ def group_sum(
 
     Each round is started for every tensor before any is awaited, so Horovod can fuse them.
     """
-    pending = [PendingGroupSum(tensor, group, codec, f"{name}.{index}") for index, tensor in enumerate(tensors)]
+    pending = [GroupSum(tensor, group, codec, f"{name}.{index}") for index, tensor in enumerate(tensors)]
     for sum_ in pending:
         if sum_.nbytes:
             counters.record(scope, sum_.nbytes)
     with counters.waiting():
-        return wait_all(pending)
-
-
-def wait_all(pending: Sequence[PendingGroupSum]) -> list[torch.Tensor]:
-    """Finish sums started together: every second round starts before any sum is awaited."""
-    for sum_ in pending:
-        sum_.start_second_round()
-    return [sum_.wait() for sum_ in pending]
+        return finish_all(pending)

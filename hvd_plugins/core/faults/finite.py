@@ -41,17 +41,19 @@ class FiniteGradientCheck:
             for parameter in parameters:
                 self._handles.append(parameter.register_hook(_mark_non_finite(flag)))
 
-    def after_average(self, optimizer: Optimizer, where: str) -> None:
-        """Collective on every rank: raise NonFiniteGradientError if any rank saw a non-finite gradient."""
+    def after_average(self, optimizer: Optimizer, averaged: Sequence[Tensor], where: str) -> None:
+        """Collective on every rank: raise NonFiniteGradientError if any rank saw a non-finite gradient.
+
+        ``averaged``: the averaged gradients this rank owns (all of them, unless its sync mode shards them).
+        """
         flag = self._flags.get(id(optimizer))
         if flag is None:
             return
         hvd = self._hvd
         size, rank = hvd.size(), hvd.rank()
         averaged_bad = torch.zeros((), dtype=torch.bool, device=flag.device)
-        for parameter in optimizer_parameters(optimizer):
-            if parameter.grad is not None:
-                averaged_bad.logical_or_(~torch.isfinite(parameter.grad).all())
+        for gradient in averaged:
+            averaged_bad.logical_or_(~torch.isfinite(gradient).all())
         votes = torch.zeros(2 * size, dtype=torch.float32)
         votes[rank] = float(flag.item())  # one device sync per step
         votes[size + rank] = float(averaged_bad.item())

@@ -37,7 +37,6 @@ from hvd_plugins.core.backend import optimizer as horovod_optimizer
 from hvd_plugins.core.backend.module import horovod_torch
 from hvd_plugins.core.backend.startup import init_horovod
 from hvd_plugins.core.comm.counters import CommCounters
-from hvd_plugins.core.comm.gradient_sync import GradientSync
 from hvd_plugins.core.config import (
     CompressionName,
     CpuThreads,
@@ -48,8 +47,9 @@ from hvd_plugins.core.config import (
     StallTimeout,
     SyncMode,
 )
-from hvd_plugins.core.sync_guards import SyncGuards
-from hvd_plugins.core.sync_modes import make_gradient_sync
+from hvd_plugins.core.sync.base import GradientSync
+from hvd_plugins.core.sync.guards import SyncGuards
+from hvd_plugins.core.sync.table import make_gradient_sync
 from hvd_plugins.core.training_state import broadcast_optimizer_state_, param_groups_kept, wrap_optimizers
 from hvd_plugins.fabric.plugins.environments.horovod import HorovodEnvironment
 from hvd_plugins.fabric.strategies.launchers.horovod import HorovodFabricLauncher

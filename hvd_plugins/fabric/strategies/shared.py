@@ -21,9 +21,9 @@ from hvd_plugins.core.backend.module import horovod_torch
 from hvd_plugins.core.backend.runner import local_launch_size
 from hvd_plugins.core.backend.startup import init_horovod
 from hvd_plugins.core.comm import collectives
-from hvd_plugins.core.comm.gradient_sync import GradientSync
 from hvd_plugins.core.config import HorovodConfig
-from hvd_plugins.core.sync_guards import SyncGuards
+from hvd_plugins.core.sync.base import GradientSync
+from hvd_plugins.core.sync.guards import SyncGuards
 from hvd_plugins.core.worker import prepare_worker
 from hvd_plugins.fabric.plugins.environments.horovod import HorovodEnvironment
 from hvd_plugins.fabric.plugins.io.atomic import AtomicCheckpointIO

@@ -6,7 +6,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
-from hvd_plugins.core.daso.schedule import EpochRecord
+from hvd_plugins.core.sync.daso.schedule import EpochRecord
 
 
 class DasoScheduleCallback(Callback):

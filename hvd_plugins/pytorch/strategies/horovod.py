@@ -33,7 +33,6 @@ from hvd_plugins.core.backend.agreement import assert_ranks_agree
 from hvd_plugins.core.backend.module import horovod_torch
 from hvd_plugins.core.backend.startup import init_horovod
 from hvd_plugins.core.comm.counters import CommCounters
-from hvd_plugins.core.comm.gradient_sync import GradientSync
 from hvd_plugins.core.comm.topology import Topology
 from hvd_plugins.core.config import (
     DEFAULT_COMMIT_EVERY_N_STEPS,
@@ -47,15 +46,16 @@ from hvd_plugins.core.config import (
     StallTimeout,
     SyncMode,
 )
-from hvd_plugins.core.daso.config import DasoConfig
 from hvd_plugins.core.elastic.launch import runs_elastic
 from hvd_plugins.core.epoch_end import EpochEndPolicy
 from hvd_plugins.core.faults.fingerprints import job_fingerprint, optimizer_fingerprint
 from hvd_plugins.core.faults.preemption import slurm_job_id
 from hvd_plugins.core.faults.report import report_failure
 from hvd_plugins.core.metrics_sync import attach_horovod_metric_sync
-from hvd_plugins.core.sync_guards import SyncGuards
-from hvd_plugins.core.sync_modes import make_gradient_sync
+from hvd_plugins.core.sync.base import GradientSync
+from hvd_plugins.core.sync.daso.config import DasoConfig
+from hvd_plugins.core.sync.guards import SyncGuards
+from hvd_plugins.core.sync.table import make_gradient_sync
 from hvd_plugins.core.training_state import broadcast_optimizer_states_, scale_learning_rates_, wrap_optimizers
 from hvd_plugins.fabric.plugins.environments.horovod import HorovodEnvironment
 from hvd_plugins.fabric.strategies.shared import HorovodStrategyShared

@@ -20,6 +20,11 @@ from hvd_plugins.core.faults.finite import FiniteGradientCheck, NonFiniteGradien
 WHERE = "epoch 0, global step 3"
 
 
+def averaged(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """The gradients a sync mode that shards nothing says this rank owns: all of them."""
+    return [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+
+
 def model_and_optimizer() -> tuple[nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(0)
     model = nn.Linear(3, 2)
@@ -43,7 +48,7 @@ def other_rank_voted(local: bool, averaged: bool, size: int = 2, rank: int = 1) 
 
 def error_of(check: FiniteGradientCheck, optimizer: torch.optim.Optimizer) -> str:
     with pytest.raises(NonFiniteGradientError) as stopped:
-        check.after_average(optimizer, WHERE)
+        check.after_average(optimizer, averaged(optimizer), WHERE)
     return str(stopped.value)
 
 
@@ -91,13 +96,13 @@ def test_finite_steps_pass_and_a_bad_step_is_not_held_against_the_next(fake_horo
     model, optimizer = model_and_optimizer()
     check = FiniteGradientCheck([optimizer])
     backward(model)
-    check.after_average(optimizer, WHERE)  # finite: nothing raised
+    check.after_average(optimizer, averaged(optimizer), WHERE)  # finite: nothing raised
     optimizer.zero_grad()
     backward(model, scale=math.inf)
     assert "on rank(s) [0] (of 1 worker(s))" in error_of(check, optimizer)
     optimizer.zero_grad()
     backward(model)
-    check.after_average(optimizer, "epoch 0, global step 4")  # the flag was cleared with the vote
+    check.after_average(optimizer, averaged(optimizer), "epoch 0, global step 4")  # the flag was cleared with the vote
     assert hvd.calls == []  # one worker: the vote is its own, no collective
 
 
@@ -107,10 +112,10 @@ def test_a_removed_check_and_an_optimizer_without_trainable_parameters_watch_not
     frozen = nn.Linear(3, 1).requires_grad_(False)
     idle = torch.optim.SGD(frozen.parameters(), lr=0.1)
     check = FiniteGradientCheck([optimizer, idle])
-    check.after_average(idle, WHERE)
+    check.after_average(idle, averaged(idle), WHERE)
     check.remove()
     backward(model, scale=math.nan)
-    check.after_average(optimizer, WHERE)
+    check.after_average(optimizer, averaged(optimizer), WHERE)
     assert hvd.calls == []
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from hvd_plugins import HorovodStrategy
-from hvd_plugins.core.daso.config import DasoConfig
+from hvd_plugins.core.sync.daso.config import DasoConfig
 
 
 @pytest.mark.parametrize(

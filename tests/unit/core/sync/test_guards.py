@@ -11,11 +11,11 @@ import pytest
 import torch
 from torch import nn
 
-from hvd_plugins.core import sync_guards
+from hvd_plugins.core.sync import guards as sync_guards
 from hvd_plugins.core.config import HorovodConfig
 from hvd_plugins.core.faults import finite
 from hvd_plugins.core.faults.finite import FiniteGradientCheck
-from hvd_plugins.core.sync_guards import SyncGuards
+from hvd_plugins.core.sync.guards import SyncGuards
 
 
 class RecordingWatchdog:
@@ -74,9 +74,11 @@ def test_the_average_and_the_finite_check_run_inside_the_bounded_wait_in_that_or
     (watchdog,) = watchdogs
     seen: list[tuple[str, str | None]] = []
     optimizer = torch.optim.SGD(nn.Linear(2, 1).parameters(), lr=0.1)
-    sync = SimpleNamespace(synchronize=lambda opt: seen.append(("synchronize", watchdog.open)))
+    sync = SimpleNamespace(
+        synchronize=lambda opt: seen.append(("synchronize", watchdog.open)), owned_gradients=lambda opt: []
+    )
     guards.after_backward(sync, optimizer, where=lambda: pytest.fail("asked where without a finite check"))
-    guards.finite_check = SimpleNamespace(after_average=lambda opt, where: seen.append((where, watchdog.open)))
+    guards.finite_check = SimpleNamespace(after_average=lambda opt, owned, where: seen.append((where, watchdog.open)))
     guards.after_backward(sync, optimizer, where=lambda: "epoch 1, global step 7")
     assert seen == [
         ("synchronize", "gradient allreduce"),

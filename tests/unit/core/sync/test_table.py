@@ -8,16 +8,16 @@ from __future__ import annotations
 
 import pytest
 
-from hvd_plugins.core import sync_modes
 from hvd_plugins.core.comm.compression import FP16Compression, NoCompression
 from hvd_plugins.core.comm.counters import CommCounters, Scope
-from hvd_plugins.core.comm.gradient_sync import AdasumOptimizerSync, HorovodOptimizerSync
-from hvd_plugins.core.comm.hierarchical_sync import HierarchicalGradientSync
 from hvd_plugins.core.comm.topology import Topology
 from hvd_plugins.core.config import HorovodConfig
-from hvd_plugins.core.daso.config import DasoConfig
-from hvd_plugins.core.daso.gradient_sync import DasoGradientSync
-from hvd_plugins.core.sync_modes import make_gradient_sync
+from hvd_plugins.core.sync import table as sync_modes
+from hvd_plugins.core.sync.daso.config import DasoConfig
+from hvd_plugins.core.sync.daso.mode import DasoGradientSync
+from hvd_plugins.core.sync.flat import AdasumOptimizerSync, HorovodOptimizerSync
+from hvd_plugins.core.sync.hierarchical.mode import HierarchicalGradientSync
+from hvd_plugins.core.sync.table import make_gradient_sync
 
 TWO_BY_TWO = Topology(rank=1, nodes=((0, 1), (2, 3)))
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from hvd_plugins.core.daso import DasoConfig, DasoSchedule
+from hvd_plugins.core.sync.daso import DasoConfig, DasoSchedule
 
 
 @pytest.mark.parametrize(

@@ -10,8 +10,8 @@ import math
 
 import pytest
 
-from hvd_plugins.core.daso import DasoConfig, DasoSchedule, Phase, StepPlan
-from hvd_plugins.core.daso.schedule import improves
+from hvd_plugins.core.sync.daso import DasoConfig, DasoSchedule, Phase, StepPlan
+from hvd_plugins.core.sync.daso.schedule import improves
 
 
 def run_epoch(schedule: DasoSchedule, batches: int) -> list[StepPlan]:

@@ -13,10 +13,10 @@ from contextlib import AbstractContextManager, nullcontext
 
 from torch.optim import Optimizer
 
-from hvd_plugins.core.comm.gradient_sync import GradientSync
 from hvd_plugins.core.config import HorovodConfig
 from hvd_plugins.core.faults.finite import FiniteGradientCheck, require_no_grad_scaler
 from hvd_plugins.core.faults.watchdog import CollectiveWatchdog
+from hvd_plugins.core.sync.base import GradientSync
 
 
 class SyncGuards:
@@ -60,7 +60,7 @@ class SyncGuards:
         with self.waiting("gradient allreduce"):
             sync.synchronize(optimizer)
             if self.finite_check is not None:
-                self.finite_check.after_average(optimizer, where())
+                self.finite_check.after_average(optimizer, sync.owned_gradients(optimizer), where())
 
     def stop_checking(self) -> None:
         if self.finite_check is not None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hvd_plugins.core.comm.route_tuning import FLAT, TWO_LEVEL, RouteTuner
+from hvd_plugins.core.sync.hierarchical.route_tuning import FLAT, TWO_LEVEL, RouteTuner
 
 
 def _run_tuner(

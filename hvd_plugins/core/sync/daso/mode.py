@@ -15,24 +15,27 @@ from torch.nn import Module
 from torch.optim import Optimizer
 
 from hvd_plugins.core.backend.module import horovod_torch
-from hvd_plugins.core.comm.buckets import bucket_tensors, flatten, unflatten_into
 from hvd_plugins.core.comm.compression import Compressor, compressor_by_name
 from hvd_plugins.core.comm.counters import CommCounters, Scope
-from hvd_plugins.core.comm.gradient_sync import GradientSync, gradients_of
-from hvd_plugins.core.comm.partners import group_sum
+from hvd_plugins.core.comm.gradients import divide_gradients_
+from hvd_plugins.core.comm.in_flight import InFlight, Then
+from hvd_plugins.core.comm.partners import GroupSum, PartnerGroup
+from hvd_plugins.core.comm.reducer import BucketReducer, OptimizerReducers
 from hvd_plugins.core.comm.topology import NodeGroups
-from hvd_plugins.core.daso.config import DasoConfig
-from hvd_plugins.core.daso.parameter_sync import DasoParameterSync
+from hvd_plugins.core.sync.base import GradientSync
+from hvd_plugins.core.sync.daso.config import DasoConfig
+from hvd_plugins.core.sync.daso.parameter_sync import DasoParameterSync
 
 
 class DasoGradientSync(GradientSync):
     """DASO's gradient average, and the owner of DASO's cross-node parameter sync (``daso``).
 
-    After backward, the gradients (zero-filled where backward produced none, so every worker
-    sends the same tensors and every parameter gets optimizer state) are bucketed and flattened;
-    every bucket is launched before any is awaited, so Horovod fuses them into one round per
-    step. Over all workers they travel as ``config.downcast`` ('fp16', or exact 'fp32'); inside the
-    node with the strategy's compression. Which scope a step uses is the schedule's phase; before
+    The gradients (zero-filled where backward produced none, so every worker sends the same
+    tensors and every parameter gets optimizer state) are bucketed in the optimizer's order by the
+    shared reducer (``comm.reducer``); each bucket's sum starts as backward completes it, the rest
+    after backward, and all are launched before any is awaited, so Horovod fuses them. Over all
+    workers they travel as ``config.downcast`` ('fp16', or exact 'fp32'); inside the node with the
+    strategy's compression. Which scope a step uses is the schedule's phase; before
     ``setup`` every step averages over all workers.
     """
 
@@ -61,6 +64,7 @@ class DasoGradientSync(GradientSync):
         """The running fit's parameter syncer; ``daso.schedule`` is public for callbacks."""
         self._restored_schedule: Mapping[str, Any] | None = None
         self._names: dict[int, str] = {}  # by optimizer, in wrap order: equal on every rank
+        self._reducers = OptimizerReducers(bucket_bytes, self._sum_bucket, backward_order=False)
 
     def over_all_workers(self) -> bool:
         """Whether this step's gradients are averaged over all workers (warmup, cooldown) or in the node."""
@@ -68,24 +72,65 @@ class DasoGradientSync(GradientSync):
 
     def wrap(self, optimizer: Optimizer, named_parameters: list[tuple[str, torch.nn.Parameter]]) -> Optimizer:
         self._names[id(optimizer)] = f"daso.grad.opt{len(self._names)}"
+        self._arm(optimizer)
         return optimizer
 
     def synchronize(self, optimizer: Optimizer) -> None:
-        grads = gradients_of(optimizer)
+        self._reducer_for(optimizer).finish(waiting=self.counters.waiting())
+        self._arm(optimizer)
+
+    def _group(self) -> tuple[PartnerGroup, Compressor, Scope] | None:
+        """The group this step's gradients are averaged over, their wire compression and scope; None: alone."""
         everywhere = self.over_all_workers()
-        if not grads or horovod_torch().size() == 1 or (self.groups.local is None and not everywhere):
-            return  # alone in its group: nothing to average (the gradients are zero-filled all the same)
-        name = f"{self._names[id(optimizer)]}.{'all' if everywhere else 'node'}"
-        if everywhere:  # one fused allreduce over every worker, on the global wire type
-            group, compressor = self.groups.world, self.global_compressor
+        if horovod_torch().size() == 1 or (self.groups.local is None and not everywhere):
+            return None  # alone in its group: nothing to average (the gradients are zero-filled all the same)
+        if everywhere:  # over every worker, on the global wire type
             scope = Scope.CROSS_NODE if self.groups.topology.num_nodes > 1 else Scope.NODE_LOCAL
-        else:
-            assert self.groups.local is not None
-            group, compressor, scope = self.groups.local, self.node_compressor, Scope.NODE_LOCAL
-        buckets = bucket_tensors(grads, self.bucket_bytes)
-        sums = group_sum([flatten(bucket) for bucket in buckets], group, compressor, name, self.counters, scope)
-        for total, bucket in zip(sums, buckets, strict=True):
-            unflatten_into(total if self.op == "sum" else total.div_(group.size), bucket)
+            return self.groups.world, self.global_compressor, scope
+        assert self.groups.local is not None
+        return self.groups.local, self.node_compressor, Scope.NODE_LOCAL
+
+    def _sum_bucket(self, flat: torch.Tensor, name: str) -> InFlight[torch.Tensor] | None:
+        """Start one bucket's sum over this step's group; it lands averaged (or summed, ``op="sum"``)."""
+        chosen = self._group()
+        if chosen is None:
+            return None
+        group, compressor, scope = chosen
+        sum_ = GroupSum(flat, group, compressor, f"{name}.{'all' if group.spans_world else 'node'}")
+        if sum_.nbytes:
+            self.counters.record(scope, sum_.nbytes)
+        return sum_ if self.op == "sum" else Then(sum_, lambda total: total.div_(group.size))
+
+    def _reducer_for(self, optimizer: Optimizer) -> BucketReducer:
+        return self._reducers.for_optimizer(optimizer, self._names[id(optimizer)], self.backward_passes)
+
+    def _arm(self, optimizer: Optimizer) -> None:
+        """Let backward start the buckets (the trainable parameters may have changed: the reducer follows)."""
+        self._reducer_for(optimizer).armed = horovod_torch().size() > 1
+
+    def set_backward_passes(self, optimizer: Optimizer, passes: int) -> None:
+        self.backward_passes = passes
+        if (reducer := self._reducers.existing(optimizer)) is not None:
+            reducer.set_backward_passes(passes)
+
+    def hold_next_backward(self, optimizer: Optimizer) -> None:
+        if (reducer := self._reducers.existing(optimizer)) is not None:
+            reducer.hold_next_backward()
+
+    def before_backward(self, optimizer: Optimizer) -> None:
+        """A second backward before the step (accumulating the DDP way) settles the sums the first started.
+
+        The gradients become their average over the group and the step averages again, which is the
+        average of the gradients summed over the passes (``op="sum"``: divided by the group first).
+        """
+        reducer = self._reducers.existing(optimizer)
+        if reducer is None or not reducer.in_flight:
+            return
+        chosen = self._group()
+        reducer.finish(waiting=self.counters.waiting())
+        if self.op == "sum" and chosen is not None:
+            divide_gradients_(optimizer, chosen[0].size)
+        self._arm(optimizer)
 
     # ------------------------------------------------------------------ training-loop hooks
     def setup(self, model: Module, optimizers: Sequence[Optimizer], total_epochs: int | None) -> None:
@@ -124,4 +169,5 @@ class DasoGradientSync(GradientSync):
 
     def teardown(self, optimizers: Sequence[Optimizer]) -> None:
         self.daso = None
+        self._reducers.remove_all()
         self._names.clear()

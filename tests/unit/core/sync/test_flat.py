@@ -10,10 +10,12 @@ import torch
 from torch import nn
 
 from hvd_plugins.core.backend import optimizer as backend_optimizer
-from hvd_plugins.core.comm import gradient_sync, wire
+from hvd_plugins.core.comm import wire
 from hvd_plugins.core.comm.compression import CountingCompressor, FP16Compression, NoCompression
 from hvd_plugins.core.comm.counters import CommCounters, Scope
-from hvd_plugins.core.comm.gradient_sync import AdasumOptimizerSync, HorovodOptimizerSync, gradients_of
+from hvd_plugins.core.comm.gradients import gradients_of
+from hvd_plugins.core.sync import flat as gradient_sync
+from hvd_plugins.core.sync.flat import AdasumOptimizerSync, HorovodOptimizerSync
 
 
 @pytest.fixture

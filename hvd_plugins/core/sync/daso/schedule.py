@@ -43,7 +43,7 @@ from dataclasses import asdict, dataclass, field
 from enum import Enum
 from typing import Any
 
-from hvd_plugins.core.daso.config import DasoConfig
+from hvd_plugins.core.sync.daso.config import DasoConfig
 
 CYCLE_START = (4, 1, 1)
 """heat's ``(global_skips, local_skips, batches_to_wait)`` on entering the cycling phase."""

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from hvd_plugins.core.daso import DasoConfig
-from hvd_plugins.core.daso.gradient_sync import DasoGradientSync
+from hvd_plugins.core.sync.daso import DasoConfig
+from hvd_plugins.core.sync.daso.mode import DasoGradientSync
 
 
 def test_daso_gradient_sync_refuses_ops_it_cannot_average() -> None:

@@ -8,7 +8,7 @@ import torch
 from hvd_plugins.core.comm.counters import CommCounters
 from hvd_plugins.core.comm.partners import PartnerGroup
 from hvd_plugins.core.comm.topology import NodeGroups, Topology, build_node_groups
-from hvd_plugins.core.daso.parameter_sync import optimizer_state_to_average
+from hvd_plugins.core.sync.daso.parameter_sync import optimizer_state_to_average
 
 
 def test_optimizer_state_to_average_takes_only_state_living_with_its_parameter() -> None:
@@ -34,7 +34,7 @@ def test_optimizer_state_to_average_takes_only_state_living_with_its_parameter()
 def test_daso_sharding_takes_only_cross_node_pairs_whose_sum_ends_in_the_wire_type() -> None:
     """The merge gathers the cross-node sum in its wire type: a relaying pair's sum is in it, an exchanging
     pair's (float32 of two float16 pieces) is not, and gathering that would round it."""
-    from hvd_plugins.core.daso.parameter_sync import CrossNodeSharding
+    from hvd_plugins.core.sync.daso.parameter_sync import CrossNodeSharding
 
     groups = build_node_groups(Topology(rank=0, nodes=((0, 1), (2, 3))))
     assert groups.cross is not None and groups.cross.relays

@@ -1,15 +1,19 @@
-"""The gradient sync each ``sync`` setting stands for, built from a ``HorovodConfig``."""
+"""The table from a ``HorovodConfig`` to its sync mode: the one place that knows every mode.
+
+A new mode takes one ``case`` here (and its name in ``core.config.SYNC_MODES``).
+"""
 
 from __future__ import annotations
 
 from hvd_plugins.core.backend.module import horovod_torch
 from hvd_plugins.core.comm.compression import compressor_by_name
 from hvd_plugins.core.comm.counters import CommCounters, Scope
-from hvd_plugins.core.comm.gradient_sync import AdasumOptimizerSync, GradientSync, HorovodOptimizerSync
-from hvd_plugins.core.comm.hierarchical_sync import HierarchicalGradientSync
 from hvd_plugins.core.comm.topology import build_node_groups, discover_topology
 from hvd_plugins.core.config import HIERARCHICAL_IMPLS, SYNC_MODES, HorovodConfig
-from hvd_plugins.core.daso.gradient_sync import DasoGradientSync
+from hvd_plugins.core.sync.base import GradientSync
+from hvd_plugins.core.sync.daso.mode import DasoGradientSync
+from hvd_plugins.core.sync.flat import AdasumOptimizerSync, HorovodOptimizerSync
+from hvd_plugins.core.sync.hierarchical.mode import HierarchicalGradientSync
 
 
 def make_gradient_sync(config: HorovodConfig, counters: CommCounters) -> GradientSync:

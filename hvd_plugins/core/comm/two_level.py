@@ -10,62 +10,37 @@ result. Every leg is a global alltoall that sends only to the worker's partners
 Those are three collective rounds where a flat allreduce takes one, and a round costs the same
 whatever its size until bytes dominate. Buffers below ``flat_below_bytes`` are therefore summed
 by one flat allreduce over all workers (latency-bound: the round count decides), larger ones
-take the three legs (bandwidth-bound: the cross-node bytes decide). See ``FLAT_BELOW_MB``.
+take the three legs (bandwidth-bound: the cross-node bytes decide).
 
-Each buffer's sum is an object in flight (``start_bucket_sum``): a training step can start one
-as soon as backward has produced its gradients and let it move from leg to leg while backward
-still runs (``progress``), then finish them all after backward (``finish_all``).
+Each buffer's sum is an operation in flight (``start_bucket_sum``, ``comm.in_flight``): a training
+step can start one as soon as backward has produced its gradients (``comm.reducer``) and let it
+move from leg to leg while backward still runs, then finish them all after backward.
 """
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
 from collections.abc import Sequence
 
 import torch
 
-from hvd_plugins.core.backend.module import horovod_torch
 from hvd_plugins.core.comm.compression import Compressor, NoCompression
 from hvd_plugins.core.comm.counters import CommCounters, Scope
+from hvd_plugins.core.comm.in_flight import InFlight, Meanwhile, finish_all
 from hvd_plugins.core.comm.partners import (
+    GroupSum,
+    PartnerAlltoall,
     PartnerGroup,
-    PendingAlltoall,
-    PendingGroupSum,
     finish_allgather,
     finish_reduce_scatter,
-    pad_to_multiple,
     start_allgather,
     start_reduce_scatter,
 )
+from hvd_plugins.core.comm.shards import ShardLayout
 from hvd_plugins.core.comm.topology import NodeGroups
 from hvd_plugins.core.comm.wire import nbytes
 
 
-class PendingSum(ABC):
-    """One buffer's sum over every worker, in flight; ``total`` holds it once ``finished``."""
-
-    _total: torch.Tensor | None = None
-
-    @property
-    def finished(self) -> bool:
-        return self._total is not None
-
-    @property
-    def total(self) -> torch.Tensor:
-        """The sum, at least as long as the buffer (padding at the end)."""
-        assert self._total is not None, "the sum has not arrived yet"
-        return self._total
-
-    @abstractmethod
-    def progress(self) -> None:
-        """Start the next leg if the current one has arrived; never waits."""
-
-    @abstractmethod
-    def advance(self) -> None:
-        """Wait for the current leg and start the next (or finish)."""
-
-
-class PendingOneLevel(PendingSum):
+class OneLevelSum(InFlight[torch.Tensor]):
     """A sum over one group (one flat allreduce, or a partner sum where a level is missing)."""
 
     def __init__(
@@ -78,20 +53,33 @@ class PendingOneLevel(PendingSum):
         name: str,
     ) -> None:
         self.counters = counters
-        self._sum = PendingGroupSum(buffer, group, codec, name)
+        self._sum = GroupSum(buffer, group, codec, name)
         if self._sum.nbytes:
             counters.record(scope, self._sum.nbytes)
+        self._total: torch.Tensor | None = None
 
     def progress(self) -> None:
         if self._total is None and self._sum.ready():
-            self.advance()
+            self._wait_leg()
 
-    def advance(self) -> None:
+    def ready(self) -> bool:
+        self.progress()
+        return self._total is not None
+
+    def wait(self, meanwhile: Meanwhile = None) -> torch.Tensor:
+        if self._total is None:
+            if meanwhile is not None:
+                meanwhile()
+            self._wait_leg()
+        assert self._total is not None
+        return self._total
+
+    def _wait_leg(self) -> None:
         with self.counters.waiting():
             self._total = self._sum.wait()
 
 
-class PendingTwoLevel(PendingSum):
+class TwoLevelSum(InFlight[torch.Tensor]):
     """Reduce-scatter inside the node, sum the shard across nodes, allgather inside the node: one leg at a time."""
 
     def __init__(
@@ -108,27 +96,40 @@ class PendingTwoLevel(PendingSum):
         self.local_codec, self.cross_codec = local_codec, cross_codec
         self.counters = counters
         self.name = name
-        padded = pad_to_multiple(buffer, self.local.size)
-        self._scatter: PendingAlltoall | None = start_reduce_scatter(padded, self.local, local_codec, f"{name}.rs")
+        padded = ShardLayout(buffer.numel(), self.local.size, self.local.index).padded(buffer)
+        self._scatter: PartnerAlltoall | None = start_reduce_scatter(padded, self.local, local_codec, f"{name}.rs")
         counters.record(Scope.NODE_LOCAL, self._scatter.piece_nbytes * self.local.size)
-        self._cross: PendingGroupSum | None = None
-        self._gather: PendingAlltoall | None = None
+        self._cross: GroupSum | None = None
+        self._gather: PartnerAlltoall | None = None
+        self._total: torch.Tensor | None = None
 
     def progress(self) -> None:
-        hvd = horovod_torch()
-        if self._scatter is not None and hvd.poll(self._scatter.handle):
-            self.advance()
+        if self._scatter is not None and self._scatter.ready():
+            self._wait_leg()
         if self._cross is not None and self._cross.ready():
-            self.advance()
-        if self._gather is not None and hvd.poll(self._gather.handle):
-            self.advance()
+            self._wait_leg()
+        if self._gather is not None and self._gather.ready():
+            self._wait_leg()
 
-    def advance(self) -> None:
+    def ready(self) -> bool:
+        self.progress()
+        return self._total is not None
+
+    def wait(self, meanwhile: Meanwhile = None) -> torch.Tensor:
+        """The sum, at least as long as the buffer (padding at the end)."""
+        while self._total is None:
+            if meanwhile is not None:
+                meanwhile()
+            self._wait_leg()
+        return self._total
+
+    def _wait_leg(self) -> None:
+        """Wait for the current leg and start the next (or finish)."""
         with self.counters.waiting():
             if self._scatter is not None:
                 shard = finish_reduce_scatter(self._scatter)
                 self._scatter = None
-                self._cross = PendingGroupSum(shard, self.cross, self.cross_codec, f"{self.name}.xr")
+                self._cross = GroupSum(shard, self.cross, self.cross_codec, f"{self.name}.xr")
                 if self._cross.nbytes:
                     self.counters.record(Scope.CROSS_NODE, self._cross.nbytes)
             elif self._cross is not None:
@@ -150,7 +151,7 @@ def start_bucket_sum(
     counters: CommCounters,
     name: str,
     flat_below_bytes: int = 0,
-) -> PendingSum | None:
+) -> InFlight[torch.Tensor] | None:
     """Start summing one 1-D buffer over every worker, node by node; None in a job of one worker.
 
     ``compression`` applies to what crosses nodes, and to the node-local legs too when
@@ -169,20 +170,10 @@ def start_bucket_sum(
         group = local if local is not None else cross
         assert group is not None
         codec, scope = (local_codec, Scope.NODE_LOCAL) if local is not None else (cross_codec, Scope.CROSS_NODE)
-        return PendingOneLevel(buffer, group, codec, counters, scope, f"{name}.ar")
+        return OneLevelSum(buffer, group, codec, counters, scope, f"{name}.ar")
     if nbytes(buffer) < flat_below_bytes:
-        return PendingOneLevel(buffer, groups.world, cross_codec, counters, Scope.CROSS_NODE, f"{name}.flat")
-    return PendingTwoLevel(buffer, groups, local_codec, cross_codec, counters, name)
-
-
-def finish_all(pending: Sequence[PendingSum]) -> None:
-    """Wait for every sum, in order; while one waits, the others move on to their next legs."""
-    for sum_ in pending:
-        while not sum_.finished:
-            for other in pending:
-                if other is not sum_ and not other.finished:
-                    other.progress()
-            sum_.advance()
+        return OneLevelSum(buffer, groups.world, cross_codec, counters, Scope.CROSS_NODE, f"{name}.flat")
+    return TwoLevelSum(buffer, groups, local_codec, cross_codec, counters, name)
 
 
 def write_total(buffer: torch.Tensor, total: torch.Tensor, divide_by: int | None) -> None:
@@ -221,8 +212,7 @@ def hierarchical_allreduce_(
         )
         for index, buffer in enumerate(buffers)
     ]
-    started = [sum_ for sum_ in pending if sum_ is not None]
-    finish_all(started)
-    for buffer, sum_ in zip(buffers, pending, strict=True):
-        if sum_ is not None:
-            write_total(buffer, sum_.total, groups.topology.size if average else None)
+    started = [(buffer, sum_) for buffer, sum_ in zip(buffers, pending, strict=True) if sum_ is not None]
+    totals = finish_all([sum_ for _, sum_ in started])
+    for (buffer, _), total in zip(started, totals, strict=True):
+        write_total(buffer, total, groups.topology.size if average else None)

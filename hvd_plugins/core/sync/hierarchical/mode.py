@@ -3,7 +3,7 @@
 On a slow link between nodes the two-level legs win; on a fast one Horovod's per-gradient
 allreduces cost least. Both start from backward hooks while backward still runs: Horovod's per
 gradient, the legs per bucket once backward has produced all of its gradients
-(``comm.backward_buckets``); what backward has not started when it ends starts then. With route
+(``comm.reducer``); what backward has not started when it ends starts then. With route
 tuning the optimizer is wrapped by Horovod's ``DistributedOptimizer`` whose hooks are held on
 two-level steps, so the kept route is exactly what ``sync="allreduce"`` does when flat wins.
 """
@@ -21,39 +21,27 @@ from torch.optim import Optimizer
 
 from hvd_plugins.core.backend.module import horovod_torch
 from hvd_plugins.core.backend.optimizer import forget_held_gradients, hold_gradient_hooks, set_backward_passes
-from hvd_plugins.core.comm.backward_buckets import BackwardBuckets
-from hvd_plugins.core.comm.buckets import bucket_tensors, flatten, unflatten_into
 from hvd_plugins.core.comm.compression import Compressor
 from hvd_plugins.core.comm.counters import CommCounters, Scope
-from hvd_plugins.core.comm.gradient_sync import (
-    GradientSync,
-    HorovodOptimizerSync,
-    divide_gradients_,
-    gradient_to_send,
-)
-from hvd_plugins.core.comm.hierarchical import (
-    PendingSum,
-    finish_all,
-    hierarchical_allreduce_,
-    start_bucket_sum,
-    write_total,
-)
+from hvd_plugins.core.comm.gradients import divide_gradients_
+from hvd_plugins.core.comm.in_flight import InFlight, Then
 from hvd_plugins.core.comm.parameters import optimizer_parameters
-from hvd_plugins.core.comm.route_tuning import FLAT, RouteTuner
+from hvd_plugins.core.comm.reducer import BucketReducer, OptimizerReducers
 from hvd_plugins.core.comm.topology import NodeGroups
-
-InFlight = tuple[torch.Tensor, list[torch.Tensor], PendingSum | None]
-"""A bucket's sum under way: its flattened gradients, the gradients to write the result into, the sum."""
+from hvd_plugins.core.comm.two_level import start_bucket_sum, write_total
+from hvd_plugins.core.sync.base import GradientSync
+from hvd_plugins.core.sync.flat import HorovodOptimizerSync
+from hvd_plugins.core.sync.hierarchical.route_tuning import FLAT, RouteTuner
 
 log = logging.getLogger(__name__)
 
 
 class HierarchicalGradientSync(GradientSync):
-    """Two-level allreduce of bucketed gradients, each bucket started as backward completes it (``comm.hierarchical``).
+    """Two-level allreduce of bucketed gradients, each bucket started as backward completes it (``comm.two_level``).
 
     Buckets under ``flat_below_bytes`` take one flat allreduce instead of the three legs. With
     ``tune_route`` (and nodes of several workers) the first steps try both routes and keep the
-    faster (``comm.route_tuning``); the choice is printed once by rank 0 and kept in ``route_tuner``.
+    faster (``route_tuning``); the choice is printed once by rank 0 and kept in ``route_tuner``.
     """
 
     world_shaped = True  # its node groups are the old world's
@@ -87,8 +75,7 @@ class HierarchicalGradientSync(GradientSync):
         self._hooked: list[Optimizer] = []  # DistributedOptimizers, whose hooks carry the flat route
         self._last_sync_end: float | None = None
         self._optimizers: list[Optimizer] = []  # every optimizer wrapped, in wrap order
-        self._buckets: dict[int, BackwardBuckets] = {}  # by optimizer: the buckets its backward fills
-        self._in_flight: dict[int, dict[int, InFlight]] = {}  # by optimizer, by bucket: sums started this step
+        self._reducers = OptimizerReducers(bucket_bytes, self._sum_bucket)  # buckets and sums, per optimizer
 
     def wrap(self, optimizer: Optimizer, named_parameters: list[tuple[str, torch.nn.Parameter]]) -> Optimizer:
         name = f"grad.opt{len(self._names)}"
@@ -135,80 +122,48 @@ class HierarchicalGradientSync(GradientSync):
         Large buckets take the legs, small ones one flat allreduce. Parameters that became trainable
         after the buckets were built (a stale plan) are averaged after the planned ones.
         """
-        buckets = self._buckets_for(optimizer)
-        in_flight = self._in_flight.setdefault(id(optimizer), {})
-        for index in range(len(buckets.buckets)):
-            if index not in in_flight:
-                self._start_bucket(optimizer, index)
-        started = [in_flight[index] for index in sorted(in_flight)]
-        finish_all([sum_ for _, _, sum_ in started if sum_ is not None])
-        divide_by = self.groups.topology.size if self.op == "average" else None
-        for flat, gradients, sum_ in started:
-            if sum_ is not None:
-                write_total(flat, sum_.total, divide_by)
-                unflatten_into(flat, gradients)
-        in_flight.clear()
-        buckets.reset(self.backward_passes)
-        self._average_late_parameters(optimizer, buckets)
-        return self._tuner_for(buckets.bucket_nbytes())
+        reducer = self._reducer_for(optimizer)
+        reducer.finish()
+        self._average_late_parameters(optimizer, reducer)
+        return self._tuner_for(reducer.bucket_nbytes())
 
-    def _average_late_parameters(self, optimizer: Optimizer, buckets: BackwardBuckets) -> None:
-        """Average the trainable parameters the buckets do not hold (made trainable while their sums ran)."""
-        trainable = optimizer_parameters(optimizer, trainable_only=True)
-        if buckets.matches(trainable):
-            return
-        planned = set(buckets.parameters)
-        late = [gradient_to_send(p) for p in trainable if p not in planned]
-        if not late:
-            return
-        groups = bucket_tensors(late, self.bucket_bytes)
-        flats = [flatten(group) for group in groups]
-        hierarchical_allreduce_(
-            flats,
-            self.groups,
-            average=self.op == "average",
-            compression=self.compressor,
-            compress_node_local=self.compress_node_local,
-            counters=self.counters,
-            name=f"{self._names[id(optimizer)]}.late",
-            flat_below_bytes=self.flat_below_bytes,
-        )
-        for flat, group in zip(flats, groups, strict=True):
-            unflatten_into(flat, group)
-
-    def _start_bucket(self, optimizer: Optimizer, index: int) -> None:
-        """Flatten one bucket's gradients and start its sum (from a backward hook, or after backward)."""
-        buckets = self._buckets[id(optimizer)]
-        gradients = [gradient_to_send(p) for p in buckets.buckets[index]]
-        flat = flatten(gradients)
-        sum_ = start_bucket_sum(
+    def _sum_bucket(self, flat: torch.Tensor, name: str) -> InFlight[torch.Tensor] | None:
+        """Start one bucket's sum over every worker (``comm.two_level``); it lands, averaged or summed, in ``flat``."""
+        pending = start_bucket_sum(
             flat,
             self.groups,
             compression=self.compressor,
             compress_node_local=self.compress_node_local,
             counters=self.counters,
-            name=f"{self._names[id(optimizer)]}.{index}",
+            name=name,
             flat_below_bytes=self.flat_below_bytes,
         )
-        in_flight = self._in_flight.setdefault(id(optimizer), {})
-        in_flight[index] = (flat, gradients, sum_)
-        for _, _, other in in_flight.values():  # let earlier buckets move on to their next legs
-            if other is not None and not other.finished:
-                other.progress()
+        if pending is None:
+            return None
+        divide_by = self.groups.topology.size if self.op == "average" else None
 
-    def _buckets_for(self, optimizer: Optimizer) -> BackwardBuckets:
-        """The optimizer's buckets, built again when its trainable parameters changed and no bucket is in flight."""
+        def written(total: torch.Tensor) -> torch.Tensor:
+            write_total(flat, total, divide_by)
+            return flat
+
+        return Then(pending, written)
+
+    def _average_late_parameters(self, optimizer: Optimizer, reducer: BucketReducer) -> None:
+        """Average the trainable parameters the buckets do not hold (made trainable while their sums ran)."""
         trainable = optimizer_parameters(optimizer, trainable_only=True)
-        buckets = self._buckets.get(id(optimizer))
-        if buckets is not None and (buckets.matches(trainable) or self._in_flight.get(id(optimizer))):
-            return buckets
-        if buckets is not None:
-            buckets.remove()
-        buckets = BackwardBuckets(
-            trainable, self.bucket_bytes, lambda index: self._start_bucket(optimizer, index), self.backward_passes
-        )
-        self._buckets[id(optimizer)] = buckets
-        return buckets
+        if reducer.matches(trainable):
+            return
+        planned = set(reducer.buckets.parameters)
+        late = [p for p in trainable if p not in planned]
+        if not late:
+            return
+        name = f"{self._names[id(optimizer)]}.late"
+        late_reducer = BucketReducer(late, self.bucket_bytes, self._sum_bucket, name, backward_order=False)
+        late_reducer.finish()
+        late_reducer.remove()
+
+    def _reducer_for(self, optimizer: Optimizer) -> BucketReducer:
+        return self._reducers.for_optimizer(optimizer, self._names[id(optimizer)], self.backward_passes)
 
     def _arm_hooks(self, optimizer: Optimizer) -> None:
         """Arm the hooks of the route the next step takes: Horovod's for flat, the buckets' for the legs."""
@@ -219,22 +174,21 @@ class HierarchicalGradientSync(GradientSync):
                 set_backward_passes(optimizer, self.backward_passes)
             else:
                 hold_gradient_hooks(optimizer)
-        buckets = self._buckets_for(optimizer)
-        buckets.armed = not flat_next and self.groups.topology.size > 1
+        self._reducer_for(optimizer).armed = not flat_next and self.groups.topology.size > 1
 
     def set_backward_passes(self, optimizer: Optimizer, passes: int) -> None:
         self.backward_passes = passes
         if optimizer in self._hooked:
             set_backward_passes(optimizer, passes)  # then held again unless the next step takes the flat route
-        if id(optimizer) in self._buckets:
-            self._buckets[id(optimizer)].reset(passes)
+        if (reducer := self._reducers.existing(optimizer)) is not None:
+            reducer.set_backward_passes(passes)
         self._arm_hooks(optimizer)
 
     def hold_next_backward(self, optimizer: Optimizer) -> None:
         if self._flat is not None and optimizer in self._hooked:
             self._flat.hold_next_backward(optimizer)
-        if id(optimizer) in self._buckets:
-            self._buckets[id(optimizer)].passes_needed += 1  # the countdown of every parameter gains one
+        if (reducer := self._reducers.existing(optimizer)) is not None:
+            reducer.hold_next_backward()
 
     def before_backward(self, optimizer: Optimizer) -> None:
         """Before a backward: settle what an earlier backward of the step started, or follow new trainable parameters.
@@ -246,7 +200,8 @@ class HierarchicalGradientSync(GradientSync):
         """
         if self._flat is not None and optimizer in self._hooked:
             self._flat.before_backward(optimizer)  # the flat route's hooks; held ones started nothing
-        if self._in_flight.get(id(optimizer)):
+        reducer = self._reducers.existing(optimizer)
+        if reducer is not None and reducer.in_flight:
             self._two_level(optimizer)
             if self.op == "sum":
                 divide_gradients_(optimizer, self.groups.topology.size)
@@ -271,10 +226,7 @@ class HierarchicalGradientSync(GradientSync):
     def teardown(self, optimizers: Sequence[Optimizer]) -> None:
         if self._flat is not None:
             self._flat.teardown(self._hooked)
-        for buckets in self._buckets.values():
-            buckets.remove()
-        self._buckets.clear()
-        self._in_flight.clear()
+        self._reducers.remove_all()
         self._optimizers.clear()
         self._hooked.clear()
         self._names.clear()

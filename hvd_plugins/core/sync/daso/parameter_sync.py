@@ -1,4 +1,5 @@
-"""HOW DASO syncs across nodes: gradients over all workers, or sharded parameter averaging across nodes.
+"""DASO's cross-node half: WHEN and WHAT parameters and state are averaged across nodes (the bytes move in
+``comm.cross_node``).
 
 Warmup and cooldown (synchronous phases): ``DasoGradientSync`` averages every step's gradients
 over ALL workers in one fused round, so every worker applies the same update and parameters
@@ -56,9 +57,7 @@ rank at the same epoch start.
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
 
 import torch
 from torch.nn import Module
@@ -66,15 +65,15 @@ from torch.optim import Optimizer
 
 from hvd_plugins.core.backend.module import horovod_torch
 from hvd_plugins.core.comm.buckets import flatten, unflatten_into
-from hvd_plugins.core.comm.buffers import PendingBufferAverage, finish_buffer_average, start_buffer_average
-from hvd_plugins.core.comm.compression import NoCompression
+from hvd_plugins.core.comm.buffers import BufferAverage, finish_buffer_average, start_buffer_average
 from hvd_plugins.core.comm.counters import CommCounters, Scope
+from hvd_plugins.core.comm.cross_node import ChunkedSum, CrossNodeSharding
 from hvd_plugins.core.comm.parameters import optimizer_parameters
-from hvd_plugins.core.comm.partners import PendingGroupSum, finish_allgather, start_allgather, wait_all
+from hvd_plugins.core.comm.shards import ShardLayout
 from hvd_plugins.core.comm.topology import NodeGroups
 from hvd_plugins.core.comm.wire import nbytes
-from hvd_plugins.core.daso.config import DasoConfig
-from hvd_plugins.core.daso.schedule import DasoSchedule, StepPlan
+from hvd_plugins.core.sync.daso.config import DasoConfig
+from hvd_plugins.core.sync.daso.schedule import DasoSchedule, StepPlan
 
 log = logging.getLogger(__name__)
 
@@ -86,119 +85,6 @@ def to_wire(values: torch.Tensor, downcast: str) -> torch.Tensor:
     if downcast == "bf16":
         return values.to(torch.bfloat16).to(torch.float32)
     return values.to(torch.float32)
-
-
-@dataclass(frozen=True)
-class ShardLayout:
-    """How a flat vector of ``numel`` elements splits into ``parts`` equal shards (last one padded)."""
-
-    numel: int
-    parts: int
-    index: int
-
-    @property
-    def shard_numel(self) -> int:
-        return math.ceil(self.numel / self.parts) if self.numel else 0
-
-    def shard_of(self, flat: torch.Tensor) -> torch.Tensor:
-        """A copy of this worker's shard of ``flat``, zero-padded to ``shard_numel``."""
-        start = self.index * self.shard_numel
-        piece = flat[start : start + self.shard_numel]
-        padding = self.shard_numel - piece.numel()
-        return torch.cat([piece, piece.new_zeros(padding)]) if padding else piece.clone()
-
-
-@dataclass
-class PendingSum:
-    """A cross-node Sum in flight: one pending group sum per chunk."""
-
-    chunks: list[PendingGroupSum]
-    dtype: torch.dtype
-
-
-class CrossNodeSharding:
-    """Sum shards across nodes and reassemble them inside the node; counts every byte.
-
-    Both legs reach the worker's partners through global alltoalls (``comm.partners``); with one
-    worker per node the cross-node sum is Horovod's allreduce.
-    """
-
-    def __init__(self, groups: NodeGroups, counters: CommCounters, chunk_numel: int) -> None:
-        cross = groups.cross
-        if cross is not None and cross.size == 2 and not (cross.relays or cross.spans_world):
-            # A pair that exchanges returns its float32 sum of two wire pieces; gathering that in the
-            # wire type would round it, so the merge relies on the relay (or allreduce) of a pair.
-            raise ValueError(f"DASO's cross-node pair {cross.ranks} must relay (a relay lane) or span every worker")
-        self.groups = groups
-        self.counters = counters
-        self.chunk_numel = chunk_numel
-        self.num_nodes = groups.topology.num_nodes
-
-    def layout(self, numel: int) -> ShardLayout:
-        local = self.groups.local
-        return ShardLayout(numel, local.size, local.index) if local is not None else ShardLayout(numel, 1, 0)
-
-    def start_sum(self, wire: torch.Tensor, name: str) -> PendingSum:
-        """Start a non-blocking Sum of ``wire`` over this worker's cross-node peers, chunk by chunk."""
-        assert self.groups.cross is not None
-        chunks = wire.split(self.chunk_numel) if wire.numel() else ()
-        codec = NoCompression()  # ``wire`` is already in its wire type
-        pending = [PendingGroupSum(chunk, self.groups.cross, codec, f"{name}.{i}") for i, chunk in enumerate(chunks)]
-        self.counters.record(Scope.CROSS_NODE, nbytes(wire), calls=len(pending))
-        return PendingSum(pending, wire.dtype)
-
-    def advance(self, pending: PendingSum) -> None:
-        """Let a Sum in flight start its next round where the last one arrived (no waiting)."""
-        for chunk in pending.chunks:
-            chunk.progress()
-
-    def finish_sum(self, pending: PendingSum) -> torch.Tensor:
-        """Wait for a Sum and return it in its wire type."""
-        return self.finish_sums([pending])[0]
-
-    def finish_sums(self, pending: Sequence[PendingSum]) -> list[torch.Tensor]:
-        """Wait for Sums started together (every second round starts first); each in its wire type.
-
-        The cross-node group is a relaying pair, every worker (Horovod's allreduce) or a larger
-        group (reduce-scatter, then an allgather in the wire type), and each of these ends with
-        the sum in the wire type, so converting back to it is exact.
-        """
-        with self.counters.waiting():
-            parts = wait_all([chunk for sum_ in pending for chunk in sum_.chunks])
-        sums = []
-        for sum_ in pending:
-            mine, parts = parts[: len(sum_.chunks)], parts[len(sum_.chunks) :]
-            sums.append(torch.cat(mine).to(sum_.dtype) if mine else torch.empty(0, dtype=sum_.dtype))
-        return sums
-
-    def gather_in_node(self, shard: torch.Tensor, layout: ShardLayout) -> torch.Tensor:
-        """Every local worker's ``shard``, reassembled and unpadded: the full flat vector (one round)."""
-        return self.gather_all_in_node([shard], [layout])[0]
-
-    def gather_all_in_node(self, shards: Sequence[torch.Tensor], layouts: Sequence[ShardLayout]) -> list[torch.Tensor]:
-        """``gather_in_node`` for several shards at once: all gathers start before any is awaited."""
-        local = self.groups.local
-        if local is None:
-            return [shard[: layout.numel] for shard, layout in zip(shards, layouts, strict=True)]
-        pending = [start_allgather(shard, local, NoCompression(), f"daso.gather.{i}") for i, shard in enumerate(shards)]
-        for gather in pending:
-            self.counters.record(Scope.NODE_LOCAL, gather.piece_nbytes)
-        with self.counters.waiting():
-            return [finish_allgather(gather)[: layout.numel] for gather, layout in zip(pending, layouts, strict=True)]
-
-    def sum_node_copies(self, messages: Sequence[torch.Tensor], name: str) -> list[torch.Tensor]:
-        """The sum over nodes of messages that every worker of a node holds alike, each in its own type.
-
-        Each local worker carries its shard of every message across nodes, then the node gathers
-        the sums: the bytes between nodes are one copy per node, not one per worker, as an
-        allreduce over all workers would send. All sums start before any is awaited.
-        """
-        layouts = [self.layout(message.numel()) for message in messages]
-        pending = [
-            self.start_sum(layout.shard_of(message), f"{name}.{index}")
-            for index, (message, layout) in enumerate(zip(messages, layouts, strict=True))
-        ]
-        return self.gather_all_in_node(self.finish_sums(pending), layouts)
 
 
 class DasoParameterSync:
@@ -226,7 +112,7 @@ class DasoParameterSync:
         self._work_dtype = torch.float32
         self._layout = ShardLayout(0, 1, 0)
         self._reference = torch.empty(0)  # the full flat parameters of the last cross-node average
-        self._in_flight: PendingSum | None = None
+        self._in_flight: ChunkedSum | None = None
 
     @property
     def across_nodes(self) -> bool:
@@ -279,7 +165,7 @@ class DasoParameterSync:
     def on_train_batch_start(self) -> None:
         """A relayed parameter sum in flight starts its way back now, to travel behind this batch's compute."""
         if self._in_flight is not None:
-            self.sharding.advance(self._in_flight)
+            self._in_flight.progress()
 
     def after_optimizer_step(self, last_batch_of_epoch: bool) -> None:
         self._carry_out(self.schedule.on_optimizer_step(last_batch_of_epoch))
@@ -330,7 +216,7 @@ class DasoParameterSync:
         if self._in_flight is None:
             return
         pending, self._in_flight = self._in_flight, None
-        drift_sum = self.sharding.finish_sum(pending)
+        drift_sum = self.sharding.finish_sums([pending])[0]
         if not merge:
             return  # the blocking sync that follows averages the current parameters instead
         full_sum = self.sharding.gather_in_node(drift_sum, self._layout)
@@ -341,7 +227,7 @@ class DasoParameterSync:
             move_towards(self._parameters, average, nodes / (weight + nodes))
         self.merges += 1
 
-    def _start_buffer_average(self) -> PendingBufferAverage | None:
+    def _start_buffer_average(self) -> BufferAverage | None:
         if self._model is None:
             return None
         return start_buffer_average(self._model, "daso.buffers", self.counters, self._global_scope)

@@ -1,24 +1,12 @@
-"""How gradients are averaged before the optimizer steps: the interface every sync mode offers, flat and two-level.
-
-Lightning calls ``optimizer.step(closure)`` and the closure runs backward, so gradients may
-only be averaged after the closure ran. The strategy therefore keeps the optimizer from
-synchronizing on its own (``deferred``) and calls ``synchronize`` right after backward,
-before gradient clipping and the AMP unscale see the gradients.
-
-A sync mode owns its state (the hierarchical route, DASO's schedule) and offers the hooks a
-training loop calls (``setup``, epoch and batch events, ``state_dict``/``load_state_dict``), so a
-strategy wires any mode the same way and never asks which one it has.
-"""
+"""``sync="allreduce"``: Horovod's ``DistributedOptimizer``, one allreduce per gradient from backward hooks; and
+``op="adasum"``, Horovod's Adasum optimizer."""
 
 from __future__ import annotations
 
 import contextlib
-from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any
+from collections.abc import Iterator, Sequence
 
 import torch
-from torch.nn import Module
 from torch.optim import Optimizer
 
 from hvd_plugins.core.backend.module import horovod_torch
@@ -35,77 +23,9 @@ from hvd_plugins.core.backend.optimizer import (
 from hvd_plugins.core.backend.waits import wait_for_pending_allreduces
 from hvd_plugins.core.comm.compression import Compressor, CountingCompressor
 from hvd_plugins.core.comm.counters import CommCounters, Scope
-from hvd_plugins.core.comm.parameters import optimizer_parameters
-from hvd_plugins.core.comm.topology import Topology
+from hvd_plugins.core.comm.gradients import divide_gradients_
 from hvd_plugins.core.comm.wire import horovod_op
-
-
-class TrainingLoopHooks:
-    """What a sync mode may do at the training loop's events; each hook does nothing unless overridden."""
-
-    def setup(self, model: Module, optimizers: Sequence[Optimizer], total_epochs: int | None) -> None:
-        """Once the wrapped optimizers exist and every worker holds the same parameters."""
-
-    def on_train_epoch_start(self) -> None:
-        """At every training epoch's start, after callbacks that (un)freeze parameters."""
-
-    def on_train_batch_start(self) -> None:
-        """Before every training batch."""
-
-    def after_optimizer_step(self, last_batch_of_epoch: bool) -> None:
-        """After every batch that stepped the optimizers."""
-
-    def on_train_epoch_end(self, epoch_loss: Callable[[], float | None]) -> None:
-        """After the epoch's last batch, on every worker; ``epoch_loss()`` is a collective (the all-worker mean)."""
-
-    def state_dict(self) -> dict[str, Any]:
-        """What a checkpoint keeps of this sync (empty: nothing)."""
-        return {}
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Take back what ``state_dict`` returned; may come before ``setup``."""
-
-    def teardown(self, optimizers: Sequence[Optimizer]) -> None:
-        """After a fit: forget its optimizers, so a later fit in this process starts clean (state is kept)."""
-
-    def refuse_unsupported(self, accumulate_grad_batches: int, clips_gradients: bool) -> None:
-        """Before the first step: raise, naming the setting, for training this sync cannot do."""
-
-
-class GradientSync(TrainingLoopHooks, ABC):
-    """Averages the gradients of one optimizer's parameters across workers, and follows the training loop.
-
-    The loop hooks do nothing here; a mode that keeps state across steps or epochs overrides them.
-    """
-
-    backward_passes: int = 1  # micro-batches accumulated into one optimizer step
-    topology: Topology | None = None  # the node layout, for the node-aware modes
-    world_shaped: bool = False
-    """Whether the mode holds a layout of the world (node groups, shards): an elastic reset then builds
-    it again from the config, keeping its ``state_dict``; otherwise it follows the new world in place."""
-
-    def wrap(self, optimizer: Optimizer, named_parameters: list[tuple[str, torch.nn.Parameter]]) -> Optimizer:
-        """Return the optimizer the Trainer should use (possibly a wrapper)."""
-        return optimizer
-
-    @contextlib.contextmanager
-    def deferred(self, optimizer: Optimizer) -> Iterator[None]:
-        """Keep ``optimizer.step`` from synchronizing by itself."""
-        yield
-
-    @abstractmethod
-    def synchronize(self, optimizer: Optimizer) -> None:
-        """Average the gradients now; called once per optimizer step, after backward."""
-
-    def set_backward_passes(self, optimizer: Optimizer, passes: int) -> None:
-        """Tell the sync how many backward passes accumulate into one step."""
-        self.backward_passes = passes
-
-    def hold_next_backward(self, optimizer: Optimizer) -> None:
-        """The next backward only adds to the gradients (a loop's ``no_backward_sync``); explicit syncs wait anyway."""
-
-    def before_backward(self, optimizer: Optimizer) -> None:
-        """Before every backward: settle what an earlier backward of this step started, if anything."""
+from hvd_plugins.core.sync.base import GradientSync
 
 
 class HorovodOptimizerSync(GradientSync):
@@ -236,34 +156,3 @@ class AdasumOptimizerSync(HorovodOptimizerSync):
                 "op='adasum' cannot clip gradients (gradient_clip_val is set): Horovod's Adasum optimizer has "
                 "stepped by the time Lightning clips. Drop gradient_clip_val, or use op='average'."
             )
-
-
-def divide_gradients_(optimizer: Optimizer, divisor: int) -> None:
-    """Divide the gradients of ``optimizer``'s trainable parameters in place: a settled ``op="sum"`` sum that the
-    step sums over every worker once more (see ``HorovodOptimizerSync.before_backward``)."""
-    for parameter in optimizer_parameters(optimizer, trainable_only=True):
-        if parameter.grad is not None:
-            parameter.grad.div_(divisor)
-
-
-def gradients_of(optimizer: Optimizer) -> Sequence[torch.Tensor]:
-    """Gradients of every trainable parameter, zero-filled where none was produced, dense (``gradient_to_send``)."""
-    return [gradient_to_send(parameter) for parameter in optimizer_parameters(optimizer, trainable_only=True)]
-
-
-def gradient_to_send(parameter: torch.Tensor) -> torch.Tensor:
-    """The gradient a worker hands to a sum for ``parameter``: dense, and zeros where backward produced none.
-
-    Every worker must hand the same tensors to the collective, even when a parameter got no
-    gradient on this worker (e.g. an unused branch): a trainable one gets a zero gradient, as under
-    DDP; a frozen one (buckets built before it was frozen) sends zeros and keeps no gradient. Sparse
-    gradients (``nn.Embedding(sparse=True)``) become dense: the node-aware syncs flatten gradients
-    into buckets.
-    """
-    if parameter.grad is None:
-        if not parameter.requires_grad:
-            return torch.zeros_like(parameter)
-        parameter.grad = torch.zeros_like(parameter)
-    elif parameter.grad.is_sparse:
-        parameter.grad = parameter.grad.to_dense()
-    return parameter.grad

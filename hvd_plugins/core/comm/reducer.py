@@ -1,0 +1,141 @@
+"""One bucketed reducer for every mode that reduces gradients: buckets, their readiness, and an operation per bucket.
+
+As torch DDP's reducer serves every comm hook, this serves every sync mode: it flattens one
+optimizer's gradients bucket by bucket (``comm.backward_buckets``), starts the mode's operation on a
+bucket the moment backward has completed it (while ``armed``; else all start after backward),
+lets the buckets in flight move on while others start, and writes each result back into the
+gradients. What the operation does with a bucket (a two-level sum, a sum inside the node, a
+reduce-scatter) is the mode's; how buckets fill, start and land is this module's.
+
+Accumulation: ``passes`` backward passes make one step, and a held backward (``hold_next_backward``)
+adds one; a bucket starts at its last pass. A second backward before the step while buckets are
+in flight must ``finish`` them first (the mode decides how to fold the settled result).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
+
+import torch
+from torch.nn import Parameter
+from torch.optim import Optimizer
+
+from hvd_plugins.core.comm.backward_buckets import BackwardBuckets
+from hvd_plugins.core.comm.buckets import flatten, unflatten_into
+from hvd_plugins.core.comm.gradients import gradient_to_send
+from hvd_plugins.core.comm.in_flight import InFlight, finish_all
+from hvd_plugins.core.comm.parameters import optimizer_parameters
+
+BucketOperation = Callable[[torch.Tensor, str], InFlight[torch.Tensor] | None]
+"""Starts a mode's operation on one bucket's flattened gradients (named; the same name on every worker);
+its result, as long as the bucket or longer, is written back into the gradients. None: nothing to do."""
+
+
+class BucketReducer:
+    """One optimizer's trainable ``parameters`` in buckets, each reduced by ``operation`` as backward completes it."""
+
+    def __init__(
+        self,
+        parameters: Sequence[Parameter],
+        bucket_bytes: int,
+        operation: BucketOperation,
+        name: str,
+        passes: int = 1,
+        backward_order: bool = True,
+    ) -> None:
+        self.operation = operation
+        self.name = name
+        self.buckets = BackwardBuckets(parameters, bucket_bytes, self.start, passes, backward_order)
+        self._in_flight: dict[int, tuple[list[torch.Tensor], InFlight[torch.Tensor] | None]] = {}
+
+    @property
+    def armed(self) -> bool:
+        """Whether backward's hooks start buckets (else ``finish`` starts them all)."""
+        return self.buckets.armed
+
+    @armed.setter
+    def armed(self, armed: bool) -> None:
+        self.buckets.armed = armed
+
+    @property
+    def in_flight(self) -> bool:
+        """Whether some bucket of this step has started."""
+        return bool(self._in_flight)
+
+    def matches(self, parameters: Sequence[Parameter]) -> bool:
+        return self.buckets.matches(parameters)
+
+    def bucket_nbytes(self) -> list[int]:
+        return self.buckets.bucket_nbytes()
+
+    def start(self, index: int) -> None:
+        """Flatten bucket ``index``'s gradients and start its operation; buckets in flight move on meanwhile."""
+        gradients = [gradient_to_send(p) for p in self.buckets.buckets[index]]
+        operation = self.operation(flatten(gradients), f"{self.name}.{index}")
+        self._in_flight[index] = (gradients, operation)
+        for _, other in self._in_flight.values():
+            if other is not None:
+                other.progress()
+
+    def finish(self, waiting: AbstractContextManager[object] | None = None) -> None:
+        """Start what backward did not, wait for every bucket (in order), write the results back; next step."""
+        for index in range(len(self.buckets.buckets)):
+            if index not in self._in_flight:
+                self.start(index)
+        started = [self._in_flight[index] for index in sorted(self._in_flight)]
+        running = [(gradients, operation) for gradients, operation in started if operation is not None]
+        with waiting if waiting is not None else nullcontext():
+            results = finish_all([operation for _, operation in running])
+        for (gradients, _), result in zip(running, results, strict=True):
+            unflatten_into(result, gradients)
+        self._in_flight.clear()
+        self.buckets.reset(self.buckets.passes_per_step)
+
+    def set_backward_passes(self, passes: int) -> None:
+        """``passes`` backward passes make the next steps."""
+        self.buckets.reset(passes)
+
+    def hold_next_backward(self) -> None:
+        """The next backward only adds to the gradients: every parameter's countdown gains one pass."""
+        self.buckets.passes_needed += 1
+
+    def remove(self) -> None:
+        """Drop the hooks: this reducer is done with."""
+        self.buckets.remove()
+        self._in_flight.clear()
+
+
+class OptimizerReducers:
+    """A reducer per optimizer, built again when the optimizer's trainable parameters change (unfreezing).
+
+    A reducer with buckets in flight is kept until they land: the parameters that became trainable
+    meanwhile are the mode's to handle for that step.
+    """
+
+    def __init__(self, bucket_bytes: int, operation: BucketOperation, backward_order: bool = True) -> None:
+        self.bucket_bytes = bucket_bytes
+        self.operation = operation
+        self.backward_order = backward_order
+        self._reducers: dict[int, BucketReducer] = {}
+
+    def for_optimizer(self, optimizer: Optimizer, name: str, passes: int) -> BucketReducer:
+        """``optimizer``'s reducer (named ``name``; ``passes`` backward passes a step when built anew)."""
+        trainable = optimizer_parameters(optimizer, trainable_only=True)
+        reducer = self._reducers.get(id(optimizer))
+        if reducer is not None and (reducer.matches(trainable) or reducer.in_flight):
+            return reducer
+        if reducer is not None:
+            reducer.remove()
+        reducer = BucketReducer(trainable, self.bucket_bytes, self.operation, name, passes, self.backward_order)
+        self._reducers[id(optimizer)] = reducer
+        return reducer
+
+    def existing(self, optimizer: Optimizer) -> BucketReducer | None:
+        """``optimizer``'s reducer if one was built."""
+        return self._reducers.get(id(optimizer))
+
+    def remove_all(self) -> None:
+        for reducer in self._reducers.values():
+            reducer.remove()
+        self._reducers.clear()

@@ -1,0 +1,134 @@
+"""What every sync mode offers: how gradients are averaged, the training loop's events, and what the mode owns.
+
+Lightning calls ``optimizer.step(closure)`` and the closure runs backward, so gradients may
+only be averaged after the closure ran. The strategy therefore keeps the optimizer from
+synchronizing on its own (``deferred``) and calls ``synchronize`` right after backward,
+before gradient clipping and the AMP unscale see the gradients.
+
+A sync mode owns its state (the hierarchical route, DASO's schedule, shards) and answers the
+strategy's questions, so a strategy wires any mode the same way and never asks which one it has,
+and never reads every gradient or the whole optimizer state itself:
+
+- the training loop's events (``setup``, epoch and batch events, ``state_dict``/``load_state_dict``);
+- the gradients this worker owns once averaged (``owned_gradients``: the finite check reads them);
+- clipping by the global norm or by value (``clip_grad_norm_``, ``clip_grad_value_``);
+- the optimizer state to save or commit and to load (``optimizer_state_dict``, ``load_optimizer_state_dict``);
+- whether an elastic reset must build the mode again (``world_shaped``).
+
+The defaults here are those of a mode in which every worker holds every averaged gradient and the
+whole optimizer state; a mode that shards overrides them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch.nn import Module
+from torch.optim import Optimizer
+
+from hvd_plugins.core.comm.parameters import optimizer_parameters
+from hvd_plugins.core.comm.topology import Topology
+
+
+class TrainingLoopHooks:
+    """What a sync mode may do at the training loop's events; each hook does nothing unless overridden."""
+
+    def setup(self, model: Module, optimizers: Sequence[Optimizer], total_epochs: int | None) -> None:
+        """Once the wrapped optimizers exist and every worker holds the same parameters."""
+
+    def on_train_epoch_start(self) -> None:
+        """At every training epoch's start, after callbacks that (un)freeze parameters."""
+
+    def on_train_batch_start(self) -> None:
+        """Before every training batch."""
+
+    def after_optimizer_step(self, last_batch_of_epoch: bool) -> None:
+        """After every batch that stepped the optimizers."""
+
+    def on_train_epoch_end(self, epoch_loss: Callable[[], float | None]) -> None:
+        """After the epoch's last batch, on every worker; ``epoch_loss()`` is a collective (the all-worker mean)."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint keeps of this sync (empty: nothing)."""
+        return {}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Take back what ``state_dict`` returned; may come before ``setup``."""
+
+    def teardown(self, optimizers: Sequence[Optimizer]) -> None:
+        """After a fit: forget its optimizers, so a later fit in this process starts clean (state is kept)."""
+
+    def refuse_unsupported(self, accumulate_grad_batches: int, clips_gradients: bool) -> None:
+        """Before the first step: raise, naming the setting, for training this sync cannot do."""
+
+
+class GradientSync(TrainingLoopHooks, ABC):
+    """Averages the gradients of one optimizer's parameters across workers, follows the training loop, and says
+    what this worker owns of the gradients and the optimizer state.
+
+    A new mode subclasses this, implements ``synchronize`` (and whatever else it changes), and takes one
+    line in ``core.sync.table``. The loop hooks do nothing here.
+    """
+
+    backward_passes: int = 1  # micro-batches accumulated into one optimizer step
+    topology: Topology | None = None  # the node layout, for the node-aware modes
+    world_shaped: bool = False
+    """Whether the mode holds a layout of the world (node groups, shards): an elastic reset then builds
+    it again from the config, keeping its ``state_dict``; otherwise it follows the new world in place."""
+
+    # ------------------------------------------------------------------ averaging
+    def wrap(self, optimizer: Optimizer, named_parameters: list[tuple[str, torch.nn.Parameter]]) -> Optimizer:
+        """Return the optimizer the Trainer should use (possibly a wrapper)."""
+        return optimizer
+
+    @contextlib.contextmanager
+    def deferred(self, optimizer: Optimizer) -> Iterator[None]:
+        """Keep ``optimizer.step`` from synchronizing by itself."""
+        yield
+
+    @abstractmethod
+    def synchronize(self, optimizer: Optimizer) -> None:
+        """Average the gradients now; called once per optimizer step, after backward."""
+
+    def set_backward_passes(self, optimizer: Optimizer, passes: int) -> None:
+        """Tell the sync how many backward passes accumulate into one step."""
+        self.backward_passes = passes
+
+    def hold_next_backward(self, optimizer: Optimizer) -> None:
+        """The next backward only adds to the gradients (a loop's ``no_backward_sync``); explicit syncs wait anyway."""
+
+    def before_backward(self, optimizer: Optimizer) -> None:
+        """Before every backward: settle what an earlier backward of this step started, if anything."""
+
+    # ------------------------------------------------------------------ what this worker owns
+    def owned_gradients(self, optimizer: Optimizer) -> list[torch.Tensor]:
+        """The averaged gradients this worker owns after ``synchronize`` (here: every parameter's that has one)."""
+        return [p.grad for p in optimizer_parameters(optimizer) if p.grad is not None]
+
+    def clip_grad_norm_(
+        self, optimizer: Optimizer, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False
+    ) -> torch.Tensor:
+        """Clip the averaged gradients by their norm over the whole model, and return that norm.
+
+        Every worker holds every averaged gradient here, so the norm needs no collective; a mode
+        whose workers own slices sums the slices' powers across workers in one collective.
+        """
+        return torch.nn.utils.clip_grad_norm_(
+            optimizer_parameters(optimizer), max_norm, norm_type, error_if_nonfinite=error_if_nonfinite
+        )
+
+    def clip_grad_value_(self, optimizer: Optimizer, clip_value: float) -> None:
+        """Clamp every averaged gradient this worker owns to ``[-clip_value, clip_value]``."""
+        torch.nn.utils.clip_grad_value_(optimizer_parameters(optimizer), clip_value)
+
+    def optimizer_state_dict(self, optimizer: Optimizer) -> dict[str, Any]:
+        """The optimizer's whole state, as a checkpoint or an elastic commit keeps it (any world size can load it)."""
+        return optimizer.state_dict()
+
+    def load_optimizer_state_dict(self, optimizer: Optimizer, state: Mapping[str, Any]) -> None:
+        """Take back what ``optimizer_state_dict`` returned, saved at any world size."""
+        optimizer.load_state_dict(dict(state))
