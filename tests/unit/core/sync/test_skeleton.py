@@ -1,0 +1,70 @@
+"""The worked skeleton of a new sync mode in docs/internals.rst builds, trains, and starts its buckets in backward.
+
+The page's Python block is taken as it stands and run here with an in-process stand-in for Horovod,
+so the skeleton a new mode starts from cannot drift from the package it builds on.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from doc_pages import DOCS, code_blocks
+
+SKELETON_CLASS = "class BucketAverageSync(GradientSync)"
+
+
+class AsyncFakeHorovod:
+    """One of two workers, the other of which always holds three times this worker's tensor; records whether
+    each allreduce started inside backward."""
+
+    Average = "Average"
+
+    def __init__(self) -> None:
+        self.started_in_backward: list[bool] = []
+
+    def size(self) -> int:
+        return 2
+
+    def allreduce_async(self, tensor: torch.Tensor, op: str | None = None, name: str | None = None) -> Any:
+        assert op == self.Average and name is not None
+        self.started_in_backward.append(torch._C._current_autograd_node() is not None)
+        return (tensor + 3 * tensor) / 2
+
+    def poll(self, handle: Any) -> bool:
+        return True
+
+    def synchronize(self, handle: Any) -> torch.Tensor:
+        return handle
+
+
+@pytest.fixture
+def skeleton(monkeypatch: pytest.MonkeyPatch) -> tuple[Callable[..., Any], AsyncFakeHorovod]:
+    (source,) = [block for block in code_blocks((DOCS / "internals.rst").read_text(), "python") if SKELETON_CLASS in block]
+    namespace: dict[str, Any] = {}
+    exec(compile(source, "docs/internals.rst", "exec"), namespace)
+    hvd = AsyncFakeHorovod()
+    monkeypatch.setitem(namespace, "horovod_torch", lambda: hvd)
+    return namespace["BucketAverageSync"], hvd
+
+
+def test_the_skeleton_mode_averages_every_bucket_and_starts_them_inside_backward(
+    skeleton: tuple[Callable[..., Any], AsyncFakeHorovod],
+) -> None:
+    mode_class, hvd = skeleton
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1)).double()
+    sync = mode_class(bucket_bytes=64)  # several buckets
+    optimizer = sync.wrap(torch.optim.SGD(model.parameters(), lr=0.1), list(model.named_parameters()))
+    for step in range(2):
+        model.zero_grad()
+        model(torch.randn(5, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(step))).sum().backward()
+        local = [p.grad.clone() for p in model.parameters()]
+        sync.synchronize(optimizer)
+        for parameter, own in zip(model.parameters(), local, strict=True):
+            assert torch.equal(parameter.grad, (own + 3 * own) / 2)  # the average over the two workers
+        optimizer.step()
+    buckets = len(sync.reducer(optimizer).buckets.buckets)
+    assert buckets > 1 and hvd.started_in_backward == [True] * (2 * buckets)
+    sync.teardown([optimizer])
