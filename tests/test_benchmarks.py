@@ -38,6 +38,14 @@ from benchmarks import (  # noqa: E402
 )
 from hvd_plugins.testing.netns_cluster import SKIP_EXIT_CODE, process_tag  # noqa: E402
 
+# The package modules this file's jobs exercise (tests/unit/test_module_coverage.py reads it).
+COVERS = (
+    "hvd_plugins.core.tables",
+    "hvd_plugins.testing.benchmarking",
+    "hvd_plugins.testing.netns_cluster",
+    "hvd_plugins.testing.reports",
+)
+
 pytestmark = pytest.mark.multiprocess
 
 

@@ -11,6 +11,15 @@ import pytest
 from conftest import skip_without_mpi
 from hvd_launch import LIGHTNING_PACKAGES, TWO_NODES, run_job, run_single
 
+# The package modules this file's jobs exercise (tests/unit/test_module_coverage.py reads it).
+COVERS = (
+    "hvd_plugins.core.comm.counters",
+    "hvd_plugins.core.tables",
+    "hvd_plugins.pytorch.callbacks.comm_stats",
+    "hvd_plugins.pytorch.callbacks.memory",
+    "hvd_plugins.pytorch.callbacks.timeline",
+)
+
 WORKER = "callbacks_run.py"
 PARAMETERS, PARAMETER_TENSORS = 8 * 4 + 4, 2  # the worker's Linear(8, 4)
 

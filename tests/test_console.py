@@ -10,6 +10,14 @@ from _common import report_of
 from console_output import default_bar, disabled_bar, given_bar_kept, warning_as_error_raises
 from hvd_launch import run_job
 
+# The package modules this file's jobs exercise (tests/unit/test_module_coverage.py reads it).
+COVERS = (
+    "hvd_plugins.pytorch",
+    "hvd_plugins.fabric.notices",
+    "hvd_plugins.pytorch.callbacks.progress",
+    "hvd_plugins.pytorch.utilities.rank_zero",
+)
+
 
 def _lines(output: str, text: str) -> list[str]:
     return [line for line in output.splitlines() if text in line]

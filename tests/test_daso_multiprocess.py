@@ -27,6 +27,17 @@ from daso_checks import (
 )
 from hvd_launch import LIGHTNING_PACKAGES, run_job
 
+# The package modules this file's jobs exercise (tests/unit/test_module_coverage.py reads it).
+COVERS = (
+    "hvd_plugins.core.comm.cross_node",
+    "hvd_plugins.core.comm.shards",
+    "hvd_plugins.core.sync.daso.config",
+    "hvd_plugins.core.sync.daso.mode",
+    "hvd_plugins.core.sync.daso.parameter_sync",
+    "hvd_plugins.core.sync.daso.schedule",
+    "hvd_plugins.pytorch.callbacks.daso",
+)
+
 pytestmark = pytest.mark.multiprocess
 
 TWO_BY_ONE = "localhost:1,127.0.0.1:1"

@@ -20,6 +20,19 @@ from hvd_launch import REPO, WORKERS
 
 from hvd_plugins.testing.launch import JobResult, elastic_horovodrun
 
+# The package modules this file's jobs exercise (tests/unit/test_module_coverage.py reads it).
+COVERS = (
+    "hvd_plugins.core.backend.elastic",
+    "hvd_plugins.core.elastic.attempts",
+    "hvd_plugins.core.elastic.cursor",
+    "hvd_plugins.core.elastic.epoch_split",
+    "hvd_plugins.core.elastic.reset",
+    "hvd_plugins.core.elastic.snapshot",
+    "hvd_plugins.fabric.elastic",
+    "hvd_plugins.pytorch.elastic",
+    "hvd_plugins.pytorch.strategies.launchers.elastic",
+)
+
 pytestmark = pytest.mark.multiprocess
 
 DISCOVERY = REPO / "examples" / "elastic" / "discover_hosts_file.sh"

@@ -18,6 +18,13 @@ from hvd_launch import REPO, TWO_NODES, run_job, run_mpirun
 
 from hvd_plugins.testing.launch import run_bounded
 
+# The package modules this file's jobs exercise (tests/unit/test_module_coverage.py reads it).
+COVERS = (
+    "hvd_plugins.fabric.strategies.launchers.horovod",
+    "hvd_plugins.pytorch.strategies.launchers.horovod",
+    "hvd_plugins.core.backend.runner",
+)
+
 EXAMPLES = REPO / "examples"
 SCRIPTS = sorted(path for path in EXAMPLES.glob("*.py") if path.name != "cli.py")
 """The examples that build their Trainer or Fabric themselves; cli.py leaves it to LightningCLI and config.yaml."""

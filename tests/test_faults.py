@@ -27,6 +27,19 @@ from faults_checks import (
 )
 from hvd_launch import TWO_NODES, JobResult, run_job
 
+# The package modules this file's jobs exercise (tests/unit/test_module_coverage.py reads it).
+COVERS = (
+    "hvd_plugins",
+    "hvd_plugins.core.backend.agreement",
+    "hvd_plugins.core.backend.stall",
+    "hvd_plugins.core.faults.fingerprints",
+    "hvd_plugins.core.faults.finite",
+    "hvd_plugins.core.faults.report",
+    "hvd_plugins.core.faults.watchdog",
+    "hvd_plugins.core.sync.guards",
+    "hvd_plugins.fabric.plugins.io.atomic",
+)
+
 
 # ---------------------------------------------------------------------------- failed workers
 def assert_no_worker_survives(out: Path, ranks: int) -> None:

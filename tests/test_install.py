@@ -8,6 +8,12 @@ from pathlib import Path
 
 import pytest
 
+# The package modules this file's jobs exercise (tests/unit/test_module_coverage.py reads it).
+COVERS = (
+    "hvd_plugins.build",
+    "hvd_plugins.core.backend.module",
+)
+
 REFUSAL = """
 import sys, types
 {setup}

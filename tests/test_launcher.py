@@ -14,6 +14,17 @@ from hvd_launch import LIGHTNING_PACKAGES, run_job, run_mpirun, run_single
 
 from hvd_plugins.testing.launch import run_bounded
 
+# The package modules this file's jobs exercise (tests/unit/test_module_coverage.py reads it).
+COVERS = (
+    "hvd_plugins.core.backend.die_with_parent",
+    "hvd_plugins.core.backend.launch_env",
+    "hvd_plugins.core.backend.rendezvous",
+    "hvd_plugins.core.backend.runner",
+    "hvd_plugins.pytorch.strategies.launchers.horovod",
+    "hvd_plugins.testing.horovodrun_unprobed",
+    "hvd_plugins.testing.launch",
+)
+
 
 def _running(pid: int) -> bool:
     """True while ``pid`` exists and is not a zombie (a killed worker waits to be reaped by init)."""

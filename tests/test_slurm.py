@@ -20,6 +20,17 @@ import slurm_jobs
 
 from hvd_plugins.testing.slurm_cluster import OneNodeSlurm
 
+# The package modules this file's jobs exercise (tests/unit/test_module_coverage.py reads it).
+COVERS = (
+    "hvd_plugins.slurm",
+    "hvd_plugins.core.backend.slurm_hosts",
+    "hvd_plugins.core.faults.preemption",
+    "hvd_plugins.fabric.strategies.cluster_choice",
+    "hvd_plugins.pytorch.preemption",
+    "hvd_plugins.pytorch.resume_position",
+    "hvd_plugins.testing.slurm_cluster",
+)
+
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 48  # slurm_train.py: 256 samples, 2 workers, batch 8, 3 epochs
 

@@ -51,6 +51,42 @@ from strategy_optimizers import (
     check_unfrozen_layers_are_averaged,
 )
 
+# The package modules this file's jobs exercise (tests/unit/test_module_coverage.py reads it).
+COVERS = (
+    "hvd_plugins",
+    "hvd_plugins.pytorch",
+    "hvd_plugins.pytorch.strategies.horovod",
+    "hvd_plugins.pytorch.loop_events",
+    "hvd_plugins.pytorch.utilities.callbacks",
+    "hvd_plugins.pytorch.plugins.layer_sync",
+    "hvd_plugins.fabric.lightning_internals",
+    "hvd_plugins.fabric.plugins.environments.horovod",
+    "hvd_plugins.fabric.plugins.io.atomic",
+    "hvd_plugins.fabric.strategies.shared",
+    "hvd_plugins.core.backend.optimizer",
+    "hvd_plugins.core.backend.startup",
+    "hvd_plugins.core.backend.waits",
+    "hvd_plugins.core.comm.backward_buckets",
+    "hvd_plugins.core.comm.buffers",
+    "hvd_plugins.core.comm.collectives",
+    "hvd_plugins.core.comm.gradients",
+    "hvd_plugins.core.comm.naming",
+    "hvd_plugins.core.comm.partners",
+    "hvd_plugins.core.comm.reducer",
+    "hvd_plugins.core.comm.topology",
+    "hvd_plugins.core.comm.two_level",
+    "hvd_plugins.core.cpu_threads",
+    "hvd_plugins.core.epoch_end",
+    "hvd_plugins.core.metrics_sync",
+    "hvd_plugins.core.sync.base",
+    "hvd_plugins.core.sync.flat",
+    "hvd_plugins.core.sync.hierarchical.mode",
+    "hvd_plugins.core.sync.hierarchical.route_tuning",
+    "hvd_plugins.core.sync_batchnorm",
+    "hvd_plugins.core.training_state",
+    "hvd_plugins.core.worker",
+)
+
 pytestmark = pytest.mark.multiprocess
 
 

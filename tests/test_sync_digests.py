@@ -21,6 +21,19 @@ from _common import reports_of
 from hvd_launch import TWO_NODES, run_job
 from sync_digests import check_daso_training, check_hierarchical_training, check_two_level_sums
 
+# The package modules this file's jobs exercise (tests/unit/test_module_coverage.py reads it).
+COVERS = (
+    "hvd_plugins.core.comm.backward_buckets",
+    "hvd_plugins.core.comm.compression",
+    "hvd_plugins.core.comm.cross_node",
+    "hvd_plugins.core.comm.partners",
+    "hvd_plugins.core.comm.reducer",
+    "hvd_plugins.core.comm.two_level",
+    "hvd_plugins.core.sync.daso.mode",
+    "hvd_plugins.core.sync.daso.parameter_sync",
+    "hvd_plugins.core.sync.hierarchical.mode",
+)
+
 STORED = Path(__file__).resolve().parent / "data" / "sync_digests.json"
 CHECKS = (check_two_level_sums, check_hierarchical_training, check_daso_training)
 

@@ -22,6 +22,9 @@ GradientOp = Literal["average", "sum", "adasum"]
 """How gradients combine across workers (``"adasum"`` needs Horovod's MPI controller)."""
 SyncMode = Literal["allreduce", "hierarchical", "daso"]
 """``allreduce``: flat; ``hierarchical``: inside the node, then across nodes; ``daso``: see DasoConfig."""
+Shard = Literal["none", "optimizer", "gradients"]
+"""``none``: every worker holds everything; ``optimizer``: the optimizer state is split over the workers
+(ZeRO-1); ``gradients``: the optimizer state and the averaged gradients are (ZeRO-2)."""
 HierarchicalImpl = Literal["portable", "native"]
 """``portable``: this package's two-level allreduce, on every build; ``native``: Horovod's (MPI + NCCL)."""
 Megabytes = float | Literal["auto"]
@@ -33,6 +36,7 @@ Elastic = bool | Literal["auto"]
 COMPRESSIONS: tuple[str, ...] = get_args(CompressionName)
 GRADIENT_OPS: tuple[str, ...] = get_args(GradientOp)
 SYNC_MODES: tuple[str, ...] = get_args(SyncMode)
+SHARDS: tuple[str, ...] = get_args(Shard)
 HIERARCHICAL_IMPLS: tuple[str, ...] = get_args(HierarchicalImpl)
 
 DEFAULT_COMMIT_EVERY_N_STEPS = 50
@@ -78,6 +82,8 @@ class HorovodConfig:
     """Multiply learning rates by the number of workers (never done silently)."""
     sync: SyncMode = "allreduce"
     """One of SYNC_MODES."""
+    shard: Shard = "none"
+    """One of SHARDS: what is split over the workers instead of held whole by each (docs/sharding.rst)."""
     hierarchical_impl: HierarchicalImpl = "portable"
     """``"portable"`` (every build) or ``"native"`` (Horovod's own, with the MPI controller and NCCL)."""
     compress_node_local: bool = False
@@ -115,6 +121,7 @@ class HorovodConfig:
         compressor_by_name(self.compression)  # raises naming the choices
         _choice("op", self.op, GRADIENT_OPS)
         _choice("sync", self.sync, SYNC_MODES)
+        _choice("shard", self.shard, SHARDS)
         _choice("hierarchical_impl", self.hierarchical_impl, HIERARCHICAL_IMPLS)
         if not self.gradient_predivide_factor > 0:
             raise ValueError(f"gradient_predivide_factor={self.gradient_predivide_factor!r} must be a positive number")
@@ -142,6 +149,8 @@ class HorovodConfig:
                 f"hierarchical_impl={self.hierarchical_impl!r} works only with sync='hierarchical', "
                 f"not sync={self.sync!r}"
             )
+        if self.shard != "none":
+            self._check_shard()
         if self.daso is not None and self.sync != "daso":
             raise ValueError(f"daso={self.daso!r} was given but sync={self.sync!r}; DASO settings need sync='daso'")
         if self.sync == "daso" and self.daso is None:
@@ -165,6 +174,31 @@ class HorovodConfig:
             raise ValueError(f"elastic={self.elastic!r} must be True, False or 'auto'")
         validate_commit_interval(self.commit_every_n_steps)
 
+    def _check_shard(self) -> None:
+        """What sharding cannot do yet, refused before any process starts a collective."""
+        if self.sync != "allreduce":
+            raise ValueError(
+                f"shard={self.shard!r} works with sync='allreduce', not sync={self.sync!r}: the node-aware syncs "
+                "move whole gradients (hierarchical) or average parameters across nodes (DASO)"
+            )
+        if self.op == "adasum":
+            raise ValueError(
+                f"shard={self.shard!r} does not work with op='adasum': Adasum combines whole updates inside Horovod's "
+                "optimizer; use op='average' or op='sum'"
+            )
+        if self.gradient_predivide_factor != 1.0:
+            raise ValueError(
+                f"gradient_predivide_factor={self.gradient_predivide_factor!r} does not work with shard={self.shard!r};"
+                " its sums do not pre-divide"
+            )
+        if self.sparse_as_dense:
+            raise ValueError(f"sparse_as_dense=True does not work with shard={self.shard!r}: it has no sparse path")
+        if self.elastic is True:
+            raise ValueError(
+                f"shard={self.shard!r} does not work with elastic=True yet: a commit would gather the whole optimizer "
+                "state on every worker; use elastic=False (or 'auto' outside an elastic launch), or shard='none'"
+            )
+
     @staticmethod
     def argument_names() -> tuple[str, ...]:
         """The strategy arguments this config holds: one per field."""
@@ -187,6 +221,12 @@ class HorovodConfig:
     def node_aware(self) -> bool:
         """Whether the sync needs to know which workers share a node (this package's node-aware collectives)."""
         return self.sync == "daso" or (self.sync == "hierarchical" and self.hierarchical_impl == "portable")
+
+    @property
+    def joins_uneven_data(self) -> bool:
+        """Whether a rank that runs out of data may wait in Horovod's join (flat allreduce only: the node-aware
+        and sharded syncs run collectives a joined rank cannot take part in)."""
+        return self.sync == "allreduce" and self.shard == "none"
 
     @property
     def native_hierarchical(self) -> bool:

@@ -41,23 +41,27 @@ class EpochEndPolicy:
         reach, and the hierarchical legs have no join, so a rank whose data runs out first would
         leave the others waiting.
         """
-        if self.config.sync == "allreduce" or horovod_torch().size() == 1:
+        if self.config.joins_uneven_data or horovod_torch().size() == 1:
             return
         known = UNKNOWN_LENGTH if num_training_batches == float("inf") else int(num_training_batches)
         counts = self.all_gather(torch.tensor([known], dtype=torch.int64)).flatten().tolist()
         if UNKNOWN_LENGTH in counts:
             raise ValueError(
-                f"sync={self.config.sync!r} needs to know how many training batches each rank has, but "
+                f"{self._setting()} needs to know how many training batches each rank has, but "
                 f"{data_name} has no length on some rank (an IterableDataset without __len__). Give the dataset a "
                 "__len__ equal on every rank, pass Trainer(limit_train_batches=<int>) with a count every rank "
-                "reaches, or use sync='allreduce', which handles uneven data with Horovod's join."
+                "reaches, or use sync='allreduce' with shard='none', which handles uneven data with Horovod's join."
             )
         if UNKNOWN_LENGTH not in counts and len(set(counts)) > 1:
             raise ValueError(
-                f"sync={self.config.sync!r} needs the same number of training batches on every rank, but ranks "
+                f"{self._setting()} needs the same number of training batches on every rank, but ranks "
                 f"have {dict(enumerate(counts))}. Use Lightning's DistributedSampler (the default), "
-                "drop_last=True, or sync='allreduce', which handles uneven data with Horovod's join."
+                "drop_last=True, or sync='allreduce' with shard='none', which handles uneven data with Horovod's join."
             )
+
+    def _setting(self) -> str:
+        """The setting that rules out Horovod's join, for the errors."""
+        return f"shard={self.config.shard!r}" if self.config.shard != "none" else f"sync={self.config.sync!r}"
 
     def finish(self, model: Module | None, optimizers: Sequence[Optimizer], global_step: int) -> None:
         """Collective on every rank, after its own last training batch and before validation.
@@ -68,7 +72,7 @@ class EpochEndPolicy:
         hvd = horovod_torch()
         if hvd.size() == 1 or self.config.sync == "daso":
             return
-        if self.config.sync == "allreduce":
+        if self.config.joins_uneven_data:
             last_rank = hvd.join()  # ranks that ran out of data wait here; nobody hangs
             COLLECTIVE_NAMES.resync()  # op counters may have drifted apart while ranks were uneven
             self._resync_after_uneven_epoch(model, optimizers, global_step, last_rank)

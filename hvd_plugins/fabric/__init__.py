@@ -5,16 +5,16 @@ STRATEGY_REGISTRY; ``ElasticLoop`` runs a Fabric loop elastically (docs/elastic.
 serves ``lightning_fabric`` as ``hvd_plugins.lightning_fabric``.
 """
 
-from lightning.fabric.connector import _Connector
 from lightning.fabric.strategies import STRATEGY_REGISTRY
 
 from hvd_plugins.fabric.elastic import ElasticLoop
+from hvd_plugins.fabric.lightning_internals import FabricConnector
 from hvd_plugins.fabric.notices import quiet_lightning_notices
 from hvd_plugins.fabric.plugins.environments.horovod import HorovodEnvironment
 from hvd_plugins.fabric.plugins.io.atomic import AtomicCheckpointIO
 from hvd_plugins.fabric.strategies import HorovodStrategy, register_named_strategies
 
-register_named_strategies(STRATEGY_REGISTRY, HorovodStrategy, _Connector, trainer=False)
+register_named_strategies(STRATEGY_REGISTRY, HorovodStrategy, FabricConnector, trainer=False)
 quiet_lightning_notices()
 
 __all__ = ["AtomicCheckpointIO", "ElasticLoop", "HorovodEnvironment", "HorovodStrategy"]

@@ -32,10 +32,10 @@ from torch.utils.data import DataLoader, Dataset
 
 from hvd_plugins.core.backend.elastic import ElasticCommits, elastic_launch
 from hvd_plugins.core.backend.module import horovod_torch
-from hvd_plugins.core.backend.optimizer import forget_failed_allreduces
 from hvd_plugins.core.config import DEFAULT_COMMIT_EVERY_N_STEPS, validate_commit_interval
 from hvd_plugins.core.elastic.attempts import run_attempts
-from hvd_plugins.core.elastic.epoch_split import ElasticDistributedSampler, EpochSegments
+from hvd_plugins.core.elastic.cursor import EpochCursor
+from hvd_plugins.core.elastic.epoch_split import ElasticDistributedSampler
 from hvd_plugins.core.elastic.snapshot import host_copy
 from hvd_plugins.fabric.strategies.horovod import HorovodStrategy
 
@@ -70,14 +70,16 @@ class ElasticLoop:
         self._plain = [name for name in state if name not in self._stateful]
         for name in self._plain:
             setattr(self, name, state[name])
-        self.epoch = 0
-        """The epoch under way (``epochs`` counts it)."""
         self.step = 0
         """Batches trained so far, over all epochs."""
         self.resets = 0
         self.commits: ElasticCommits | None = None
-        self._segments: list[tuple[int, int]] = []  # the epoch's segments before this attempt's
-        self._batches_done = 0  # of the epoch under way
+        self._cursor = EpochCursor()  # where the epoch under way stands, across resets
+
+    @property
+    def epoch(self) -> int:
+        """The epoch under way (``epochs`` counts it)."""
+        return self._cursor.epoch
 
     # ------------------------------------------------------------------ running
     def run(self, loop: Callable[[ElasticLoop], T]) -> Callable[[], T]:
@@ -101,10 +103,8 @@ class ElasticLoop:
         hvd = horovod_torch()
         self.resets += 1
         strategy = self.fabric.strategy
-        assert isinstance(strategy, HorovodStrategy)
+        assert isinstance(strategy, HorovodStrategy)  # checked when the loop was made
         strategy.forget_world()
-        for value in self._stateful.values():
-            forget_failed_allreduces(getattr(value, "optimizer", value))
         log.info(f"elastic reset {self.resets}: {hvd.size()} workers; this worker is rank {hvd.rank()}")
 
     # ------------------------------------------------------------------ the loop
@@ -112,8 +112,7 @@ class ElasticLoop:
         """The epochs from the one under way (after a reset: the committed one) up to ``max_epochs``."""
         while self.epoch < max_epochs:
             yield self.epoch
-            self.epoch += 1
-            self._segments, self._batches_done = [], 0
+            self._cursor.next_epoch()
 
     def batches(
         self,
@@ -131,29 +130,28 @@ class ElasticLoop:
         """
         if not isinstance(dataset, Sized):
             raise ValueError(f"ElasticLoop.batches needs a dataset with a length, not {type(dataset).__name__}")
-        size, rank = self.fabric.world_size, self.fabric.global_rank
-        progress = EpochSegments(self.epoch, list(self._segments))
+        size, rank, cursor = self.fabric.world_size, self.fabric.global_rank, self._cursor
+        progress = cursor.progress() if cursor.continues(self.epoch) else None
         sampler = ElasticDistributedSampler(dataset, size, rank, shuffle, seed, drop_last, progress)
         sampler.set_epoch(self.epoch)
         batches = DataLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=drop_last, **loader)
-        share, start, count = len(sampler), self._batches_done, len(batches)
+        cursor.begin_segment(self.epoch, batch_size, len(sampler))
+        count = len(batches)
         for index, batch in enumerate(batches):
             yield self.fabric.to_device(batch)
-            self._batches_done += 1
+            cursor.batches_done += 1
             self.step += 1
             if self.step % self.commit_every_n_steps == 0 and index + 1 < count:
-                done = min((self._batches_done - start) * batch_size, share)
-                self.commit([*self._segments, (size, done)])
+                self.commit()
 
-    def commit(self, segments: list[tuple[int, int]]) -> None:
+    def commit(self) -> None:
         """Commit the state and the position in the epoch (a no-op without an elastic launch)."""
         if self.commits is None:
             return
         snapshot = {name: value.state_dict() for name, value in self._stateful.items()}
         snapshot[LOOP_KEY] = {
-            **EpochSegments(self.epoch, segments).as_dict(),
+            **self._cursor.commit_state(self.fabric.world_size),
             "step": self.step,
-            "batches_done": self._batches_done,
             "plain": {name: getattr(self, name) for name in self._plain},
         }
         self.commits.commit(host_copy(snapshot))
@@ -163,8 +161,7 @@ class ElasticLoop:
         for name, value in self._stateful.items():
             value.load_state_dict(snapshot[name])
         position = snapshot[LOOP_KEY]
-        progress = EpochSegments.from_dict(position)
-        self.epoch, self._segments = progress.epoch, progress.segments
-        self.step, self._batches_done = int(position["step"]), int(position["batches_done"])
+        self._cursor.restore(position)
+        self.step = int(position["step"])
         for name, value in position["plain"].items():
             setattr(self, name, value)

@@ -7,8 +7,8 @@ The same source serves both Lightning packages (``hvd_plugins.mirror``).
 """
 
 from lightning.pytorch.strategies import StrategyRegistry
-from lightning.pytorch.trainer.connectors.accelerator_connector import _AcceleratorConnector
 
+from hvd_plugins.fabric.lightning_internals import TrainerConnector
 from hvd_plugins.fabric.notices import quiet_lightning_notices
 from hvd_plugins.fabric.plugins import AtomicCheckpointIO, HorovodEnvironment
 from hvd_plugins.fabric.strategies.registry import register_named_strategies
@@ -23,7 +23,7 @@ from hvd_plugins.pytorch.plugins.layer_sync import HorovodSyncBatchNorm
 from hvd_plugins.pytorch.strategies import HorovodStrategy
 from hvd_plugins.pytorch.utilities.rank_zero import follow_launcher_rank
 
-register_named_strategies(StrategyRegistry, HorovodStrategy, _AcceleratorConnector, trainer=True)
+register_named_strategies(StrategyRegistry, HorovodStrategy, TrainerConnector, trainer=True)
 follow_launcher_rank()
 quiet_lightning_notices()
 

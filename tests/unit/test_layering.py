@@ -30,13 +30,14 @@ def _module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def _runtime_imports(path: Path) -> set[str]:
-    """Modules imported when ``path`` runs (imports under ``if TYPE_CHECKING:`` do not run)."""
+def _runtime_imports(path: Path, type_checking: bool = False) -> set[str]:
+    """Modules imported when ``path`` runs (imports under ``if TYPE_CHECKING:`` do not run, unless
+    ``type_checking``: a type checker follows them too, and a circle through them is a circle all the same)."""
     tree = ast.parse(path.read_text())
     skipped = {
         id(child)
         for node in ast.walk(tree)
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+        if not type_checking and isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
         for child in ast.walk(node)
     }
     imported = set()
@@ -57,6 +58,7 @@ MODULES = {
     _module_name(path): path for path in PACKAGE.rglob("*.py") if not any(path.is_relative_to(g) for g in GENERATED)
 }
 IMPORTS = {name: _runtime_imports(path) for name, path in MODULES.items()}
+ALL_IMPORTS = {name: _runtime_imports(path, type_checking=True) for name, path in MODULES.items()}
 
 
 def _within(name: str, *prefixes: str) -> bool:
@@ -78,11 +80,12 @@ def _offenders(modules: str, forbidden: tuple[str, ...], allowed: tuple[str, ...
 
 
 def _graph() -> dict[str, set[str]]:
-    """Module -> package modules it imports; a package exposing its own submodules is not an edge."""
+    """Module -> package modules it imports (under ``TYPE_CHECKING`` too); a package exposing its own submodules
+    is not an edge."""
     return {
         name: {
             target
-            for target in IMPORTS[name]
+            for target in ALL_IMPORTS[name]
             if target in MODULES
             and target != name
             and not target.startswith(name + ".")

@@ -21,8 +21,8 @@ from hvd_plugins.core.comm.buckets import bucket_tensors
 
 
 class BackwardBuckets:
-    """Buckets of ``parameters`` (reverse order unless ``backward_order=False``, at most ``bucket_bytes`` each) and
-    their readiness this step.
+    """Buckets of ``parameters`` (reverse order unless ``backward_order=False``, at most ``bucket_bytes`` each;
+    or the ``buckets`` given) and their readiness this step.
 
     ``passes_needed`` is how many backward passes accumulate into the step (``set_backward_passes``
     and held backward passes raise it); a parameter counts as ready at its last one. While
@@ -36,10 +36,13 @@ class BackwardBuckets:
         on_ready: Callable[[int], None],
         passes: int = 1,
         backward_order: bool = True,
+        buckets: Sequence[Sequence[Parameter]] | None = None,
     ) -> None:
         self.parameters: tuple[torch.Tensor, ...] = tuple(parameters)
         order = reversed(self.parameters) if backward_order else self.parameters
-        self.buckets: list[list[torch.Tensor]] = bucket_tensors(order, bucket_bytes)
+        self.buckets: list[list[torch.Tensor]] = (
+            bucket_tensors(order, bucket_bytes) if buckets is None else [list(bucket) for bucket in buckets]
+        )
         self._bucket_of = {parameter: index for index, bucket in enumerate(self.buckets) for parameter in bucket}
         self._on_ready = on_ready
         self.armed = False

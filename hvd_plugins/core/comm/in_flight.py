@@ -16,11 +16,12 @@ from typing import Generic, TypeVar
 
 T = TypeVar("T")
 U = TypeVar("U")
+T_co = TypeVar("T_co", covariant=True)
 Meanwhile = Callable[[], None] | None
 """Called before each blocking wait for a round (``finish_all`` moves the other operations on there)."""
 
 
-class InFlight(ABC, Generic[T]):
+class InFlight(ABC, Generic[T_co]):
     """A collective operation started and not yet awaited."""
 
     @abstractmethod
@@ -32,7 +33,7 @@ class InFlight(ABC, Generic[T]):
         """Whether ``wait()`` would return at once; moves the operation on, as ``progress`` does."""
 
     @abstractmethod
-    def wait(self, meanwhile: Meanwhile = None) -> T:
+    def wait(self, meanwhile: Meanwhile = None) -> T_co:
         """Wait for every round and return the result; ``meanwhile()`` runs before each round waited for."""
 
 

@@ -27,9 +27,10 @@ from hvd_plugins.core.comm.gradients import gradient_to_send
 from hvd_plugins.core.comm.in_flight import InFlight, finish_all
 from hvd_plugins.core.comm.parameters import optimizer_parameters
 
-BucketOperation = Callable[[torch.Tensor, str], InFlight[torch.Tensor] | None]
-"""Starts a mode's operation on one bucket's flattened gradients (named; the same name on every worker);
-its result, as long as the bucket or longer, is written back into the gradients. None: nothing to do."""
+BucketOperation = Callable[[int, torch.Tensor, str], InFlight[torch.Tensor | None] | None]
+"""Starts a mode's operation on bucket ``index``'s flattened gradients (named; the same name on every worker).
+A result as long as the bucket or longer is written back into the gradients; a None result writes nothing
+(the operation put its result elsewhere, as a sharded mode does). None instead of an operation: nothing to do."""
 
 
 class BucketReducer:
@@ -43,11 +44,12 @@ class BucketReducer:
         name: str,
         passes: int = 1,
         backward_order: bool = True,
+        buckets: Sequence[Sequence[Parameter]] | None = None,
     ) -> None:
         self.operation = operation
         self.name = name
-        self.buckets = BackwardBuckets(parameters, bucket_bytes, self.start, passes, backward_order)
-        self._in_flight: dict[int, tuple[list[torch.Tensor], InFlight[torch.Tensor] | None]] = {}
+        self.buckets = BackwardBuckets(parameters, bucket_bytes, self.start, passes, backward_order, buckets)
+        self._in_flight: dict[int, tuple[list[torch.Tensor], InFlight[torch.Tensor | None] | None]] = {}
 
     @property
     def armed(self) -> bool:
@@ -72,7 +74,7 @@ class BucketReducer:
     def start(self, index: int) -> None:
         """Flatten bucket ``index``'s gradients and start its operation; buckets in flight move on meanwhile."""
         gradients = [gradient_to_send(p) for p in self.buckets.buckets[index]]
-        operation = self.operation(flatten(gradients), f"{self.name}.{index}")
+        operation = self.operation(index, flatten(gradients), f"{self.name}.{index}")
         self._in_flight[index] = (gradients, operation)
         for _, other in self._in_flight.values():
             if other is not None:
@@ -88,7 +90,8 @@ class BucketReducer:
         with waiting if waiting is not None else nullcontext():
             results = finish_all([operation for _, operation in running])
         for (gradients, _), result in zip(running, results, strict=True):
-            unflatten_into(result, gradients)
+            if result is not None:
+                unflatten_into(result, gradients)
         self._in_flight.clear()
         self.buckets.reset(self.buckets.passes_per_step)
 

@@ -13,7 +13,8 @@ and never reads every gradient or the whole optimizer state itself:
 - the gradients this worker owns once averaged (``owned_gradients``: the finite check reads them);
 - clipping by the global norm or by value (``clip_grad_norm_``, ``clip_grad_value_``);
 - the optimizer state to save or commit and to load (``optimizer_state_dict``, ``load_optimizer_state_dict``);
-- whether an elastic reset must build the mode again (``world_shaped``).
+- whether an elastic reset must build the mode again (``world_shaped``), and whether every worker holds
+  the whole optimizer state (``replicates_optimizer_state``).
 
 The defaults here are those of a mode in which every worker holds every averaged gradient and the
 whole optimizer state; a mode that shards overrides them.
@@ -79,6 +80,9 @@ class GradientSync(TrainingLoopHooks, ABC):
     world_shaped: bool = False
     """Whether the mode holds a layout of the world (node groups, shards): an elastic reset then builds
     it again from the config, keeping its ``state_dict``; otherwise it follows the new world in place."""
+    replicates_optimizer_state: bool = True
+    """Whether every worker holds the whole optimizer state, alike: then a face may broadcast rank 0's after a
+    load. A sharded mode holds slices, and its ``state_dict`` is a collective of every worker."""
 
     # ------------------------------------------------------------------ averaging
     def wrap(self, optimizer: Optimizer, named_parameters: list[tuple[str, torch.nn.Parameter]]) -> Optimizer:

@@ -107,6 +107,7 @@ class HorovodOptimizerSync(GradientSync):
     def teardown(self, optimizers: Sequence[Optimizer]) -> None:
         for optimizer in optimizers:
             drop_gradient_hooks(optimizer)
+        self._late_names.clear()  # the next fit (or the fit after an elastic reset) wraps and names anew
 
 
 class AdasumOptimizerSync(HorovodOptimizerSync):

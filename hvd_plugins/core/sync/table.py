@@ -14,12 +14,15 @@ from hvd_plugins.core.sync.base import GradientSync
 from hvd_plugins.core.sync.daso.mode import DasoGradientSync
 from hvd_plugins.core.sync.flat import AdasumOptimizerSync, HorovodOptimizerSync
 from hvd_plugins.core.sync.hierarchical.mode import HierarchicalGradientSync
+from hvd_plugins.core.sync.sharded.mode import ShardedGradientSync
 
 
 def make_gradient_sync(config: HorovodConfig, counters: CommCounters) -> GradientSync:
     """The gradient sync ``config.sync`` names. Node-aware modes learn the layout here: a collective."""
     compressor = compressor_by_name(config.compression)
     match config.sync, config.hierarchical_impl:
+        case ("allreduce", _) if config.shard != "none":
+            return ShardedGradientSync(config.shard, compressor, config.op, counters, config.bucket_bytes)
         case ("allreduce", _) | ("hierarchical", "native"):  # native: Horovod's own two-level allreduce
             scope = Scope.CROSS_NODE if horovod_torch().cross_size() > 1 else Scope.NODE_LOCAL
             flat = AdasumOptimizerSync if config.op == "adasum" else HorovodOptimizerSync

@@ -10,29 +10,21 @@ every other strategy's choice to Lightning.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection
+from collections.abc import Collection
 from typing import Any
 
 from lightning.fabric.plugins.environments import ClusterEnvironment
 
+from hvd_plugins.fabric.lightning_internals import override_cluster_environment_choice
 from hvd_plugins.fabric.plugins.environments.horovod import HorovodEnvironment
 
-MARK = "_hvd_plugins_names"
 
-
-def choose_horovod_environment_for(names: Collection[str], connector: Any) -> None:
+def choose_horovod_environment_for(names: Collection[str], connector: type) -> None:
     """Make ``connector`` pick HorovodEnvironment when the strategy flag is one of ``names`` (idempotent)."""
-    original: Callable[[Any], ClusterEnvironment] | None = getattr(
-        connector, "_choose_and_init_cluster_environment", None
-    )
-    if original is None or hasattr(original, MARK):
-        return
 
-    def choose(self: Any) -> ClusterEnvironment:
-        chosen = getattr(self, "_cluster_environment_flag", None)
-        if getattr(self, "_strategy_flag", None) in names and not isinstance(chosen, ClusterEnvironment):
+    def horovod_for_these_names(strategy: Any, environment: Any) -> ClusterEnvironment | None:
+        if strategy in names and not isinstance(environment, ClusterEnvironment):
             return HorovodEnvironment()
-        return original(self)
+        return None  # another strategy, or an environment the user gave: Lightning decides
 
-    setattr(choose, MARK, frozenset(names))
-    connector._choose_and_init_cluster_environment = choose
+    override_cluster_environment_choice(connector, horovod_for_these_names)

@@ -23,10 +23,7 @@ from lightning.fabric.accelerators import Accelerator
 from lightning.fabric.plugins import CheckpointIO
 from lightning.fabric.plugins.precision import Precision
 from lightning.fabric.strategies import ParallelStrategy
-from lightning.fabric.strategies.strategy import _BackwardSyncControl
 from lightning.fabric.utilities.distributed import ReduceOp
-from lightning.fabric.utilities.rank_zero import rank_zero_only
-from lightning.fabric.utilities.types import _PATH
 from torch import Tensor
 from torch.nn import Module
 from torch.optim import Optimizer
@@ -44,6 +41,7 @@ from hvd_plugins.core.config import (
     HierarchicalImpl,
     HorovodConfig,
     Megabytes,
+    Shard,
     StallTimeout,
     SyncMode,
 )
@@ -51,17 +49,25 @@ from hvd_plugins.core.sync.base import GradientSync
 from hvd_plugins.core.sync.guards import SyncGuards
 from hvd_plugins.core.sync.table import make_gradient_sync
 from hvd_plugins.core.training_state import broadcast_optimizer_state_, param_groups_kept, wrap_optimizers
+from hvd_plugins.fabric.lightning_internals import (
+    BackwardSyncControl,
+    CheckpointPath,
+    fabric_optimizer_target,
+    set_backward_sync_control,
+    set_launcher,
+)
 from hvd_plugins.fabric.plugins.environments.horovod import HorovodEnvironment
 from hvd_plugins.fabric.strategies.launchers.horovod import HorovodFabricLauncher
 from hvd_plugins.fabric.strategies.shared import HorovodStrategyShared
 
 
-class _HoldAllreduces(_BackwardSyncControl):
+class _HoldAllreduces(BackwardSyncControl):
     """``fabric.no_backward_sync``: the backward inside adds to the gradients and starts no allreduce."""
 
     def __init__(self, strategy: HorovodStrategy) -> None:
         self.strategy = strategy
 
+    @override
     @contextlib.contextmanager
     def no_backward_sync(self, module: Module, enabled: bool = True) -> Generator[None, None, None]:
         # Fabric before 2.4 calls this only to skip, without ``enabled``
@@ -81,6 +87,7 @@ class HorovodStrategy(HorovodStrategyShared, ParallelStrategy):
         gradient_predivide_factor: divide before the sum, the rest after (``op="average"``, flat sync).
         sparse_as_dense: send sparse gradients (``nn.Embedding(sparse=True)``) dense: one allreduce, not two allgathers.
         sync: ``"allreduce"`` (flat) or ``"hierarchical"`` (inside each node, then across nodes).
+        shard: ``"none"``; ``"optimizer"`` (ZeRO-1) or ``"gradients"`` (ZeRO-2) split those over the workers.
         hierarchical_impl: ``"portable"`` (every build) or ``"native"`` (MPI + NCCL only).
         compress_node_local: with ``sync="hierarchical"``, compress the node-local legs too.
         bucket_mb: gradient bucket size of the two-level sync, in MiB.
@@ -105,6 +112,7 @@ class HorovodStrategy(HorovodStrategyShared, ParallelStrategy):
         gradient_predivide_factor: float = 1.0,
         sparse_as_dense: bool = False,
         sync: SyncMode = "allreduce",
+        shard: Shard = "none",
         hierarchical_impl: HierarchicalImpl = "portable",
         compress_node_local: bool = False,
         bucket_mb: float = 32.0,
@@ -132,6 +140,7 @@ class HorovodStrategy(HorovodStrategyShared, ParallelStrategy):
             gradient_predivide_factor=gradient_predivide_factor,
             sparse_as_dense=sparse_as_dense,
             sync=sync,
+            shard=shard,
             hierarchical_impl=hierarchical_impl,
             compress_node_local=compress_node_local,
             bucket_mb=bucket_mb,
@@ -145,8 +154,9 @@ class HorovodStrategy(HorovodStrategyShared, ParallelStrategy):
         self._num_nodes = 1  # set by Fabric's connector
         self.comm_counters = CommCounters()
         self.gradient_sync: GradientSync | None = None  # built at the first setup (node-aware: a collective)
+        self._restored_sync_state: dict[str, Any] = {}  # for a sync built again after an elastic reset
         self._guards = SyncGuards(self.config)
-        self._backward_sync_control = _HoldAllreduces(self)
+        set_backward_sync_control(self, _HoldAllreduces(self))
         self._wrapped: list[Optimizer] = []  # every optimizer set up so far, in order (names opt0, opt1, ...)
         self._averaged: set[int] = set()  # optimizers whose gradients are averaged for the coming step
         self.holding = False  # inside no_backward_sync: backward only accumulates
@@ -166,13 +176,14 @@ class HorovodStrategy(HorovodStrategyShared, ParallelStrategy):
         self._num_nodes = num_nodes
 
     def _set_world_ranks(self) -> None:
+        """Fabric's connector calls this by name once the strategy is chosen: Horovod starts, output follows rank."""
         self._plan_launch()
-        rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]  # Lightning's own way
+        self._follow_rank(self.global_rank)
 
     @override
     def _configure_launcher(self) -> None:
         size = self._environment.launch_size
-        self._launcher = HorovodFabricLauncher(size, partial(init_horovod, self.config)) if size else None
+        set_launcher(self, HorovodFabricLauncher(size, partial(init_horovod, self.config)) if size else None)
 
     @override
     def setup_environment(self) -> None:
@@ -208,11 +219,13 @@ class HorovodStrategy(HorovodStrategyShared, ParallelStrategy):
     def _wrap(self, optimizers: list[Optimizer], module: Module, schedulers: Sequence[Any] = ()) -> list[Optimizer]:
         if self.gradient_sync is None:
             self.gradient_sync = make_gradient_sync(self.config, self.comm_counters)
+            self.gradient_sync.load_state_dict(self._restored_sync_state)
         first = len(self._wrapped)
         wrapped = wrap_optimizers(self.gradient_sync, optimizers, module, schedulers, first_index=first)
         for index, optimizer in enumerate(wrapped, start=first):
-            broadcast_optimizer_state_(optimizer, root_rank=0, name=f"opt{index}")
-            horovod_optimizer.make_zero_grad_wrapper_safe(optimizer)
+            if self.gradient_sync.replicates_optimizer_state:  # a sharded optimizer holds no state to send yet
+                broadcast_optimizer_state_(optimizer, root_rank=0, name=f"opt{index}")
+            horovod_optimizer.make_zero_grad_wrapper_safe(optimizer, fabric_optimizer_target)
         self._wrapped += wrapped
         self.gradient_sync.setup(module, wrapped, total_epochs=None)
         return wrapped
@@ -256,20 +269,27 @@ class HorovodStrategy(HorovodStrategyShared, ParallelStrategy):
         norm_type: float | int = 2.0,
         error_if_nonfinite: bool = True,
     ) -> Tensor:
-        """Clips the averaged gradients, as one process with the whole batch would."""
+        """Clips the averaged gradients by their norm over every worker's, as one process with the whole batch would."""
         self._average(optimizer)
-        return super().clip_gradients_norm(module, optimizer, max_norm, norm_type, error_if_nonfinite)
+        if self.gradient_sync is None:
+            return super().clip_gradients_norm(module, optimizer, max_norm, norm_type, error_if_nonfinite)
+        self.precision.unscale_gradients(optimizer)
+        inner = fabric_optimizer_target(optimizer)
+        return self.gradient_sync.clip_grad_norm_(inner, float(max_norm), float(norm_type), error_if_nonfinite)
 
     @override
     def clip_gradients_value(self, module: Module, optimizer: Optimizer, clip_val: float | int) -> None:
         self._average(optimizer)
-        return super().clip_gradients_value(module, optimizer, clip_val)
+        if self.gradient_sync is None:
+            return super().clip_gradients_value(module, optimizer, clip_val)
+        self.precision.unscale_gradients(optimizer)
+        return self.gradient_sync.clip_grad_value_(fabric_optimizer_target(optimizer), float(clip_val))
 
     # ------------------------------------------------------------------ checkpoints
     @override
     def load_checkpoint(  # type: ignore[override]
         self,
-        path: _PATH,
+        path: CheckpointPath,
         state: Module | Optimizer | dict[str, Module | Optimizer | Any] | None = None,
         strict: bool = True,
         **kwargs: Any,
@@ -282,11 +302,16 @@ class HorovodStrategy(HorovodStrategyShared, ParallelStrategy):
         for obj in objects:
             if isinstance(obj, Module):
                 hvd.broadcast_parameters(obj.state_dict(), root_rank=0)
-            elif isinstance(obj, Optimizer):
+            elif isinstance(obj, Optimizer) and self._replicates_optimizer_state:
                 inner = getattr(obj, "optimizer", obj)
                 index = next((i for i, o in enumerate(self._wrapped) if o is inner), len(self._wrapped))
                 broadcast_optimizer_state_(inner, root_rank=0, name=f"loaded_opt{index}")
         return remainder
+
+    @property
+    def _replicates_optimizer_state(self) -> bool:
+        """Whether every worker holds the whole optimizer state (else each keeps its slices of what it loaded)."""
+        return self.gradient_sync is None or self.gradient_sync.replicates_optimizer_state
 
     # ------------------------------------------------------------------ collectives
     @override
@@ -295,12 +320,16 @@ class HorovodStrategy(HorovodStrategyShared, ParallelStrategy):
     ) -> Any:
         return self._reduce_over_workers("all_reduce", tensor, group, reduce_op)
 
+    @override
     def forget_world(self) -> None:
-        """After an elastic reset (``hvd_plugins.fabric.ElasticLoop``): the new rank in rank-zero output and the
-        watchdog's reports, and no step's gradients counted as averaged."""
-        rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]  # Lightning's own way
-        self._guards.follow_world(self.global_rank, self.world_size)
+        """After an elastic reset (``hvd_plugins.fabric.ElasticLoop``): the rule of both faces, and no step's
+        gradients counted as averaged."""
+        super().forget_world()
         self._averaged.clear()
+
+    @override
+    def _synced_optimizers(self) -> Sequence[Optimizer]:
+        return self._wrapped
 
     @override
     def teardown(self) -> None:

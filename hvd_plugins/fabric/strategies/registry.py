@@ -23,6 +23,10 @@ PRESETS: dict[str, Preset] = {
     "horovod": Preset("Horovod: flat allreduce, no compression", {}),
     "horovod_fp16": Preset("Horovod: flat allreduce, gradients sent as float16", {"compression": "fp16"}),
     "horovod_hierarchical": Preset("Horovod: allreduce inside each node, then across nodes", {"sync": "hierarchical"}),
+    "horovod_zero1": Preset("Horovod: the optimizer state split over the workers (ZeRO-1)", {"shard": "optimizer"}),
+    "horovod_zero2": Preset(
+        "Horovod: the optimizer state and the gradients split over the workers (ZeRO-2)", {"shard": "gradients"}
+    ),
     "horovod_daso": Preset(
         "Horovod: DASO, node-local every step, cross-node every few steps", {"sync": "daso"}, trainer_only=True
     ),

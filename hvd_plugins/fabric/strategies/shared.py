@@ -2,18 +2,21 @@
 collectives.
 
 A mixin placed before Lightning's ``ParallelStrategy`` (of either Lightning package) in each class;
-it relies on what that base provides (``world_size``, ``parallel_devices``, ``local_rank``, ``num_nodes``)
-and on the strategy's ``config``, ``_environment`` and ``_guards`` (the watchdog that bounds waits).
+it relies on what that base provides (``world_size``, ``global_rank``, ``parallel_devices``, ``local_rank``,
+``num_nodes``) and on the strategy's ``config``, ``_environment`` and ``_guards`` (the watchdog that bounds
+waits). It also holds the one rule of both faces for an elastic reset (``forget_world``).
 """
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from types import ModuleType
 from typing import Any, TypeVar
 
 import torch
 from lightning.fabric.plugins import CheckpointIO
+from lightning.fabric.utilities.rank_zero import rank_zero_only
 from torch import Tensor
 from torch.optim import Optimizer
 
@@ -21,25 +24,31 @@ from hvd_plugins.core.backend.module import horovod_torch
 from hvd_plugins.core.backend.runner import local_launch_size
 from hvd_plugins.core.backend.startup import init_horovod
 from hvd_plugins.core.comm import collectives
+from hvd_plugins.core.comm.topology import Topology
 from hvd_plugins.core.config import HorovodConfig
+from hvd_plugins.core.elastic.reset import sync_after_reset
 from hvd_plugins.core.sync.base import GradientSync
 from hvd_plugins.core.sync.guards import SyncGuards
+from hvd_plugins.core.training_state import broadcast_optimizer_state_
 from hvd_plugins.core.worker import prepare_worker
+from hvd_plugins.fabric.lightning_internals import given_checkpoint_io, set_checkpoint_io
 from hvd_plugins.fabric.plugins.environments.horovod import HorovodEnvironment
 from hvd_plugins.fabric.plugins.io.atomic import AtomicCheckpointIO
 
 T = TypeVar("T")
 
 
-class HorovodStrategyShared:
-    """Starting Horovod, device, checkpoint IO and Horovod collectives, the same for the Trainer and for Fabric."""
+class HorovodStrategyShared(ABC):
+    """Starting Horovod, device, checkpoint IO, Horovod collectives and elastic resets, alike for the Trainer and
+    for Fabric."""
 
     config: HorovodConfig
     gradient_sync: GradientSync | None
+    _restored_sync_state: dict[str, Any]  # for the gradient sync the next setup builds
     _environment: HorovodEnvironment
     _guards: SyncGuards
-    _checkpoint_io: CheckpointIO | None
     world_size: int
+    global_rank: int
     local_rank: int
     num_nodes: int
     parallel_devices: list[torch.device] | None
@@ -74,6 +83,38 @@ class HorovodStrategyShared:
             with self._guards.waiting("gradient allreduce"):
                 self.gradient_sync.before_backward(optimizer)
 
+    # ------------------------------------------------------------------ elastic resets
+    def forget_world(self) -> None:
+        """After an elastic reset, in both faces: rank-zero output and the watchdog follow this worker's new rank,
+        and the gradient sync is built again only if the old world shaped it (``core.elastic.reset``)."""
+        rank, size = self.global_rank, self.world_size
+        self._follow_rank(rank)
+        self._guards.follow_world(rank, size)
+        self.gradient_sync, state = sync_after_reset(self.gradient_sync, self._synced_optimizers())
+        if state is not None:
+            self._restored_sync_state = state
+
+    def _follow_rank(self, rank: int) -> None:
+        """Lightning's rank-zero output on this rank (one flag for both Lightning faces: Lightning's own way)."""
+        rank_zero_only.rank = rank  # type: ignore[attr-defined]
+
+    @abstractmethod
+    def _synced_optimizers(self) -> Sequence[Optimizer]:
+        """The optimizers the gradient sync was set up with."""
+
+    # ------------------------------------------------------------------ state for callbacks
+    @property
+    def topology(self) -> Topology | None:
+        """Which workers share a node, with a node-aware sync once it is set up (else None)."""
+        return self.gradient_sync.topology if self.gradient_sync is not None else None
+
+    def _share_loaded_optimizer_states(self, optimizers: Sequence[Optimizer], prefix: str = "opt") -> None:
+        """After a load: rank 0's optimizer states everywhere, where every worker holds the whole state (a sharded
+        mode's workers each kept their slices of the same loaded state instead)."""
+        if self.gradient_sync is None or self.gradient_sync.replicates_optimizer_state:
+            for index, optimizer in enumerate(optimizers):
+                broadcast_optimizer_state_(optimizer, root_rank=0, name=f"{prefix}{index}")
+
     @property
     def daso_sync(self) -> Any:
         """With ``sync="daso"`` the running fit's DasoParameterSync (its ``schedule`` holds phase, history)."""
@@ -87,13 +128,15 @@ class HorovodStrategyShared:
     @property
     def checkpoint_io(self) -> CheckpointIO:
         """Atomic writes unless a CheckpointIO was given (here or as a plugin)."""
-        if self._checkpoint_io is None:
-            self._checkpoint_io = AtomicCheckpointIO()
-        return self._checkpoint_io
+        io = given_checkpoint_io(self)
+        if io is None:
+            io = AtomicCheckpointIO()
+            set_checkpoint_io(self, io)
+        return io
 
     @checkpoint_io.setter
     def checkpoint_io(self, io: CheckpointIO | None) -> None:
-        self._checkpoint_io = io
+        set_checkpoint_io(self, io)
 
     @property
     def root_device(self) -> torch.device:

@@ -8,15 +8,13 @@ mode runs: every mode offers the same hooks. Launch with ``horovodrun -np N pyth
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import torch
 from lightning.fabric.plugins import CheckpointIO
 from lightning.fabric.utilities.distributed import ReduceOp
-from lightning.fabric.utilities.optimizer import _optimizers_to_device
-from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import Precision
@@ -33,7 +31,6 @@ from hvd_plugins.core.backend.agreement import assert_ranks_agree
 from hvd_plugins.core.backend.module import horovod_torch
 from hvd_plugins.core.backend.startup import init_horovod
 from hvd_plugins.core.comm.counters import CommCounters
-from hvd_plugins.core.comm.topology import Topology
 from hvd_plugins.core.config import (
     DEFAULT_COMMIT_EVERY_N_STEPS,
     CompressionName,
@@ -43,6 +40,7 @@ from hvd_plugins.core.config import (
     HierarchicalImpl,
     HorovodConfig,
     Megabytes,
+    Shard,
     StallTimeout,
     SyncMode,
 )
@@ -56,12 +54,24 @@ from hvd_plugins.core.sync.base import GradientSync
 from hvd_plugins.core.sync.daso.config import DasoConfig
 from hvd_plugins.core.sync.guards import SyncGuards
 from hvd_plugins.core.sync.table import make_gradient_sync
-from hvd_plugins.core.training_state import broadcast_optimizer_states_, scale_learning_rates_, wrap_optimizers
+from hvd_plugins.core.training_state import scale_learning_rates_, wrap_optimizers
+from hvd_plugins.fabric.lightning_internals import (
+    CheckpointPath,
+    checkpoint_content,
+    layer_sync,
+    lightning_optimizers,
+    module_trainer,
+    names_the_commit,
+    optimizers_to_device,
+    set_launcher,
+    set_layer_sync,
+)
 from hvd_plugins.fabric.plugins.environments.horovod import HorovodEnvironment
 from hvd_plugins.fabric.strategies.shared import HorovodStrategyShared
 from hvd_plugins.pytorch.callbacks.progress import progress_bar_given_to_trainer, use_line_progress_bar
-from hvd_plugins.pytorch.elastic import COMMIT_PATH, ElasticCommitCallback, ElasticFit
+from hvd_plugins.pytorch.elastic import ElasticCommitCallback, ElasticFit
 from hvd_plugins.pytorch.loop_events import TrainingLoopEvents, training_position
+from hvd_plugins.pytorch.plugins.clipping import clip_through_sync
 from hvd_plugins.pytorch.plugins.layer_sync import horovod_layer_sync
 from hvd_plugins.pytorch.preemption import RequeueOnPreemption
 from hvd_plugins.pytorch.resume_position import ResumePosition
@@ -89,6 +99,7 @@ class HorovodStrategy(HorovodStrategyShared, ParallelStrategy):
         sparse_as_dense: send sparse gradients (``nn.Embedding(sparse=True)``) dense: one allreduce, not two allgathers.
         scale_lr: multiply learning rates (and schedulers' base lrs) by the number of workers.
         sync: ``"allreduce"`` (flat), ``"hierarchical"`` (node, then across nodes) or ``"daso"``.
+        shard: ``"none"``; ``"optimizer"`` (ZeRO-1) or ``"gradients"`` (ZeRO-2) split those over the workers.
         hierarchical_impl: ``"portable"`` (every build) or ``"native"`` (MPI + NCCL only).
         compress_node_local: with ``sync="hierarchical"``, compress the node-local legs too.
         daso: a ``DasoConfig`` or a dict of its fields; only with ``sync="daso"``.
@@ -122,6 +133,7 @@ class HorovodStrategy(HorovodStrategyShared, ParallelStrategy):
         sparse_as_dense: bool = False,
         scale_lr: bool = False,
         sync: SyncMode = "allreduce",
+        shard: Shard = "none",
         hierarchical_impl: HierarchicalImpl = "portable",
         compress_node_local: bool = False,
         daso: DasoConfig | dict[str, Any] | None = None,
@@ -139,38 +151,19 @@ class HorovodStrategy(HorovodStrategyShared, ParallelStrategy):
         checkpoint_io: CheckpointIO | None = None,
         precision_plugin: Precision | None = None,
     ) -> None:
+        arguments = {name: value for name, value in locals().items() if name in HorovodConfig.argument_names()}
         self._environment = HorovodEnvironment()
         super().__init__(accelerator, parallel_devices, self._environment, checkpoint_io, precision_plugin)
-        self.config = HorovodConfig.build(
-            compression=compression,
-            op=op,
-            gradient_predivide_factor=gradient_predivide_factor,
-            sparse_as_dense=sparse_as_dense,
-            scale_lr=scale_lr,
-            sync=sync,
-            hierarchical_impl=hierarchical_impl,
-            compress_node_local=compress_node_local,
-            daso=daso,
-            average_buffers=average_buffers,
-            bucket_mb=bucket_mb,
-            flat_below_mb=flat_below_mb,
-            stall_timeout_seconds=stall_timeout_seconds,
-            check_finite_gradients=check_finite_gradients,
-            auto_requeue=auto_requeue,
-            cpu_threads=cpu_threads,
-            elastic=elastic,
-            commit_every_n_steps=commit_every_n_steps,
-        )
+        self.config = HorovodConfig.build(**arguments)  # every config field is an argument of the same name
         capabilities.require_build_supports(self.config)
         self.num_nodes = 1  # set by the Trainer; checked against the launch in setup_environment
         self.comm_counters = CommCounters()
         self.gradient_sync: GradientSync | None = None  # built at the first setup, kept across fits
-        self.topology: Topology | None = None  # which workers share a node (node-aware syncs, once set up)
         self._guards = SyncGuards(self.config)
-        self._restored_sync_state: dict[str, Any] = {}  # from a checkpoint, until the sync exists
+        self._restored_sync_state: dict[str, Any] = {}  # for the next sync built: from a checkpoint or a reset
         self._progress_bar_given: bool | None = None
         self._resume_position = ResumePosition()  # a mid-epoch resume continues at the next batch
-        self.elastic = ElasticFit(self, self.config.commit_every_n_steps) if runs_elastic(self.config) else None
+        self.elastic = ElasticFit(self.config.commit_every_n_steps) if runs_elastic(self.config) else None
         """With an elastic launch: the commits and resets of this strategy's fits (``elastic.resets`` counts)."""
 
     def __repr__(self) -> str:
@@ -180,12 +173,12 @@ class HorovodStrategy(HorovodStrategyShared, ParallelStrategy):
     @property
     @override
     def optimizers(self) -> list[Optimizer]:
-        return self._optimizers
+        return super().optimizers
 
     @optimizers.setter
     def optimizers(self, optimizers: list[Optimizer]) -> None:
         ParallelStrategy.optimizers.fset(self, optimizers)  # type: ignore[attr-defined]  # the base's setter
-        horovod_optimizer.pin_zero_grad(self._lightning_optimizers)
+        horovod_optimizer.pin_zero_grad(lightning_optimizers(self))
 
     # ------------------------------------------------------------------ ranks and devices
     @property
@@ -206,16 +199,16 @@ class HorovodStrategy(HorovodStrategyShared, ParallelStrategy):
     def set_world_ranks(self) -> None:
         """When the Trainer is built: start Horovod (unless this process launches the workers) for rank-zero output."""
         self._plan_launch()
-        follow_rank(self.global_rank)
+        self._follow_rank(self.global_rank)
         self._progress_bar_given = progress_bar_given_to_trainer()  # before Lightning adds its default bar
 
     @override
     def _configure_launcher(self) -> None:
         size = self._environment.launch_size
-        if self.elastic is not None:  # horovodrun started the workers; fits run elastically
-            self._launcher = HorovodElasticLauncher(self.elastic)
+        if self.elastic is not None:  # horovodrun started the workers; the launcher runs fits elastically
+            set_launcher(self, HorovodElasticLauncher(self.elastic, self.forget_world))
         else:
-            self._launcher = HorovodScriptLauncher(size, partial(init_horovod, self.config)) if size else None
+            set_launcher(self, HorovodScriptLauncher(size, partial(init_horovod, self.config)) if size else None)
 
     @override
     def setup_environment(self) -> None:
@@ -234,22 +227,22 @@ class HorovodStrategy(HorovodStrategyShared, ParallelStrategy):
         config = self.config.fingerprint()
         assert_ranks_agree(job_fingerprint(config, self.model, trainer.accumulate_grad_batches, str(trainer.state.fn)))
         self.model = self.precision_plugin.convert_module(self.model)
-        self._layer_sync = horovod_layer_sync(self._layer_sync, self.config.sync)
-        if fitting and self._layer_sync is not None:  # as DDP: while fitting, reverted at teardown
-            self.model = self._layer_sync.apply(self.model)
+        set_layer_sync(self, horovod_layer_sync(layer_sync(self), self.config.sync))
+        if fitting and (sync_layers := layer_sync(self)) is not None:  # as DDP: while fitting, reverted at teardown
+            self.model = sync_layers.apply(self.model)
         self.model_to_device()
         attach_horovod_metric_sync(self.model)
         if self.gradient_sync is None:
             self.gradient_sync = make_gradient_sync(self.config, self.comm_counters)  # node-aware: a collective
             self.gradient_sync.load_state_dict(self._restored_sync_state)
-            self.topology = self.gradient_sync.topology
         # Every worker starts from rank 0's weights and buffers (also after a checkpoint restore).
         horovod_torch().broadcast_parameters(self.model.state_dict(), root_rank=0)
         if fitting:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
+        clip_through_sync(self.precision_plugin, lambda: self.gradient_sync)
         if fitting:
-            _optimizers_to_device(self.optimizers, self.root_device)
+            optimizers_to_device(self.optimizers, self.root_device)
             max_epochs = trainer.max_epochs if trainer.max_epochs and trainer.max_epochs > 0 else None
             self.gradient_sync.setup(self.model, self.optimizers, total_epochs=max_epochs)
             TrainingLoopEvents.install(
@@ -257,7 +250,7 @@ class HorovodStrategy(HorovodStrategyShared, ParallelStrategy):
             )
             RequeueOnPreemption.install(trainer, slurm_job_id() if self.config.auto_requeue else None)
             if self.elastic is not None:
-                ElasticCommitCallback.install(trainer, self.elastic)  # after the loop events: commits see a step done
+                ElasticCommitCallback.install(trainer, self.elastic, self.checkpoint_content)  # after the loop events
 
     @override
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
@@ -287,7 +280,7 @@ class HorovodStrategy(HorovodStrategyShared, ParallelStrategy):
         model: pl.LightningModule | Module | None = None,
         **kwargs: Any,
     ) -> Any:
-        optimizer = optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
+        optimizer = optimizer.optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
         sync = self.gradient_sync
         if sync is None:
             return super().optimizer_step(optimizer, closure, model, **kwargs)
@@ -301,14 +294,16 @@ class HorovodStrategy(HorovodStrategyShared, ParallelStrategy):
             return super().optimizer_step(optimizer, closure_then_average, model, **kwargs)
 
     @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: CheckpointPath, storage_options: Any | None = None
+    ) -> None:
         self._add_sync_state(checkpoint)
         self._resume_position.record(self._trainer, checkpoint)
         super().save_checkpoint(checkpoint, filepath, storage_options)
 
     def checkpoint_content(self, trainer: pl.Trainer) -> dict[str, Any]:
         """What a checkpoint saved now would hold (Lightning's content and the gradient sync's state)."""
-        checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+        checkpoint = checkpoint_content(trainer)
         self._add_sync_state(checkpoint)
         return checkpoint
 
@@ -316,18 +311,20 @@ class HorovodStrategy(HorovodStrategyShared, ParallelStrategy):
         if self.gradient_sync is not None and (own := self.gradient_sync.state_dict()):
             checkpoint[CHECKPOINT_KEY] = own
 
-    def forget_world(self) -> None:
-        """After an elastic reset: what the old ranks and size shaped is built again at the next setup."""
-        self.gradient_sync = None
-        self.topology = None
-        self._guards.follow_world(self.global_rank, self.world_size)
+    @override
+    def _follow_rank(self, rank: int) -> None:
+        follow_rank(rank)  # rank-zero output, and Python's warnings on rank 0 only
 
     @override
-    def load_checkpoint(self, checkpoint_path: _PATH, *args: Any, **kwargs: Any) -> dict[str, Any]:
+    def _synced_optimizers(self) -> Sequence[Optimizer]:
+        return self.optimizers
+
+    @override
+    def load_checkpoint(self, checkpoint_path: CheckpointPath, *args: Any, **kwargs: Any) -> dict[str, Any]:
         """Hand the gradient sync its state; Lightning restores checkpoints before ``setup`` builds the sync.
 
-        In an elastic fit ``COMMIT_PATH`` names the last commit, in host memory."""
-        if self.elastic is not None and checkpoint_path == COMMIT_PATH:
+        In an elastic fit, after a reset, the path names the last commit, in host memory."""
+        if self.elastic is not None and names_the_commit(checkpoint_path):
             checkpoint = self.elastic.restore(self._trainer, scale_lr=self.config.scale_lr)
         else:
             checkpoint = super().load_checkpoint(checkpoint_path, *args, **kwargs)
@@ -338,15 +335,20 @@ class HorovodStrategy(HorovodStrategyShared, ParallelStrategy):
         return checkpoint
 
     @override
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        """What a checkpoint keeps of ``optimizer``: its whole state, as the sync mode gives it (sharded: gathered)."""
+        inner = optimizer.optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
+        return self.gradient_sync.optimizer_state_dict(inner) if self.gradient_sync else super().optimizer_state(inner)
+
+    @override
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
         super().load_optimizer_state_dict(checkpoint)
-        broadcast_optimizer_states_(self.optimizers, root_rank=0)
+        self._share_loaded_optimizer_states(self.optimizers)
 
     @override
     def process_dataloader(self, dataloader: object) -> object:
-        if self.elastic is not None:
-            return self.elastic.prepare(self._trainer, dataloader, self.global_rank, self.world_size)
-        return self._resume_position.prepare(self._trainer, dataloader)
+        position = self._resume_position if self.elastic is None else self.elastic  # where the epoch goes on
+        return position.prepare(self._trainer, dataloader)
 
     # ------------------------------------------------------------------ collectives for Lightning
     @override
@@ -356,7 +358,7 @@ class HorovodStrategy(HorovodStrategyShared, ParallelStrategy):
     # ------------------------------------------------------------------ failures and teardown
     @property
     def _trainer(self) -> pl.Trainer | None:
-        return self.lightning_module._trainer if self.lightning_module is not None else None  # None before setup
+        return module_trainer(self.lightning_module)  # None before setup
 
     @override
     def on_exception(self, exception: BaseException) -> None:
@@ -371,6 +373,7 @@ class HorovodStrategy(HorovodStrategyShared, ParallelStrategy):
         if self.gradient_sync is not None:
             self.gradient_sync.teardown(self.optimizers)  # its state (the measured route) stays for a later fit
         trainer = self._trainer
-        if trainer is not None and trainer.state.fn == TrainerFn.FITTING and self._layer_sync and self.model:
-            self.model = self._layer_sync.revert(self.model)
+        sync_layers = layer_sync(self)
+        if trainer is not None and trainer.state.fn == TrainerFn.FITTING and sync_layers and self.model:
+            self.model = sync_layers.revert(self.model)
         super().teardown()

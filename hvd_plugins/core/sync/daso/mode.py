@@ -90,7 +90,7 @@ class DasoGradientSync(GradientSync):
         assert self.groups.local is not None
         return self.groups.local, self.node_compressor, Scope.NODE_LOCAL
 
-    def _sum_bucket(self, flat: torch.Tensor, name: str) -> InFlight[torch.Tensor] | None:
+    def _sum_bucket(self, index: int, flat: torch.Tensor, name: str) -> InFlight[torch.Tensor | None] | None:
         """Start one bucket's sum over this step's group; it lands averaged (or summed, ``op="sum"``)."""
         chosen = self._group()
         if chosen is None:

@@ -127,7 +127,7 @@ class HierarchicalGradientSync(GradientSync):
         self._average_late_parameters(optimizer, reducer)
         return self._tuner_for(reducer.bucket_nbytes())
 
-    def _sum_bucket(self, flat: torch.Tensor, name: str) -> InFlight[torch.Tensor] | None:
+    def _sum_bucket(self, index: int, flat: torch.Tensor, name: str) -> InFlight[torch.Tensor | None] | None:
         """Start one bucket's sum over every worker (``comm.two_level``); it lands, averaged or summed, in ``flat``."""
         pending = start_bucket_sum(
             flat,

@@ -9,8 +9,9 @@ from typing import Any
 
 import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
-from lightning.fabric.utilities.types import _PATH
 from typing_extensions import override
+
+from hvd_plugins.fabric.lightning_internals import CheckpointPath
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
@@ -21,7 +22,9 @@ class AtomicCheckpointIO(TorchCheckpointIO):
     """
 
     @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], path: _PATH, storage_options: Any | None = None) -> None:
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], path: CheckpointPath, storage_options: Any | None = None
+    ) -> None:
         if storage_options is not None:
             raise TypeError(
                 f"AtomicCheckpointIO.save_checkpoint got storage_options={storage_options!r}; it takes none"

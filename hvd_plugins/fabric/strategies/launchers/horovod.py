@@ -8,13 +8,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from lightning.fabric.strategies.launchers.launcher import _Launcher
 from typing_extensions import override
 
 from hvd_plugins.core.backend.runner import start_local_job_once
+from hvd_plugins.fabric.lightning_internals import FabricLauncher
 
 
-class HorovodFabricLauncher(_Launcher):
+class HorovodFabricLauncher(FabricLauncher):
     """Starts the workers (once per process) and Horovod, then runs the function ``fabric.launch`` was given."""
 
     asked_as = "Fabric"  # in the message when Horovod was started too early

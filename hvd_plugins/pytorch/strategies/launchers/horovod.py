@@ -10,17 +10,17 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from lightning.pytorch.strategies.launchers.launcher import _Launcher
 from typing_extensions import override
 
 from hvd_plugins.core.backend.runner import kill_local_job
+from hvd_plugins.fabric.lightning_internals import TrainerLauncher
 from hvd_plugins.fabric.strategies.launchers.horovod import HorovodFabricLauncher
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
 
-class HorovodScriptLauncher(HorovodFabricLauncher, _Launcher):
+class HorovodScriptLauncher(HorovodFabricLauncher, TrainerLauncher):
     """Starts the workers (once per process) and Horovod, then runs Lightning's fit/validate/test/predict."""
 
     asked_as = "Trainer"

@@ -11,10 +11,10 @@ import pytest
 import torch
 from torch import nn
 
-from hvd_plugins.core.sync import guards as sync_guards
 from hvd_plugins.core.config import HorovodConfig
 from hvd_plugins.core.faults import finite
 from hvd_plugins.core.faults.finite import FiniteGradientCheck
+from hvd_plugins.core.sync import guards as sync_guards
 from hvd_plugins.core.sync.guards import SyncGuards
 
 

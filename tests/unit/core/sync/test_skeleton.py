@@ -42,7 +42,9 @@ class AsyncFakeHorovod:
 
 @pytest.fixture
 def skeleton(monkeypatch: pytest.MonkeyPatch) -> tuple[Callable[..., Any], AsyncFakeHorovod]:
-    (source,) = [block for block in code_blocks((DOCS / "internals.rst").read_text(), "python") if SKELETON_CLASS in block]
+    (source,) = [
+        block for block in code_blocks((DOCS / "internals.rst").read_text(), "python") if SKELETON_CLASS in block
+    ]
     namespace: dict[str, Any] = {}
     exec(compile(source, "docs/internals.rst", "exec"), namespace)
     hvd = AsyncFakeHorovod()

@@ -23,6 +23,6 @@ def test_every_strategy_name_is_registered_with_each_trainer(trainer_package, fa
 
 def test_import_registers_strategy_names() -> None:
     assert hvd_plugins.HorovodStrategy is HorovodStrategy
-    for name in ("horovod", "horovod_fp16", "horovod_hierarchical", "horovod_daso"):
+    for name in ("horovod", "horovod_fp16", "horovod_hierarchical", "horovod_zero1", "horovod_zero2", "horovod_daso"):
         assert name in StrategyRegistry
     assert StrategyRegistry["horovod_fp16"]["init_params"] == {"compression": "fp16"}

@@ -1,0 +1,261 @@
+"""``shard="optimizer"`` (ZeRO-1) and ``shard="gradients"`` (ZeRO-2) on Horovod's flat world.
+
+Every worker holds the whole model; the optimizer state is split over the workers
+(``ShardedOptimizer``). With ``shard="optimizer"`` gradients are averaged as a flat allreduce would
+(each bucket summed over every worker as backward completes it) and each worker steps its slices of
+them. With ``shard="gradients"`` each bucket is reduce-scattered from backward's hooks instead: a
+worker receives only its slice of the averaged gradient and the whole gradients are freed, so after
+the step it holds 1/N of them. Either way the updated slices are allgathered after the step. The
+bytes are those of an allreduce: a ring allreduce is a reduce-scatter and an allgather.
+
+The reduce-scatter is a global alltoall that sends each worker its piece of the padded bucket
+(``comm.partners``): one round, every Horovod build, summed in rank order on every worker.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch.nn import Module
+from torch.optim import Optimizer
+
+from hvd_plugins.core.backend.module import horovod_torch
+from hvd_plugins.core.comm.compression import Compressor
+from hvd_plugins.core.comm.counters import CommCounters, Scope
+from hvd_plugins.core.comm.in_flight import InFlight, Then
+from hvd_plugins.core.comm.partners import GroupSum, PartnerGroup, add_in_order, start_reduce_scatter
+from hvd_plugins.core.comm.reducer import BucketOperation, BucketReducer
+from hvd_plugins.core.sync.base import GradientSync
+from hvd_plugins.core.sync.sharded.optimizer import ShardedOptimizer, refuse_whole_tensor_optimizer
+from hvd_plugins.core.sync.sharded.partition import partition
+
+SHARD_STAGES = {"optimizer": 1, "gradients": 2}
+"""``shard=`` names and the ZeRO stage each stands for."""
+
+
+class ShardedGradientSync(GradientSync):
+    """Averages gradients for a ``ShardedOptimizer`` (ZeRO-1) or hands it its slices of them (ZeRO-2)."""
+
+    world_shaped = True  # the slices are the old world's
+    replicates_optimizer_state = False
+
+    def __init__(self, shard: str, compressor: Compressor, op: str, counters: CommCounters, bucket_bytes: int) -> None:
+        if shard not in SHARD_STAGES:
+            raise ValueError(f"shard={shard!r} is not a sharded mode; choose one of {list(SHARD_STAGES)}")
+        if op not in ("average", "sum"):
+            raise ValueError(f"op={op!r} is not supported with shard={shard!r}; choose 'average' or 'sum'")
+        self.shard = shard
+        self.stage = SHARD_STAGES[shard]
+        self.compressor = compressor
+        self.op = op
+        self.counters = counters
+        self.bucket_bytes = bucket_bytes
+        hvd = horovod_torch()
+        size, rank = hvd.size(), hvd.rank()
+        self.world = PartnerGroup(tuple(range(size)), rank, size)
+        self.scope = Scope.CROSS_NODE if hvd.cross_size() > 1 else Scope.NODE_LOCAL
+        self._optimizers: dict[int, ShardedOptimizer] = {}
+        self._reducers: dict[int, BucketReducer] = {}
+
+    # ------------------------------------------------------------------ wrapping
+    def setup(self, model: Module, optimizers: Sequence[Optimizer], total_epochs: int | None) -> None:
+        refuse_sparse_gradients(model, self.shard)
+
+    def wrap(self, optimizer: Optimizer, named_parameters: list[tuple[str, torch.nn.Parameter]]) -> Optimizer:
+        refuse_whole_tensor_optimizer(optimizer, self.shard)
+        name = f"shard.opt{len(self._optimizers)}"
+        buckets = partition(optimizer, self.world.size, self.world.rank, self.bucket_bytes)
+        sharded = ShardedOptimizer(
+            optimizer, buckets, self.world, self.counters, self.scope, name, gradients_from_parameters=self.stage == 1
+        )
+        self._optimizers[id(sharded)] = sharded
+        self._build_reducer(sharded)
+        return sharded
+
+    def _build_reducer(self, sharded: ShardedOptimizer) -> None:
+        """The reducer that runs this mode's operation on the sharded optimizer's buckets, from backward's hooks."""
+        if (old := self._reducers.get(id(sharded))) is not None:
+            old.remove()
+        buckets = sharded.buckets
+        reducer = BucketReducer(
+            [p for bucket in buckets for p in bucket.parameters],
+            self.bucket_bytes,
+            self._scatter_to(sharded) if self.stage == 2 else self._sum_bucket,
+            f"{sharded.name}.grad",
+            self.backward_passes,
+            buckets=[bucket.parameters for bucket in buckets],
+        )
+        reducer.armed = self.world.size > 1 or self.stage == 2
+        self._reducers[id(sharded)] = reducer
+
+    def _follow_trainable(self, sharded: ShardedOptimizer) -> None:
+        """Parameters frozen or unfrozen since the slices were laid out: lay them out again (every worker
+        reaches this before the same backward, so the collective inside is safe). An optimizer whose
+        parameters are all frozen keeps its layout: Lightning's ``toggle_optimizer`` freezes the others'
+        parameters while one optimizer steps, and they train again unchanged."""
+        planned = [p for bucket in sharded.buckets for p in bucket.parameters]
+        trainable = [p for group in sharded.param_groups for p in group["params"] if p.requires_grad]
+        if {id(p) for p in planned} == {id(p) for p in trainable} or not trainable:
+            return  # unchanged, or all frozen for now (Lightning's toggle_optimizer while another one steps)
+        world, bucket_bytes = self.world, self.bucket_bytes
+        sharded.repartition(lambda signature: partition(sharded, world.size, world.rank, bucket_bytes, signature))
+        self._build_reducer(sharded)
+
+    def _reducer(self, optimizer: Optimizer) -> BucketReducer:
+        reducer = self._reducers.get(id(optimizer))
+        if reducer is None:
+            raise ValueError(f"shard={self.shard!r}: {type(optimizer).__name__} was not set up by this strategy")
+        return reducer
+
+    # ------------------------------------------------------------------ averaging
+    def synchronize(self, optimizer: Optimizer) -> None:
+        reducer = self._reducer(optimizer)
+        reducer.finish(waiting=self.counters.waiting())
+        reducer.armed = self.world.size > 1 or self.stage == 2
+
+    def _sum_bucket(self, index: int, flat: torch.Tensor, name: str) -> InFlight[torch.Tensor | None] | None:
+        """ZeRO-1: one bucket summed over every worker (Horovod's allreduce), averaged, written back."""
+        if self.world.size == 1:
+            return None
+        sum_ = GroupSum(flat, self.world, self.compressor, name)
+        if sum_.nbytes:
+            self.counters.record(self.scope, sum_.nbytes)
+        return sum_ if self.op == "sum" else Then(sum_, lambda total: total.div_(self.world.size))
+
+    def _scatter_to(self, sharded: ShardedOptimizer) -> BucketOperation:
+        """ZeRO-2: each bucket reduce-scattered; this worker's slice of the average becomes its slice's gradient
+        and the whole gradients of the bucket are freed."""
+
+        def scatter(index: int, flat: torch.Tensor, name: str) -> InFlight[torch.Tensor | None] | None:
+            bucket, piece = sharded.buckets[index], sharded.slices[index]
+            padded = bucket.layout.padded(flat)
+
+            def land(total: torch.Tensor) -> None:
+                if self.op == "average" and self.world.size > 1:
+                    total = total.div_(self.world.size)
+                piece.grad = total.to(piece.dtype) if piece.grad is None else piece.grad.copy_(total)
+                for parameter in bucket.parameters:
+                    parameter.grad = None
+                return None
+
+            if self.world.size == 1:
+                return Then(_Done(padded), land)
+            pending = start_reduce_scatter(padded, self.world, self.compressor, name)
+            self.counters.record(self.scope, pending.piece_nbytes * self.world.size)
+            return Then(pending, lambda pieces: land(add_in_order(pieces)))
+
+        return scatter
+
+    def set_backward_passes(self, optimizer: Optimizer, passes: int) -> None:
+        self.backward_passes = passes
+        if (reducer := self._reducers.get(id(optimizer))) is not None:
+            reducer.set_backward_passes(passes)
+
+    def hold_next_backward(self, optimizer: Optimizer) -> None:
+        if (reducer := self._reducers.get(id(optimizer))) is not None:
+            reducer.hold_next_backward()
+
+    def before_backward(self, optimizer: Optimizer) -> None:
+        """Follow parameters (un)frozen since the last step; refuse a second backward while buckets travel."""
+        reducer = self._reducers.get(id(optimizer))
+        if reducer is not None and not reducer.in_flight:
+            self._follow_trainable(self._sharded(optimizer))
+        elif reducer is not None:
+            raise ValueError(
+                f"shard={self.shard!r} cannot accumulate gradients with a second backward before the optimizer "
+                "step while the first one's buckets are on their way: accumulate with accumulate_grad_batches (the "
+                "Trainer) or fabric.no_backward_sync (Fabric), or use shard='none'."
+            )
+
+    # ------------------------------------------------------------------ what this worker owns
+    def owned_gradients(self, optimizer: Optimizer) -> list[torch.Tensor]:
+        if self.stage == 1:
+            return super().owned_gradients(optimizer)
+        return self._sharded(optimizer).owned_gradients()
+
+    def clip_grad_norm_(
+        self, optimizer: Optimizer, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False
+    ) -> torch.Tensor:
+        """ZeRO-2: the norm of the whole averaged gradient from this worker's slices, in one collective."""
+        if self.stage == 1:
+            return super().clip_grad_norm_(optimizer, max_norm, norm_type, error_if_nonfinite)
+        gradients = self._sharded(optimizer).owned_gradients()
+        total = global_norm(gradients, float(norm_type), self.world.size)
+        if error_if_nonfinite and not torch.isfinite(total):
+            raise RuntimeError(
+                f"The total norm of order {float(norm_type)} for gradients from `parameters` is non-finite, so it "
+                "cannot be clipped. To disable this error and scale the gradients by the non-finite norm anyway, "
+                "set `error_if_nonfinite=False`"
+            )
+        scale = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for gradient in gradients:
+            gradient.mul_(scale.to(gradient.device, gradient.dtype))
+        return total
+
+    def clip_grad_value_(self, optimizer: Optimizer, clip_value: float) -> None:
+        if self.stage == 1:
+            return super().clip_grad_value_(optimizer, clip_value)
+        for gradient in self._sharded(optimizer).owned_gradients():
+            gradient.clamp_(-clip_value, clip_value)
+        return None
+
+    def _sharded(self, optimizer: Optimizer) -> ShardedOptimizer:
+        sharded = self._optimizers.get(id(optimizer))
+        if sharded is None:
+            raise ValueError(f"shard={self.shard!r}: {type(optimizer).__name__} was not set up by this strategy")
+        return sharded
+
+    def optimizer_state_bytes(self) -> int:
+        """Bytes of optimizer state this worker holds, over all its optimizers."""
+        return sum(sharded.state_bytes() for sharded in self._optimizers.values())
+
+    def teardown(self, optimizers: Sequence[Optimizer]) -> None:
+        for reducer in self._reducers.values():
+            reducer.remove()
+        self._reducers.clear()
+        self._optimizers.clear()
+
+
+class _Done(InFlight[torch.Tensor]):
+    """A result that needs no collective (a job of one worker)."""
+
+    def __init__(self, value: torch.Tensor) -> None:
+        self.value = value
+
+    def progress(self) -> None:
+        """Nothing in flight."""
+
+    def ready(self) -> bool:
+        return True
+
+    def wait(self, meanwhile: object = None) -> torch.Tensor:
+        return self.value
+
+
+def global_norm(gradients: Sequence[torch.Tensor], norm_type: float, workers: int) -> torch.Tensor:
+    """The ``norm_type`` norm of the gradients of every worker together, from this worker's ``gradients``:
+    the local sum of powers (or maximum) combined across workers in one allreduce."""
+    hvd = horovod_torch()
+    device = gradients[0].device if gradients else torch.device("cpu")
+    if norm_type == float("inf"):
+        local = max((g.detach().abs().max() for g in gradients), default=torch.zeros((), device=device))
+        local = local.float().reshape(1).cpu()
+        combined = hvd.allreduce(local, op=hvd.Max, name="shard.grad_norm") if workers > 1 else local
+        return combined[0].to(device)
+    powers = torch.zeros((), dtype=torch.float64)
+    for gradient in gradients:
+        powers += gradient.detach().double().abs().pow(norm_type).sum().cpu()
+    local = powers.reshape(1)
+    combined = hvd.allreduce(local, op=hvd.Sum, name="shard.grad_norm") if workers > 1 else local
+    return combined[0].pow(1.0 / norm_type).float().to(device)
+
+
+def refuse_sparse_gradients(model: Module, shard: str) -> None:
+    """Sparse gradients (``nn.Embedding(sparse=True)``) have no slices: sharding would send them dense. Say so."""
+    for name, module in model.named_modules():
+        if isinstance(module, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and module.sparse:
+            raise ValueError(
+                f"shard={shard!r} cannot shard sparse gradients: {name or 'the model'} is "
+                f"{type(module).__name__}(sparse=True). Use sparse=False, or shard='none'."
+            )

@@ -1,0 +1,313 @@
+"""The user's optimizer stepping only this worker's slices, its parameters gathered again after every step.
+
+``ShardedOptimizer`` stands where the user's optimizer stood (Lightning, LR schedulers and clipping
+see its ``param_groups``: the whole parameters and the hyper-parameters a scheduler changes). Inside,
+an optimizer of the user's class holds one flat parameter per bucket, this worker's slice
+(``partition``), so its state (Adam's moments, SGD's momentum) is 1/N of the unsharded state. A step
+copies the hyper-parameters in, steps the slices, and allgathers the updated slices into the
+parameters, so every worker holds the whole model again.
+
+Its ``state_dict`` is the consolidated state, in the format of the user's optimizer (a collective:
+every worker must call it, as Lightning's and Fabric's checkpoint saving do): a checkpoint loads into
+an unsharded optimizer, a single process, or a sharded job of another size. ``load_state_dict`` takes
+such a state (from any world size, sharded or not) and keeps this worker's slices of it.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch.nn import Parameter
+from torch.optim import Optimizer
+
+from hvd_plugins.core.comm.buckets import unflatten_into
+from hvd_plugins.core.comm.compression import NoCompression
+from hvd_plugins.core.comm.counters import CommCounters, Scope
+from hvd_plugins.core.comm.in_flight import InFlight, finish_all
+from hvd_plugins.core.comm.partners import PartnerAlltoall, PartnerGroup, finish_allgather, start_allgather
+from hvd_plugins.core.comm.wire import nbytes
+from hvd_plugins.core.sync.sharded.partition import ShardedBucket, Signature
+
+WHOLE_TENSOR_OPTIMIZERS: tuple[type[Optimizer], ...] = (torch.optim.LBFGS, torch.optim.SparseAdam)
+"""Optimizers that need whole parameters (a line search over the whole model, sparse state): refused.
+Mark any other such optimizer with ``optimizer.hvd_plugins_whole_tensors = True``."""
+
+
+def refuse_whole_tensor_optimizer(optimizer: Optimizer, shard: str) -> None:
+    """Sharding steps slices of flat buckets: an optimizer that needs whole tensors cannot step them."""
+    if isinstance(optimizer, WHOLE_TENSOR_OPTIMIZERS) or getattr(optimizer, "hvd_plugins_whole_tensors", False):
+        raise ValueError(
+            f"shard={shard!r} cannot shard {type(optimizer).__name__}: it needs whole parameters, and a sharded "
+            "worker steps a flat slice of each bucket. Use an elementwise optimizer (SGD, Adam, AdamW, RMSprop, "
+            "Adagrad, ...), or shard='none'."
+        )
+
+
+def constructor_defaults(optimizer: Optimizer) -> dict[str, Any]:
+    """The optimizer's defaults its class's constructor takes (``AdamW`` keeps one in ``defaults`` it does not take;
+    every group carries all of them anyway)."""
+    accepted = inspect.signature(type(optimizer).__init__).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted.values()):
+        return dict(optimizer.defaults)
+    return {key: value for key, value in optimizer.defaults.items() if key in accepted}
+
+
+class ShardedOptimizer(Optimizer):
+    """``optimizer`` over this worker's slices of ``buckets``; see the module docstring.
+
+    ``gradients_from_parameters``: take each slice's gradient from the averaged gradients of the whole
+    parameters at the step (ZeRO-1); otherwise the sync mode hands each slice its gradient (ZeRO-2).
+    """
+
+    def __init__(
+        self,
+        optimizer: Optimizer,
+        buckets: Sequence[ShardedBucket],
+        world: PartnerGroup | None,
+        counters: CommCounters,
+        scope: Scope,
+        name: str,
+        gradients_from_parameters: bool,
+    ) -> None:
+        super().__init__(optimizer.param_groups, optimizer.defaults)
+        self.user_optimizer = optimizer
+        self.buckets = list(buckets)
+        self.world = world
+        self.counters, self.scope, self.name = counters, scope, name
+        self.gradients_from_parameters = gradients_from_parameters
+        self.slices: list[Parameter] = []
+        self.inner: Optimizer | None = None
+        self._parked: dict[int, tuple[Parameter, dict[str, Any]]] = {}
+        """Whole state of parameters in no bucket (frozen after they trained), kept until they train again."""
+        self._checked_state = False
+        self._lay_out()
+
+    def _lay_out(self) -> None:
+        """Slices of the current buckets, and an optimizer of the user's class over them (no state yet)."""
+        self.slices = [self._new_slice(bucket) for bucket in self.buckets]
+        groups: list[dict[str, Any]] = []
+        for index, group in enumerate(self.param_groups):
+            hyper = {key: value for key, value in group.items() if key != "params"}
+            slices = [s for s, bucket in zip(self.slices, self.buckets, strict=True) if bucket.group_index == index]
+            if slices:
+                groups.append({**hyper, "params": slices, "hvd_plugins_group": index})
+        self.inner = type(self.user_optimizer)(groups, **constructor_defaults(self.user_optimizer)) if groups else None
+        self._checked_state = False
+
+    def repartition(self, lay_out: Callable[[Signature], list[ShardedBucket]]) -> None:
+        """Lay the slices out anew (the trainable parameters changed), keeping the state: a collective.
+
+        The state is consolidated over the old slices and sliced again over the new ones, so parameters
+        that stay trainable keep their state, frozen ones keep theirs whole until they train again, and
+        newly trainable ones start without, as unsharded. Parameters whose scalar state differs (Adam's
+        step count) go to different buckets: ``lay_out(signature)`` makes them.
+        """
+        state = self.state_dict()
+        indices = self._indices()
+        saved = state["state"]
+
+        def signature(parameter: Parameter) -> Hashable:
+            values = saved.get(indices[id(parameter)], {})
+            return tuple(sorted((key, scalar_of(value)) for key, value in values.items() if not is_shaped(value)))
+
+        self.buckets = lay_out(signature)
+        self._lay_out()
+        self.load_state_dict(state)
+
+    def _indices(self) -> dict[int, int]:
+        """Each parameter's index in a state dict: its position over the param groups, as torch numbers them."""
+        return {id(p): i for i, p in enumerate(p for group in self.param_groups for p in group["params"])}
+
+    def _new_slice(self, bucket: ShardedBucket) -> Parameter:
+        first = bucket.parameters[0]
+        values = torch.empty(bucket.layout.shard_numel, dtype=first.dtype, device=first.device)
+        with torch.no_grad():
+            bucket.read_slice([p.detach() for p in bucket.parameters], values)
+        return Parameter(values)
+
+    # ------------------------------------------------------------------ stepping
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if self.inner is None:
+            return loss
+        with torch.no_grad():
+            self._refresh_slices()
+            for group in self.inner.param_groups:  # a scheduler changed the outer groups
+                outer = self.param_groups[group["hvd_plugins_group"]]
+                group.update({key: value for key, value in outer.items() if key != "params"})
+            self.inner.step()
+            self._check_elementwise_state()
+            self.gather_parameters()
+        return loss
+
+    def _refresh_slices(self) -> None:
+        """The slices from the parameters as they are now (a checkpoint restore, a callback may have changed
+        them), and, for ZeRO-1, their gradients from the averaged ones."""
+        for bucket, piece in zip(self.buckets, self.slices, strict=True):
+            bucket.read_slice([p.detach() for p in bucket.parameters], piece.data)
+            if self.gradients_from_parameters:
+                gradients = [p.grad for p in bucket.parameters]
+                if any(g is not None for g in gradients):
+                    piece.grad = bucket.read_slice(gradients, torch.empty_like(piece))
+                else:
+                    piece.grad = None
+
+    def gather_parameters(self) -> None:
+        """Every worker's updated slices, allgathered into the whole parameters (one round for all buckets)."""
+        world = self.world
+        if world is None or world.size == 1:
+            for bucket, piece in zip(self.buckets, self.slices, strict=True):
+                unflatten_into(piece.detach()[: bucket.layout.numel], list(bucket.parameters))
+            return
+        codec = NoCompression()
+        pending: list[InFlight[list[torch.Tensor]]] = []
+        for index, piece in enumerate(self.slices):
+            gather = start_allgather(piece.detach(), world, codec, f"{self.name}.params.{index}")
+            self.counters.record(self.scope, nbytes(piece))
+            pending.append(gather)
+        with self.counters.waiting():
+            pieces = finish_all(pending)
+        for bucket, received in zip(self.buckets, pieces, strict=True):
+            unflatten_into(torch.cat(received)[: bucket.layout.numel], list(bucket.parameters))
+
+    def _check_elementwise_state(self) -> None:
+        """After the first step: every state tensor is a scalar or has its slice's shape (else the optimizer
+        is not elementwise, and sharding would have changed its update)."""
+        if self._checked_state or self.inner is None:
+            return
+        self._checked_state = True
+        for piece in self.slices:
+            for key, value in self.inner.state.get(piece, {}).items():
+                if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape != piece.shape:
+                    raise ValueError(
+                        f"{type(self.user_optimizer).__name__} keeps state {key!r} of shape {tuple(value.shape)} for a "
+                        f"parameter of shape {tuple(piece.shape)}: it is not elementwise, and sharding cannot split "
+                        "it. Use an elementwise optimizer (SGD, Adam, AdamW, ...), or shard='none'."
+                    )
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        super().zero_grad(set_to_none)
+        if self.inner is not None:
+            self.inner.zero_grad(set_to_none)
+
+    def owned_gradients(self) -> list[torch.Tensor]:
+        """The slices' gradients: what this worker steps."""
+        return [piece.grad for piece in self.slices if piece.grad is not None]
+
+    def state_bytes(self) -> int:
+        """Bytes of the optimizer state this worker holds (its slices')."""
+        if self.inner is None:
+            return 0
+        return sum(
+            nbytes(value)
+            for state in self.inner.state.values()
+            for value in state.values()
+            if isinstance(value, torch.Tensor)
+        )
+
+    # ------------------------------------------------------------------ consolidated state
+    def state_dict(self) -> dict[str, Any]:
+        """The whole optimizer's state, as the user's optimizer would give it (a collective on every worker)."""
+        indices = self._indices()
+        state: dict[int, dict[str, Any]] = {index: dict(values) for index, values in self._parked_by_index().items()}
+        for bucket, whole in zip(self.buckets, self._gathered_state(), strict=True):
+            for key, value in whole.items():
+                for parameter, offset in zip(bucket.parameters, bucket.offsets, strict=True):
+                    entry = state.setdefault(indices[id(parameter)], {})
+                    if isinstance(value, torch.Tensor) and value.dim() == 1 and value.numel() >= bucket.layout.numel:
+                        entry[key] = value[offset : offset + parameter.numel()].view_as(parameter).clone()
+                    else:
+                        entry[key] = value.clone() if isinstance(value, torch.Tensor) else value
+        groups = []
+        for group in self.param_groups:
+            saved = {key: value for key, value in group.items() if key != "params"}
+            saved["params"] = [indices[id(p)] for p in group["params"]]
+            groups.append(saved)
+        return {"state": state, "param_groups": groups}
+
+    def _parked_by_index(self) -> dict[int, dict[str, Any]]:
+        indices = self._indices()
+        return {indices[key]: state for key, (_, state) in self._parked.items() if key in indices}
+
+    def _gathered_state(self) -> list[dict[str, Any]]:
+        """Per bucket, its state: slice-shaped tensors allgathered whole (padding included), scalars as they are."""
+        gathered: list[dict[str, Any]] = []
+        pending: list[tuple[dict[str, Any], str, PartnerAlltoall]] = []
+        world = self.world
+        for index, piece in enumerate(self.slices):
+            own = self.inner.state.get(piece, {}) if self.inner is not None else {}
+            whole: dict[str, Any] = {}
+            for key in sorted(own, key=str):
+                value = own[key]
+                if isinstance(value, torch.Tensor) and value.shape == piece.shape and value.dim() > 0:
+                    if world is None or world.size == 1:
+                        whole[key] = value.detach()
+                    else:
+                        name = f"{self.name}.state.{index}.{key}"
+                        pending.append((whole, key, start_allgather(value.detach(), world, NoCompression(), name)))
+                else:
+                    whole[key] = value
+            gathered.append(whole)
+        for whole, key, gather in pending:
+            whole[key] = finish_allgather(gather)
+        return gathered
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Take a whole optimizer's state (saved at any world size, sharded or not): keep this worker's slices."""
+        saved_groups = state_dict["param_groups"]
+        if len(saved_groups) != len(self.param_groups):
+            raise ValueError(
+                f"the optimizer state has {len(saved_groups)} param groups, this optimizer {len(self.param_groups)}"
+            )
+        by_parameter: dict[int, Mapping[str, Any]] = {}
+        for saved, group in zip(saved_groups, self.param_groups, strict=True):
+            if len(saved["params"]) != len(group["params"]):
+                raise ValueError("the optimizer state's param groups hold other parameters than this optimizer's")
+            group.update({key: value for key, value in saved.items() if key != "params"})
+            for index, parameter in zip(saved["params"], group["params"], strict=True):
+                if index in state_dict["state"]:
+                    by_parameter[id(parameter)] = state_dict["state"][index]
+        laid_out = {id(p) for bucket in self.buckets for p in bucket.parameters}
+        self._parked = {
+            id(p): (p, dict(by_parameter[id(p)]))
+            for group in self.param_groups
+            for p in group["params"]
+            if id(p) in by_parameter and id(p) not in laid_out and by_parameter[id(p)]
+        }
+        if self.inner is None:
+            return
+        for bucket, piece in zip(self.buckets, self.slices, strict=True):
+            states = [by_parameter.get(id(p), {}) for p in bucket.parameters]
+            keys = sorted({key for state in states for key in state}, key=str)
+            own: dict[str, Any] = {}
+            for key in keys:
+                values = [state.get(key) for state in states]
+                first = next(value for value in values if value is not None)
+                shaped = [
+                    isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape == p.shape
+                    for v, p in zip(values, bucket.parameters, strict=True)
+                    if v is not None
+                ]
+                if shaped and all(shaped):
+                    slice_ = torch.zeros(piece.shape, dtype=first.dtype, device=piece.device)
+                    own[key] = bucket.read_slice([v if v is None else v.to(piece.device) for v in values], slice_)
+                else:
+                    own[key] = first.clone() if isinstance(first, torch.Tensor) else first
+            if own:
+                self.inner.state[piece] = own
+
+
+def is_shaped(value: Any) -> bool:
+    """Whether a piece of optimizer state lives with its parameter's elements (not a scalar such as a step count)."""
+    return isinstance(value, torch.Tensor) and value.dim() > 0
+
+
+def scalar_of(value: Any) -> Any:
+    """A scalar piece of state as a plain, hashable value."""
+    return value.item() if isinstance(value, torch.Tensor) else value

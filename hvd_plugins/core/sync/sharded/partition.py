@@ -1,0 +1,88 @@
+"""How an optimizer's trainable parameters split over the workers: flat buckets, one contiguous slice per worker.
+
+Parameters are bucketed per param group, dtype and device (``comm.buckets``), in the order backward
+produces their gradients (reversed), so a bucket's gradients are complete before backward ends. Each
+bucket is one flat vector padded to a multiple of the number of workers (``comm.shards.ShardLayout``);
+worker ``r`` owns slice ``r``. A worker reads and writes its slice straight from and into the
+parameters (and their gradients), without building the bucket's flat vector.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass
+from typing import cast
+
+import torch
+from torch.nn import Parameter
+from torch.optim import Optimizer
+
+from hvd_plugins.core.comm.buckets import bucket_tensors
+from hvd_plugins.core.comm.shards import ShardLayout
+
+
+@dataclass(frozen=True)
+class ShardedBucket:
+    """Parameters of one param group laid end to end in a flat vector; this worker owns ``layout``'s slice."""
+
+    group_index: int
+    parameters: tuple[Parameter, ...]
+    layout: ShardLayout
+
+    @property
+    def offsets(self) -> list[int]:
+        """Where each parameter starts in the bucket's flat vector."""
+        starts, offset = [], 0
+        for parameter in self.parameters:
+            starts.append(offset)
+            offset += parameter.numel()
+        return starts
+
+    def _overlaps(self) -> list[tuple[Parameter, slice, slice]]:
+        """For each parameter that overlaps this worker's slice: (parameter, its part, where in the slice)."""
+        begin, end = self.layout.start, self.layout.start + self.layout.shard_numel
+        found = []
+        for parameter, offset in zip(self.parameters, self.offsets, strict=True):
+            low, high = max(offset, begin), min(offset + parameter.numel(), end)
+            if low < high:
+                found.append((parameter, slice(low - offset, high - offset), slice(low - begin, high - begin)))
+        return found
+
+    def read_slice(self, tensors: Sequence[torch.Tensor | None], into: torch.Tensor) -> torch.Tensor:
+        """This worker's slice of the flat vector of ``tensors`` (one per parameter, None as zeros), into ``into``."""
+        into.zero_()
+        by_parameter = dict(zip(self.parameters, tensors, strict=True))
+        for parameter, part, place in self._overlaps():
+            tensor = by_parameter[parameter]
+            if tensor is not None:
+                into[place].copy_(tensor.reshape(-1)[part])
+        return into
+
+    def write_slice(self, values: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
+        """Copy this worker's slice ``values`` into the matching parts of ``tensors`` (one per parameter)."""
+        by_parameter = dict(zip(self.parameters, tensors, strict=True))
+        for parameter, part, place in self._overlaps():
+            by_parameter[parameter].view(-1)[part].copy_(values[place])
+
+
+Signature = Callable[[Parameter], Hashable]
+"""What must be equal for two parameters to share a bucket beyond group, dtype and device: the optimizer's
+scalar state (Adam's step count), which a bucket's slice holds once for all its parameters."""
+
+
+def partition(
+    optimizer: Optimizer, workers: int, rank: int, bucket_bytes: int, signature: Signature | None = None
+) -> list[ShardedBucket]:
+    """The buckets of ``optimizer``'s trainable parameters, each split into ``workers`` slices (this is ``rank``)."""
+    buckets = []
+    for group_index, group in enumerate(optimizer.param_groups):
+        trainable: list[Parameter] = [p for p in group["params"] if p.requires_grad]
+        alike: dict[Hashable, list[Parameter]] = {}
+        for parameter in trainable:
+            alike.setdefault(signature(parameter) if signature is not None else None, []).append(parameter)
+        for members_alike in alike.values():
+            for members in bucket_tensors(reversed(members_alike), bucket_bytes):
+                numel = sum(p.numel() for p in members)
+                parameters = cast(tuple[Parameter, ...], tuple(members))  # bucket_tensors keeps what it was given
+                buckets.append(ShardedBucket(group_index, parameters, ShardLayout(numel, workers, rank)))
+    return buckets

@@ -1,0 +1,157 @@
+"""The bucketed reducer on one rank, with an operation that doubles each bucket: when buckets start (backward's
+hooks while armed, else at finish), results written back, accumulation, and reducers rebuilt on unfreezing."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from hvd_plugins.core.comm.in_flight import InFlight, Meanwhile
+from hvd_plugins.core.comm.reducer import BucketReducer, OptimizerReducers
+
+
+class Doubling(InFlight[torch.Tensor | None]):
+    """A bucket's operation of one round: twice the bucket, as it was when started (None with ``elsewhere``, as an
+    operation that keeps its result itself returns)."""
+
+    def __init__(self, flat: torch.Tensor, elsewhere: bool = False) -> None:
+        self.flat = flat.clone()
+        self.elsewhere = elsewhere
+        self.progressed = 0
+
+    def progress(self) -> None:
+        self.progressed += 1
+
+    def ready(self) -> bool:
+        return True
+
+    def wait(self, meanwhile: Meanwhile = None) -> torch.Tensor | None:
+        return None if self.elsewhere else 2 * self.flat
+
+
+class Operations:
+    """The operation handed to the reducer, recording which buckets it started, by name, in order."""
+
+    def __init__(self, elsewhere: bool = False) -> None:
+        self.elsewhere = elsewhere
+        self.started: dict[str, Doubling] = {}
+
+    def __call__(self, index: int, flat: torch.Tensor, name: str) -> InFlight[torch.Tensor | None] | None:
+        assert name.endswith(f".{index}")
+        self.started[name] = Doubling(flat, self.elsewhere)
+        return self.started[name]
+
+
+def two_layers() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+
+
+def backward(model: nn.Module, seed: int = 1) -> None:
+    model(torch.randn(5, 3, generator=torch.Generator().manual_seed(seed))).pow(2).sum().backward()
+
+
+def gradients(model: nn.Module) -> list[torch.Tensor]:
+    return [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+
+def test_armed_buckets_start_from_backward_and_their_results_are_written_back_at_finish() -> None:
+    model, operations = two_layers(), Operations()
+    reducer = BucketReducer(list(model.parameters()), 1, operations, "grad")  # one bucket per tensor
+    reducer.armed = True
+    backward(model)
+    assert sorted(operations.started) == ["grad.0", "grad.1", "grad.2", "grad.3"] and reducer.in_flight
+    first = next(iter(operations.started.values()))
+    assert first.progressed >= 4  # each bucket that started later moved it on
+    doubled = [2 * g for g in gradients(model)]
+    reducer.finish()
+    assert all(torch.equal(got, want) for got, want in zip(gradients(model), doubled, strict=True))
+    assert len(operations.started) == 4 and not reducer.in_flight  # finish started nothing more; next step
+    backward(model)
+    assert reducer.in_flight  # the next step's backward starts the buckets again
+
+
+def test_unarmed_buckets_all_start_at_finish_in_bucket_order() -> None:
+    model, operations = two_layers(), Operations()
+    reducer = BucketReducer(list(model.parameters()), 1, operations, "grad")
+    backward(model)
+    assert operations.started == {} and not reducer.in_flight
+    doubled = [2 * g for g in gradients(model)]
+    reducer.finish()
+    assert list(operations.started) == ["grad.0", "grad.1", "grad.2", "grad.3"]
+    assert all(torch.equal(got, want) for got, want in zip(gradients(model), doubled, strict=True))
+    assert reducer.bucket_nbytes() == [2 * 4, 4 * 2 * 4, 4 * 4, 3 * 4 * 4]  # the last layer's bias first
+
+
+def test_accumulated_and_held_backward_passes_start_buckets_at_the_steps_last_pass() -> None:
+    model, operations = two_layers(), Operations()
+    reducer = BucketReducer(list(model.parameters()), 1, operations, "grad", passes=2)
+    reducer.armed = True
+    backward(model, seed=1)
+    assert operations.started == {}
+    backward(model, seed=2)
+    assert len(operations.started) == 4  # at the second pass, on the sum of both
+    accumulated = [2 * g for g in gradients(model)]
+    reducer.finish()
+    assert all(torch.equal(got, want) for got, want in zip(gradients(model), accumulated, strict=True))
+    operations.started.clear()
+    reducer.hold_next_backward()  # this step: 2 passes and one held
+    for seed in (3, 4):
+        backward(model, seed)
+    assert operations.started == {}
+    backward(model, seed=5)
+    assert len(operations.started) == 4
+    reducer.finish()
+    reducer.set_backward_passes(1)
+    operations.started.clear()
+    backward(model)
+    assert len(operations.started) == 4
+
+
+def test_a_parameter_without_a_gradient_sends_zeros_and_no_operation_or_result_leaves_gradients_alone() -> None:
+    model = two_layers()
+    unused = nn.Parameter(torch.ones(3))
+    operations = Operations()
+    reducer = BucketReducer([*model.parameters(), unused], 1, operations, "grad")
+    reducer.armed = True
+    backward(model)
+    assert len(operations.started) == 4  # the unused parameter's bucket waits for a gradient that never comes
+    reducer.finish()
+    assert unused.grad is not None and torch.equal(unused.grad, torch.zeros(3))
+    untouched = two_layers()
+    backward(untouched)
+    before = gradients(untouched)
+    idle = BucketReducer(list(untouched.parameters()), 1, lambda index, flat, name: None, "idle")
+    idle.finish()
+    kept_elsewhere = Operations(elsewhere=True)
+    BucketReducer(list(untouched.parameters()), 1, kept_elsewhere, "elsewhere").finish()
+    assert len(kept_elsewhere.started) == 4
+    assert all(torch.equal(got, want) for got, want in zip(gradients(untouched), before, strict=True))
+
+
+def test_optimizer_reducers_are_built_again_when_trainable_parameters_change_but_not_while_in_flight() -> None:
+    model, operations = two_layers(), Operations()
+    first_layer = list(model[0].parameters())
+    for parameter in first_layer:
+        parameter.requires_grad_(False)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    reducers = OptimizerReducers(1, operations)
+    assert reducers.existing(optimizer) is None
+    reducer = reducers.for_optimizer(optimizer, "grad.opt0", passes=1)
+    assert reducers.for_optimizer(optimizer, "grad.opt0", passes=1) is reducer is reducers.existing(optimizer)
+    assert reducer.matches(list(model[2].parameters()))
+    reducer.armed = True
+    backward(model)
+    for parameter in first_layer:
+        parameter.requires_grad_(True)  # unfrozen while the buckets' operations run
+    assert reducers.for_optimizer(optimizer, "grad.opt0", passes=1) is reducer  # kept until they land
+    reducer.finish()
+    rebuilt = reducers.for_optimizer(optimizer, "grad.opt0", passes=1)
+    assert rebuilt is not reducer and rebuilt.matches(list(model.parameters()))
+    assert not reducer.armed  # the old reducer's hooks are gone
+    operations.started.clear()
+    rebuilt.armed = True
+    backward(model)
+    assert sorted(operations.started) == ["grad.opt0.0", "grad.opt0.1", "grad.opt0.2", "grad.opt0.3"]
+    reducers.remove_all()
+    assert reducers.existing(optimizer) is None

@@ -1,0 +1,47 @@
+"""Buckets per param group and dtype, slices that cover each bucket exactly once over the workers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hvd_plugins.core.sync.sharded.partition import partition
+
+
+def model_optimizer() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    model = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Linear(7, 3))
+    model[0].bias.requires_grad_(False)
+    groups = [{"params": list(model[0].parameters())}, {"params": list(model[1].parameters()), "lr": 0.5}]
+    return model, torch.optim.SGD(groups, lr=0.1)
+
+
+@pytest.mark.parametrize("workers", [1, 2, 3, 4])
+def test_the_slices_of_every_worker_cover_each_bucket_once(workers: int) -> None:
+    _, optimizer = model_optimizer()
+    layouts = [partition(optimizer, workers, rank, bucket_bytes=64) for rank in range(workers)]
+    buckets = layouts[0]
+    assert [b.group_index for b in buckets] == sorted(b.group_index for b in buckets)
+    trainable = {id(p) for g in optimizer.param_groups for p in g["params"] if p.requires_grad}
+    assert {id(p) for b in buckets for p in b.parameters} == trainable  # frozen bias left out
+    for index, bucket in enumerate(buckets):
+        flat = torch.cat([p.detach().reshape(-1) for p in bucket.parameters])
+        pieces = []
+        for rank in range(workers):
+            mine = layouts[rank][index]
+            assert mine.layout.padded_numel % workers == 0 and mine.layout.padded_numel - flat.numel() < workers
+            pieces.append(mine.read_slice([p.detach() for p in mine.parameters], torch.empty(mine.layout.shard_numel)))
+        assert torch.equal(torch.cat(pieces)[: flat.numel()], flat)
+        targets = [torch.zeros_like(p) for p in bucket.parameters]
+        for rank in range(workers):
+            layouts[rank][index].write_slice(pieces[rank], targets)
+        assert torch.equal(torch.cat([t.reshape(-1) for t in targets]), flat)
+
+
+def test_buckets_never_mix_param_groups_or_dtypes() -> None:
+    model = torch.nn.Linear(4, 4)
+    extra = torch.nn.Parameter(torch.zeros(3, dtype=torch.float64))
+    optimizer = torch.optim.SGD([{"params": [model.weight, extra]}, {"params": [model.bias]}], lr=1.0)
+    buckets = partition(optimizer, 2, 0, bucket_bytes=2**20)
+    found = sorted((b.group_index, str(p.dtype)) for b in buckets for p in b.parameters[:1])
+    assert found == [(0, "torch.float32"), (0, "torch.float64"), (1, "torch.float32")]
+    assert all(len({p.dtype for p in b.parameters}) == 1 for b in buckets)
