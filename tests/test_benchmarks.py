@@ -33,6 +33,7 @@ from benchmarks import (  # noqa: E402
     emulated_cluster,
     gloo_allreduce,
     overhead,
+    sharding,
     sparse_gradients,
     transport,
 )
@@ -86,6 +87,24 @@ def assert_dated_report(path: Path, script: str, argv: Sequence[str], verb: str 
     assert re.fullmatch(rf"{verb}: \d{{4}}-\d\d-\d\d on \d+ cores \(.*\), Python [\d.]+, torch .+, Horovod .+", first)
     assert second == "command: " + " ".join(["python", f"benchmarks/{script}", *argv]) and blank == "", text[:500]
     return body
+
+
+# ------------------------------------------------------------------------------------------ sharding
+def test_sharding_smoke_reports_a_quarter_less_state_and_every_setting_timed(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["--smoke", "--report", str(tmp_path / "sharding.txt")]
+    code, printed = run_main(sharding, argv, capsys)
+    assert code == 0, printed[-3000:]
+    state = {m[0]: float(m[1]) for m in re.findall(r"memory (\w+)\s+N=2\s+state\s+([0-9.]+) MiB", printed)}
+    assert set(state) == {"none", "optimizer", "gradients"}, printed
+    assert state["optimizer"] < 0.6 * state["none"] and state["gradients"] < 0.6 * state["none"], state  # ~1/2
+    times = re.findall(r"steps 2x1 (\w+)\s+([0-9.]+) ms", printed)
+    assert sorted(shard for shard, _ in times) == ["gradients", "none", "optimizer"] and all(
+        float(t) > 0 for _, t in times
+    )
+    body = assert_dated_report(tmp_path / "sharding.txt", "sharding.py", argv)
+    assert body.startswith("Sharding: Transformer LM") and "state / (unsharded/N)" in body
 
 
 # ------------------------------------------------------------------------------------------ overhead

@@ -25,6 +25,8 @@ SyncMode = Literal["allreduce", "hierarchical", "daso"]
 Shard = Literal["none", "optimizer", "gradients"]
 """``none``: every worker holds everything; ``optimizer``: the optimizer state is split over the workers
 (ZeRO-1); ``gradients``: the optimizer state and the averaged gradients are (ZeRO-2)."""
+ShardCheckpoint = Literal["full", "parts"]
+"""``full``: a checkpoint holds the whole optimizer state, by rank 0; ``parts``: every worker writes its part."""
 HierarchicalImpl = Literal["portable", "native"]
 """``portable``: this package's two-level allreduce, on every build; ``native``: Horovod's (MPI + NCCL)."""
 Megabytes = float | Literal["auto"]
@@ -37,6 +39,7 @@ COMPRESSIONS: tuple[str, ...] = get_args(CompressionName)
 GRADIENT_OPS: tuple[str, ...] = get_args(GradientOp)
 SYNC_MODES: tuple[str, ...] = get_args(SyncMode)
 SHARDS: tuple[str, ...] = get_args(Shard)
+SHARD_CHECKPOINTS: tuple[str, ...] = get_args(ShardCheckpoint)
 HIERARCHICAL_IMPLS: tuple[str, ...] = get_args(HierarchicalImpl)
 
 DEFAULT_COMMIT_EVERY_N_STEPS = 50
@@ -84,6 +87,8 @@ class HorovodConfig:
     """One of SYNC_MODES."""
     shard: Shard = "none"
     """One of SHARDS: what is split over the workers instead of held whole by each (docs/sharding.rst)."""
+    shard_checkpoint: ShardCheckpoint = "full"
+    """With ``shard``: checkpoints hold the whole optimizer state (``"full"``) or every worker writes its part."""
     hierarchical_impl: HierarchicalImpl = "portable"
     """``"portable"`` (every build) or ``"native"`` (Horovod's own, with the MPI controller and NCCL)."""
     compress_node_local: bool = False
@@ -122,6 +127,12 @@ class HorovodConfig:
         _choice("op", self.op, GRADIENT_OPS)
         _choice("sync", self.sync, SYNC_MODES)
         _choice("shard", self.shard, SHARDS)
+        _choice("shard_checkpoint", self.shard_checkpoint, SHARD_CHECKPOINTS)
+        if self.shard_checkpoint != "full" and self.shard == "none":
+            raise ValueError(
+                f"shard_checkpoint={self.shard_checkpoint!r} works only with shard='optimizer' or 'gradients', not "
+                "shard='none', whose workers each hold the whole state"
+            )
         _choice("hierarchical_impl", self.hierarchical_impl, HIERARCHICAL_IMPLS)
         if not self.gradient_predivide_factor > 0:
             raise ValueError(f"gradient_predivide_factor={self.gradient_predivide_factor!r} must be a positive number")

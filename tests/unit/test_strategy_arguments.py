@@ -35,7 +35,7 @@ NOT_DEFAULT: dict[str, Any] = {
 }
 """A value other than the default for every field that combines with the others (``shard`` needs the flat sync:
 its own test below)."""
-ALONE = {"shard"}
+ALONE = {"shard", "shard_checkpoint"}
 
 
 def _arguments(strategy: type) -> set[str]:
@@ -49,6 +49,7 @@ def test_the_trainer_strategy_takes_exactly_the_config_fields() -> None:
 
 def test_fabric_takes_the_fields_that_need_no_trainer() -> None:
     trainer_only = {"scale_lr", "daso", "average_buffers", "check_finite_gradients", "auto_requeue", "elastic"}
+    trainer_only |= {"shard_checkpoint"}  # Fabric's checkpoints hold the whole state
     assert _arguments(FabricHorovodStrategy) == set(HorovodConfig.argument_names()) - trainer_only - {
         "commit_every_n_steps"
     }
@@ -73,3 +74,9 @@ def test_the_predivide_factor_and_daso_settings_reach_the_config() -> None:
 @pytest.mark.parametrize("shard", ["optimizer", "gradients"])
 def test_shard_lands_in_its_field(strategy: type, shard: str) -> None:
     assert strategy(shard=shard).config.shard == shard
+
+
+def test_shard_checkpoint_lands_in_its_field_and_needs_a_shard() -> None:
+    assert HorovodStrategy(shard="gradients", shard_checkpoint="parts").config.shard_checkpoint == "parts"
+    with pytest.raises(ValueError, match="shard_checkpoint='parts' works only with shard='optimizer' or 'gradients'"):
+        HorovodStrategy(shard_checkpoint="parts")

@@ -22,6 +22,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from hvd_plugins.pytorch import HorovodStrategy
+from hvd_plugins.pytorch.callbacks import PeakMemoryMonitor
 
 checks = Checks()
 SHARDS = ("optimizer", "gradients")
@@ -73,8 +74,10 @@ def parameters_of(module: nn.Module) -> torch.Tensor:
 
 
 def fit(shard: str, module: pl.LightningModule | None = None, epochs: int = 5, **options: Any) -> tuple[Any, Any]:
-    strategy_options = {k: options.pop(k) for k in ("compression", "op", "scale_lr", "bucket_mb") if k in options}
+    names = ("compression", "op", "scale_lr", "bucket_mb", "shard_checkpoint")
+    strategy_options = {k: options.pop(k) for k in names if k in options}
     model = module if module is not None else ShardNet()
+    ckpt_path = options.pop("ckpt_path", None)
     if callable(options.get("callbacks")):
         options["callbacks"] = options["callbacks"]()  # a fresh callback for every run
     trainer = pl.Trainer(
@@ -88,7 +91,7 @@ def fit(shard: str, module: pl.LightningModule | None = None, epochs: int = 5, *
         num_sanity_val_steps=0,
         **options,
     )
-    trainer.fit(model)
+    trainer.fit(model, ckpt_path=ckpt_path)
     return model, trainer
 
 
@@ -125,6 +128,12 @@ def check_equal_to_unsharded() -> dict[str, dict[str, float]]:
 
 
 @checks.register
+def check_a_short_run_equals_unsharded() -> dict[str, float]:
+    """AdamW with a scheduler, clipped by norm, 20 steps: the one equality the job for ``pytorch_lightning`` runs."""
+    return differences(lambda: ShardNet("adamw", scheduler=True), epochs=2, gradient_clip_val=0.05)
+
+
+@checks.register
 def check_two_optimizers_and_unfreezing() -> dict[str, dict[str, float]]:
     """A GAN's two optimizers (manual optimization), and a layer unfrozen mid-training into a new param group."""
     return {
@@ -149,7 +158,8 @@ def check_partition() -> dict[str, Any]:
     """Per worker, the optimizer state is 1/N of the unsharded state (plus padding); ZeRO-2 frees whole gradients."""
     found: dict[str, Any] = {}
     for shard in ("none", *SHARDS):
-        model, trainer = fit(shard, ShardNet("adam"), epochs=1)
+        monitor = PeakMemoryMonitor(print_table=False)
+        model, trainer = fit(shard, ShardNet("adam"), epochs=1, callbacks=[monitor])
         optimizer = trainer.optimizers[0]
         inner = getattr(optimizer, "inner", optimizer)
         state = sum(
@@ -163,6 +173,7 @@ def check_partition() -> dict[str, Any]:
             "parameters": sum(p.numel() for p in model.parameters()),
             "whole_gradients_left": sum(p.grad is not None for p in model.parameters()),
             "slices": len(getattr(optimizer, "slices", [])),
+            "monitor": {k: v[hvd.rank()] for k, v in monitor.history[-1].per_worker.items() if not k.startswith("cpu")},
             "identical_across_workers": bool(
                 (hvd.allgather(parameters_of(model).unsqueeze(0)) == parameters_of(model)).all()
             ),
@@ -221,13 +232,41 @@ def check_refusals() -> dict[str, str]:
     return found
 
 
-def resume(checkpoint: str) -> dict[str, float]:
-    """2 workers resume the 4-worker job's checkpoints for 2 more epochs, sharded and not: equal."""
+@checks.register
+def check_sixteen_mixed() -> dict[str, float]:
+    """``precision="16-mixed"``: float16 autocast (on CPU Lightning brings no GradScaler), both stages as unsharded."""
+    return differences(lambda: ShardNet("adam"), precision="16-mixed")
+
+
+@checks.register
+def check_parts_checkpoint() -> dict[str, Any]:
+    """``shard_checkpoint="parts"``: every worker writes its part; the same 4 workers resume from their own parts
+    exactly as from the whole state (check_save_for_resume's checkpoint)."""
+    _, trainer = fit("gradients", ShardNet("adamw", scheduler=True), epochs=2, shard_checkpoint="parts")
+    path = out_dir() / "shard_parts.ckpt"
+    trainer.save_checkpoint(path)
+    hvd.allreduce(torch.zeros(1), name="parts_written")  # every part is on disk before anyone reads
+    resumed = {}
+    for name, checkpoint, how in (("parts", path, "parts"), ("full", out_dir() / "shard_gradients.ckpt", "full")):
+        module = ShardNet("adamw", scheduler=True)
+        model, _ = fit("gradients", module, epochs=4, shard_checkpoint=how, ckpt_path=str(checkpoint))
+        resumed[name] = parameters_of(model)
+    main = torch.load(path, weights_only=False)
+    return {
+        "path": str(path),
+        "marker": main["optimizer_states"],
+        "parts_vs_full": float((resumed["parts"] - resumed["full"]).abs().max()),
+    }
+
+
+def resume(checkpoint: str, parts: str) -> dict[str, float]:
+    """2 workers resume the 4-worker job's checkpoints for 2 more epochs, sharded and not, and sharded from the
+    checkpoint saved in parts (consolidated on load): equal."""
     results = {}
-    for shard in ("gradients", "none"):
+    for shard, path in (("gradients", checkpoint), ("none", checkpoint), ("parts", parts)):
         model = ShardNet("adamw", scheduler=True)
         trainer = pl.Trainer(
-            strategy=HorovodStrategy(shard=shard, bucket_mb=0.0005),
+            strategy=HorovodStrategy(shard="gradients" if shard == "parts" else shard, bucket_mb=0.0005),
             accelerator="cpu",
             max_epochs=4,
             logger=False,
@@ -235,10 +274,13 @@ def resume(checkpoint: str) -> dict[str, float]:
             enable_progress_bar=False,
             enable_model_summary=False,
         )
-        trainer.fit(model, ckpt_path=checkpoint)
+        trainer.fit(model, ckpt_path=path)
         results[shard] = parameters_of(model)
     expected = results["none"]
-    return {"vs_unsharded": float((results["gradients"] - expected).abs().max() / expected.abs().max())}
+    return {
+        "vs_unsharded": float((results["gradients"] - expected).abs().max() / expected.abs().max()),
+        "parts_vs_full": float((results["parts"] - results["gradients"]).abs().max()),
+    }
 
 
 def resume_single(checkpoint: str) -> dict[str, Any]:
@@ -257,6 +299,7 @@ if __name__ == "__main__":
     out, _ = parse_out()
     parser = argparse.ArgumentParser()
     parser.add_argument("--resume", default="")
+    parser.add_argument("--resume-parts", default="")
     parser.add_argument("--resume-single", default="")
     args, _ = parser.parse_known_args()
     if args.resume_single:
@@ -265,7 +308,7 @@ if __name__ == "__main__":
     hvd.init()
     torch.set_num_threads(1)
     if args.resume:
-        report: dict[str, Any] = {"resume": {"ok": True, "value": resume(args.resume)}}
+        report: dict[str, Any] = {"resume": {"ok": True, "value": resume(args.resume, args.resume_parts)}}
     else:
         report = checks.selected(parse_out()[1].case).run()
     write_result(out, hvd.rank(), report)

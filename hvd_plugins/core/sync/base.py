@@ -66,6 +66,9 @@ class TrainingLoopHooks:
     def refuse_unsupported(self, accumulate_grad_batches: int, clips_gradients: bool) -> None:
         """Before the first step: raise, naming the setting, for training this sync cannot do."""
 
+    def refuse_grad_scaler(self, grad_scaler: object | None) -> None:
+        """Before the first step: raise if this sync cannot train under ``grad_scaler`` (a ``16-mixed`` GradScaler)."""
+
 
 class GradientSync(TrainingLoopHooks, ABC):
     """Averages the gradients of one optimizer's parameters across workers, follows the training loop, and says

@@ -22,7 +22,9 @@ def make_gradient_sync(config: HorovodConfig, counters: CommCounters) -> Gradien
     compressor = compressor_by_name(config.compression)
     match config.sync, config.hierarchical_impl:
         case ("allreduce", _) if config.shard != "none":
-            return ShardedGradientSync(config.shard, compressor, config.op, counters, config.bucket_bytes)
+            return ShardedGradientSync(
+                config.shard, compressor, config.op, counters, config.bucket_bytes, config.shard_checkpoint
+            )
         case ("allreduce", _) | ("hierarchical", "native"):  # native: Horovod's own two-level allreduce
             scope = Scope.CROSS_NODE if horovod_torch().cross_size() > 1 else Scope.NODE_LOCAL
             flat = AdasumOptimizerSync if config.op == "adasum" else HorovodOptimizerSync

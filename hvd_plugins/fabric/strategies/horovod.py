@@ -220,6 +220,7 @@ class HorovodStrategy(HorovodStrategyShared, ParallelStrategy):
         if self.gradient_sync is None:
             self.gradient_sync = make_gradient_sync(self.config, self.comm_counters)
             self.gradient_sync.load_state_dict(self._restored_sync_state)
+        self.gradient_sync.refuse_grad_scaler(getattr(self.precision, "scaler", None))
         first = len(self._wrapped)
         wrapped = wrap_optimizers(self.gradient_sync, optimizers, module, schedulers, first_index=first)
         for index, optimizer in enumerate(wrapped, start=first):

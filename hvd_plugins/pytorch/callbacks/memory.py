@@ -1,4 +1,5 @@
-"""Peak memory of every worker, gathered to rank 0: the worker that runs out first decides the batch size."""
+"""Peak memory of every worker, and what it holds of the training state, gathered to rank 0: the worker that runs
+out first decides the batch size, and sharding changes what each one holds."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
+from torch.optim import Optimizer
 from typing_extensions import override
 
 from hvd_plugins.pytorch.callbacks._gather import format_table, gather_rows, log_to_loggers
@@ -49,6 +51,25 @@ def _psutil_peak_bytes() -> float | None:
     return float(getattr(info, "peak_wset", info.rss))
 
 
+def training_state_mb(module: torch.nn.Module, optimizers: list[Optimizer]) -> dict[str, float]:
+    """What this worker holds of the training state, in MiB: its parameters, gradients and optimizer state.
+
+    A sharded optimizer (``shard="optimizer"`` or ``"gradients"``) holds its state and its gradients for
+    this worker's slices; it says how much (``state_bytes``, ``owned_gradients``).
+    """
+    parameters = sum(p.numel() * p.element_size() for p in module.parameters())
+    gradients = sum(p.grad.numel() * p.grad.element_size() for p in module.parameters() if p.grad is not None)
+    state = 0
+    for optimizer in optimizers:
+        if hasattr(optimizer, "state_bytes") and hasattr(optimizer, "owned_gradients"):
+            state += optimizer.state_bytes()
+            gradients += sum(g.numel() * g.element_size() for g in optimizer.owned_gradients())
+            continue
+        for values in optimizer.state.values():
+            state += sum(v.numel() * v.element_size() for v in values.values() if isinstance(v, torch.Tensor))
+    return {"parameters_mb": parameters / _MB, "gradients_mb": gradients / _MB, "optimizer_state_mb": state / _MB}
+
+
 @dataclass
 class MemorySnapshot:
     """One measurement point: ``per_worker[measure]`` lists the values of ranks 0, 1, ..."""
@@ -67,7 +88,8 @@ class MemorySnapshot:
 
 
 class PeakMemoryMonitor(Callback):
-    """Measures peak memory on every worker at train start, each epoch end and train end.
+    """Measures peak memory, and the bytes of parameters, gradients and optimizer state each worker holds, on every
+    worker at train start, each epoch end and train end.
 
     The values of all workers are gathered (a collective, so every worker takes part), kept in
     ``history`` on every rank, sent to the Trainer's loggers as ``memory/<measure>_min|_max``, and
@@ -82,7 +104,7 @@ class PeakMemoryMonitor(Callback):
         self.history: list[MemorySnapshot] = []
 
     def _measure(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> MemorySnapshot:
-        readings = peak_memory_mb(pl_module.device)
+        readings = {**peak_memory_mb(pl_module.device), **training_state_mb(pl_module, trainer.optimizers)}
         measures = sorted(readings)  # same device kind on every worker, so the same measures
         rows = gather_rows(trainer, [readings[name] for name in measures])
         snapshot = MemorySnapshot(

@@ -41,6 +41,7 @@ from hvd_plugins.core.config import (
     HorovodConfig,
     Megabytes,
     Shard,
+    ShardCheckpoint,
     StallTimeout,
     SyncMode,
 )
@@ -100,6 +101,7 @@ class HorovodStrategy(HorovodStrategyShared, ParallelStrategy):
         scale_lr: multiply learning rates (and schedulers' base lrs) by the number of workers.
         sync: ``"allreduce"`` (flat), ``"hierarchical"`` (node, then across nodes) or ``"daso"``.
         shard: ``"none"``; ``"optimizer"`` (ZeRO-1) or ``"gradients"`` (ZeRO-2) split those over the workers.
+        shard_checkpoint: with ``shard``, checkpoints hold the whole optimizer state (``"full"``) or ``"parts"``.
         hierarchical_impl: ``"portable"`` (every build) or ``"native"`` (MPI + NCCL only).
         compress_node_local: with ``sync="hierarchical"``, compress the node-local legs too.
         daso: a ``DasoConfig`` or a dict of its fields; only with ``sync="daso"``.
@@ -134,6 +136,7 @@ class HorovodStrategy(HorovodStrategyShared, ParallelStrategy):
         scale_lr: bool = False,
         sync: SyncMode = "allreduce",
         shard: Shard = "none",
+        shard_checkpoint: ShardCheckpoint = "full",
         hierarchical_impl: HierarchicalImpl = "portable",
         compress_node_local: bool = False,
         daso: DasoConfig | dict[str, Any] | None = None,
@@ -260,6 +263,7 @@ class HorovodStrategy(HorovodStrategyShared, ParallelStrategy):
         if self.config.scale_lr:
             scale_learning_rates_(self.optimizers, [c.scheduler for c in self.lr_scheduler_configs], self.world_size)
         self.gradient_sync.refuse_unsupported(trainer.accumulate_grad_batches, bool(trainer.gradient_clip_val))
+        self.gradient_sync.refuse_grad_scaler(getattr(self.precision_plugin, "scaler", None))
         self.gradient_sync.backward_passes = max(1, int(trainer.accumulate_grad_batches))
         schedulers = [config.scheduler for config in self.lr_scheduler_configs]
         self.optimizers = wrap_optimizers(self.gradient_sync, self.optimizers, self.lightning_module, schedulers)
@@ -299,6 +303,7 @@ class HorovodStrategy(HorovodStrategyShared, ParallelStrategy):
     ) -> None:
         self._add_sync_state(checkpoint)
         self._resume_position.record(self._trainer, checkpoint)
+        self._write_optimizer_parts(checkpoint, filepath)
         super().save_checkpoint(checkpoint, filepath, storage_options)
 
     def checkpoint_content(self, trainer: pl.Trainer) -> dict[str, Any]:
@@ -328,6 +333,7 @@ class HorovodStrategy(HorovodStrategyShared, ParallelStrategy):
             checkpoint = self.elastic.restore(self._trainer, scale_lr=self.config.scale_lr)
         else:
             checkpoint = super().load_checkpoint(checkpoint_path, *args, **kwargs)
+            self._read_optimizer_parts(checkpoint, checkpoint_path)
         self._restored_sync_state = dict(checkpoint.get(CHECKPOINT_KEY, {}))
         self._resume_position.restore(self._trainer, checkpoint)
         if self.gradient_sync is not None:
@@ -342,8 +348,7 @@ class HorovodStrategy(HorovodStrategyShared, ParallelStrategy):
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
-        super().load_optimizer_state_dict(checkpoint)
-        self._share_loaded_optimizer_states(self.optimizers)
+        self._load_optimizer_states(self.optimizers, checkpoint["optimizer_states"])
 
     @override
     def process_dataloader(self, dataloader: object) -> object:

@@ -14,7 +14,8 @@ The reduce-scatter is a global alltoall that sends each worker its piece of the 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 from torch.nn import Module
@@ -27,6 +28,7 @@ from hvd_plugins.core.comm.in_flight import InFlight, Then
 from hvd_plugins.core.comm.partners import GroupSum, PartnerGroup, add_in_order, start_reduce_scatter
 from hvd_plugins.core.comm.reducer import BucketOperation, BucketReducer
 from hvd_plugins.core.sync.base import GradientSync
+from hvd_plugins.core.sync.sharded.checkpoint import is_part
 from hvd_plugins.core.sync.sharded.optimizer import ShardedOptimizer, refuse_whole_tensor_optimizer
 from hvd_plugins.core.sync.sharded.partition import partition
 
@@ -40,7 +42,15 @@ class ShardedGradientSync(GradientSync):
     world_shaped = True  # the slices are the old world's
     replicates_optimizer_state = False
 
-    def __init__(self, shard: str, compressor: Compressor, op: str, counters: CommCounters, bucket_bytes: int) -> None:
+    def __init__(
+        self,
+        shard: str,
+        compressor: Compressor,
+        op: str,
+        counters: CommCounters,
+        bucket_bytes: int,
+        checkpoint: str = "full",
+    ) -> None:
         if shard not in SHARD_STAGES:
             raise ValueError(f"shard={shard!r} is not a sharded mode; choose one of {list(SHARD_STAGES)}")
         if op not in ("average", "sum"):
@@ -51,6 +61,7 @@ class ShardedGradientSync(GradientSync):
         self.op = op
         self.counters = counters
         self.bucket_bytes = bucket_bytes
+        self.checkpoint = checkpoint
         hvd = horovod_torch()
         size, rank = hvd.size(), hvd.rank()
         self.world = PartnerGroup(tuple(range(size)), rank, size)
@@ -200,11 +211,34 @@ class ShardedGradientSync(GradientSync):
             gradient.clamp_(-clip_value, clip_value)
         return None
 
+    def refuse_grad_scaler(self, grad_scaler: object | None) -> None:
+        """ZeRO-2 frees the whole gradients a GradScaler unscales and checks for inf/NaN: refuse it, before training."""
+        if grad_scaler is not None and self.stage == 2:
+            raise ValueError(
+                "shard='gradients' cannot train with a GradScaler (precision='16-mixed'): the scaler unscales and "
+                "checks the whole gradients, which ZeRO-2 frees once their slices are reduce-scattered. Use "
+                "precision='bf16-mixed' (no scaler), or shard='optimizer', which keeps the whole averaged gradients."
+            )
+
     def _sharded(self, optimizer: Optimizer) -> ShardedOptimizer:
-        sharded = self._optimizers.get(id(optimizer))
+        """The sharded optimizer ``optimizer`` is (also after a fit, when a checkpoint is saved from it)."""
+        sharded = optimizer if isinstance(optimizer, ShardedOptimizer) else self._optimizers.get(id(optimizer))
         if sharded is None:
             raise ValueError(f"shard={self.shard!r}: {type(optimizer).__name__} was not set up by this strategy")
         return sharded
+
+    def optimizer_state_dict(self, optimizer: Optimizer) -> dict[str, Any]:
+        """The whole state (a collective of every worker), or with ``shard_checkpoint="parts"`` this worker's part."""
+        sharded = self._sharded(optimizer)
+        return sharded.part() if self.checkpoint == "parts" else sharded.state_dict()
+
+    def load_optimizer_state_dict(self, optimizer: Optimizer, state: Mapping[str, Any]) -> None:
+        """A whole state (saved at any world size) or this worker's own part."""
+        sharded = self._sharded(optimizer)
+        if is_part(state):
+            sharded.load_part(state)
+        else:
+            sharded.load_state_dict(state)
 
     def optimizer_state_bytes(self) -> int:
         """Bytes of optimizer state this worker holds, over all its optimizers."""

@@ -29,6 +29,7 @@ from hvd_plugins.core.comm.counters import CommCounters, Scope
 from hvd_plugins.core.comm.in_flight import InFlight, finish_all
 from hvd_plugins.core.comm.partners import PartnerAlltoall, PartnerGroup, finish_allgather, start_allgather
 from hvd_plugins.core.comm.wire import nbytes
+from hvd_plugins.core.sync.sharded.checkpoint import PART_FORMAT
 from hvd_plugins.core.sync.sharded.partition import ShardedBucket, Signature
 
 WHOLE_TENSOR_OPTIMIZERS: tuple[type[Optimizer], ...] = (torch.optim.LBFGS, torch.optim.SparseAdam)
@@ -106,7 +107,7 @@ class ShardedOptimizer(Optimizer):
         step count) go to different buckets: ``lay_out(signature)`` makes them.
         """
         state = self.state_dict()
-        indices = self._indices()
+        indices = self.parameter_indices()
         saved = state["state"]
 
         def signature(parameter: Parameter) -> Hashable:
@@ -117,7 +118,7 @@ class ShardedOptimizer(Optimizer):
         self._lay_out()
         self.load_state_dict(state)
 
-    def _indices(self) -> dict[int, int]:
+    def parameter_indices(self) -> dict[int, int]:
         """Each parameter's index in a state dict: its position over the param groups, as torch numbers them."""
         return {id(p): i for i, p in enumerate(p for group in self.param_groups for p in group["params"])}
 
@@ -143,6 +144,9 @@ class ShardedOptimizer(Optimizer):
                 group.update({key: value for key, value in outer.items() if key != "params"})
             self.inner.step()
             self._check_elementwise_state()
+            if self.gradients_from_parameters:
+                for piece in self.slices:
+                    piece.grad = None  # copies of the whole gradients' slices (ZeRO-1): free them at once
             self.gather_parameters()
         return loss
 
@@ -211,10 +215,70 @@ class ShardedOptimizer(Optimizer):
             if isinstance(value, torch.Tensor)
         )
 
+    # ------------------------------------------------------------------ parts
+    def part(self) -> dict[str, Any]:
+        """This worker's part of the state, with the layout ``consolidate`` needs to make it whole (no collective)."""
+        indices = self.parameter_indices()
+        buckets = []
+        for bucket, piece in zip(self.buckets, self.slices, strict=True):
+            own = self.inner.state.get(piece, {}) if self.inner is not None else {}
+            buckets.append(
+                {
+                    "group": bucket.group_index,
+                    "parameters": [indices[id(p)] for p in bucket.parameters],
+                    "shapes": [list(p.shape) for p in bucket.parameters],
+                    "numel": bucket.layout.numel,
+                    "state": {
+                        key: value.clone() if isinstance(value, torch.Tensor) else value for key, value in own.items()
+                    },
+                }
+            )
+        groups = []
+        for group in self.param_groups:
+            saved = {key: value for key, value in group.items() if key != "params"}
+            saved["params"] = [indices[id(p)] for p in group["params"]]
+            groups.append(saved)
+        world = self.world
+        return {
+            "format": PART_FORMAT,
+            "rank": world.rank if world is not None else 0,
+            "workers": world.size if world is not None else 1,
+            "param_groups": groups,
+            "buckets": buckets,
+            "parked": self._parked_by_index(),
+        }
+
+    def load_part(self, part: Mapping[str, Any]) -> None:
+        """Take back this worker's own part (saved by this rank with the same number of workers and buckets)."""
+        indices = self.parameter_indices()
+        world = self.world
+        rank, workers = (world.rank, world.size) if world is not None else (0, 1)
+        layout = [([indices[id(p)] for p in b.parameters], b.layout.numel) for b in self.buckets]
+        saved = [(bucket["parameters"], bucket["numel"]) for bucket in part["buckets"]]
+        if (part["rank"], part["workers"]) != (rank, workers) or layout != saved:
+            raise ValueError(
+                f"this optimizer part was saved by worker {part['rank']} of {part['workers']} with other buckets than "
+                f"worker {rank} of {workers} has now: consolidate the checkpoint first "
+                "(python -m hvd_plugins.consolidate)"
+            )
+        for group, saved_group in zip(self.param_groups, part["param_groups"], strict=True):
+            group.update({key: value for key, value in saved_group.items() if key != "params"})
+        by_index = {index: p for p, index in ((p, indices[id(p)]) for g in self.param_groups for p in g["params"])}
+        self._parked = {id(by_index[int(i)]): (by_index[int(i)], dict(v)) for i, v in part["parked"].items()}
+        if self.inner is None:
+            return
+        for piece, bucket in zip(self.slices, part["buckets"], strict=True):
+            own = {
+                key: value.to(piece.device) if isinstance(value, torch.Tensor) and value.dim() > 0 else value
+                for key, value in bucket["state"].items()
+            }
+            if own:
+                self.inner.state[piece] = own
+
     # ------------------------------------------------------------------ consolidated state
     def state_dict(self) -> dict[str, Any]:
         """The whole optimizer's state, as the user's optimizer would give it (a collective on every worker)."""
-        indices = self._indices()
+        indices = self.parameter_indices()
         state: dict[int, dict[str, Any]] = {index: dict(values) for index, values in self._parked_by_index().items()}
         for bucket, whole in zip(self.buckets, self._gathered_state(), strict=True):
             for key, value in whole.items():
@@ -232,7 +296,7 @@ class ShardedOptimizer(Optimizer):
         return {"state": state, "param_groups": groups}
 
     def _parked_by_index(self) -> dict[int, dict[str, Any]]:
-        indices = self._indices()
+        indices = self.parameter_indices()
         return {indices[key]: state for key, (_, state) in self._parked.items() if key in indices}
 
     def _gathered_state(self) -> list[dict[str, Any]]:

@@ -32,5 +32,7 @@ def test_callbacks_are_harmless_without_horovod(tmp_path: Path, monkeypatch: pyt
         trainer.fit(TinyRegression(lr=0.1), DataLoader(data, batch_size=4))
     assert comm.history == []
     assert [s.stage for s in memory.history] == ["train_start", "epoch_end", "epoch_end", "train_end"]
-    assert all(len(values) == 1 and values[0] > 0 for s in memory.history for values in s.per_worker.values())
+    assert all(len(values) == 1 and values[0] >= 0 for s in memory.history for values in s.per_worker.values())
+    assert all(s.per_worker["cpu_peak_rss_mb"][0] > 0 and s.per_worker["parameters_mb"][0] > 0 for s in memory.history)
+    assert memory.history[-1].per_worker["optimizer_state_mb"] >= [0.0]
     assert not (tmp_path / "timeline.json").exists()

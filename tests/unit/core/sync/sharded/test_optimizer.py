@@ -85,3 +85,16 @@ def test_optimizers_that_need_whole_tensors_are_refused_by_name(optimizer: type)
     marked.hvd_plugins_whole_tensors = True  # type: ignore[attr-defined]
     with pytest.raises(ValueError, match="cannot shard SGD"):
         refuse_whole_tensor_optimizer(marked, "optimizer")
+
+
+def test_zero2_refuses_a_grad_scaler_and_zero1_takes_one(fake_horovod) -> None:  # type: ignore[no-untyped-def]
+    from hvd_plugins.core.comm.compression import NoCompression
+    from hvd_plugins.core.sync.sharded import mode
+
+    fake_horovod(mode, size=2)
+    gradients = mode.ShardedGradientSync("gradients", NoCompression(), "average", CommCounters(), 2**20)
+    optimizer = mode.ShardedGradientSync("optimizer", NoCompression(), "average", CommCounters(), 2**20)
+    with pytest.raises(ValueError, match="shard='gradients' cannot train with a GradScaler"):
+        gradients.refuse_grad_scaler(object())
+    gradients.refuse_grad_scaler(None)
+    optimizer.refuse_grad_scaler(object())  # keeps the whole gradients the scaler unscales

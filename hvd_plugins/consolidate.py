@@ -1,0 +1,41 @@
+"""Make a checkpoint saved in parts (``shard_checkpoint="parts"``) whole: one file any Trainer can load.
+
+    python -m hvd_plugins.consolidate last.ckpt                # writes last.full.ckpt
+    python -m hvd_plugins.consolidate last.ckpt -o whole.ckpt
+
+Reads the checkpoint and every part file beside it (``last.ckpt.optimizer-part-<rank>-of-<workers>``),
+joins each optimizer's slices into the state of the whole optimizer, and writes a checkpoint that a
+single process, or a job of any number of workers, sharded or not, resumes from. It holds the whole
+optimizer state in this process's memory once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from hvd_plugins.core.sync.sharded.checkpoint import consolidate_checkpoint
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("checkpoint", type=Path, help="a checkpoint saved with shard_checkpoint='parts'")
+    parser.add_argument("-o", "--output", type=Path, help="the whole checkpoint (default: <name>.full.ckpt)")
+    args = parser.parse_args(argv)
+    output = args.output or args.checkpoint.with_name(f"{args.checkpoint.stem}.full{args.checkpoint.suffix or '.ckpt'}")
+    try:
+        checkpoint = consolidate_checkpoint(args.checkpoint)
+    except (ValueError, FileNotFoundError) as error:
+        print(f"hvd_plugins.consolidate: {error}", file=sys.stderr)
+        return 2
+    torch.save(checkpoint, output)
+    print(f"wrote {output}: {len(checkpoint['optimizer_states'])} optimizer state(s) made whole")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,94 @@
+"""A sharded optimizer's state saved in parts, one file per worker, and the parts made whole again.
+
+``shard_checkpoint="parts"`` is for models whose whole optimizer state does not fit one worker:
+each worker writes its slices (``optimizer_part``) beside the checkpoint, named by ``part_path``,
+and the checkpoint itself holds a marker instead of the state. A job of the same number of workers
+and buckets loads its own part; any other (another number of workers, one process) needs the whole
+state, which ``consolidate`` makes from every part: ``python -m hvd_plugins.consolidate CKPT``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, TypeGuard
+
+import torch
+
+PART_FORMAT = "hvd_plugins.optimizer_part/1"
+"""Marks one worker's part of one optimizer's state."""
+PARTS_MARKER = "hvd_plugins.optimizer_parts/1"
+"""What a checkpoint holds in place of its optimizer states when they were saved in parts."""
+
+
+def part_path(checkpoint: str | Path, rank: int, workers: int) -> Path:
+    """Where worker ``rank`` of ``workers`` writes its part of the optimizer states of ``checkpoint``."""
+    return Path(f"{checkpoint}.optimizer-part-{rank}-of-{workers}")
+
+
+def is_part(state: object) -> TypeGuard[Mapping[str, Any]]:
+    return isinstance(state, Mapping) and state.get("format") == PART_FORMAT
+
+
+def is_parts_marker(states: object) -> TypeGuard[Mapping[str, Any]]:
+    return isinstance(states, Mapping) and states.get("format") == PARTS_MARKER
+
+
+def parts_marker(workers: int, optimizers: int) -> dict[str, Any]:
+    return {"format": PARTS_MARKER, "workers": workers, "optimizers": optimizers}
+
+
+def read_parts(checkpoint: str | Path, workers: int, rank: int | None = None) -> list[dict[str, Any]]:
+    """The part files saved with ``checkpoint`` by ``workers`` workers (only ``rank``'s when given), in rank order;
+    each holds ``{"optimizer_parts": [one part per optimizer]}``."""
+    ranks = range(workers) if rank is None else [rank]
+    found = []
+    for each in ranks:
+        path = part_path(checkpoint, each, workers)
+        if not path.exists():
+            raise FileNotFoundError(
+                f"{checkpoint} was saved in parts by {workers} workers, but {path} is missing: keep every part "
+                "file beside the checkpoint (shard_checkpoint='parts')"
+            )
+        found.append(torch.load(path, map_location="cpu", weights_only=False))
+    return found
+
+
+def consolidate(parts: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """The whole optimizer state (the format of the user's optimizer) from every worker's part, in any order."""
+    ordered = sorted(parts, key=lambda part: part["rank"])
+    workers = ordered[0]["workers"]
+    if not all(is_part(part) for part in ordered) or [p["rank"] for p in ordered] != list(range(workers)):
+        raise ValueError(
+            f"consolidating needs one part from each of the {workers} workers, got ranks "
+            f"{[p.get('rank') for p in ordered]}"
+        )
+    state: dict[int, dict[str, Any]] = {int(k): dict(v) for k, v in ordered[0]["parked"].items()}
+    for index, bucket in enumerate(ordered[0]["buckets"]):
+        for key, value in bucket["state"].items():
+            if isinstance(value, torch.Tensor) and value.dim() > 0:
+                whole = torch.cat([part["buckets"][index]["state"][key] for part in ordered])[: bucket["numel"]]
+                offset = 0
+                for parameter, shape in zip(bucket["parameters"], bucket["shapes"], strict=True):
+                    count = int(torch.Size(shape).numel())
+                    state.setdefault(parameter, {})[key] = whole[offset : offset + count].reshape(shape).clone()
+                    offset += count
+            else:
+                for parameter in bucket["parameters"]:
+                    state.setdefault(parameter, {})[key] = value.clone() if isinstance(value, torch.Tensor) else value
+    return {"state": state, "param_groups": [dict(group) for group in ordered[0]["param_groups"]]}
+
+
+def consolidate_checkpoint(path: str | Path) -> dict[str, Any]:
+    """A checkpoint saved in parts, with its optimizer states made whole (every part file read)."""
+    checkpoint = torch.load(path, map_location="cpu", weights_only=False)
+    marker = checkpoint.get("optimizer_states")
+    if not is_parts_marker(marker):
+        raise ValueError(
+            f"{path} holds whole optimizer states already (it was not saved with shard_checkpoint='parts')"
+        )
+    per_worker = [parts["optimizer_parts"] for parts in read_parts(path, marker["workers"])]
+    checkpoint["optimizer_states"] = [
+        consolidate([parts[index] for parts in per_worker]) for index in range(marker["optimizers"])
+    ]
+    return checkpoint
