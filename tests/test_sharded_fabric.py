@@ -1,0 +1,138 @@
+"""Sharded training with Fabric on real workers: a plain loop trains as unsharded, holds 1/N of the optimizer
+state, and saves and loads the whole state.
+
+One job of four workers on two emulated nodes (tests/workers/sharded_fabric_checks.py) runs every check;
+each compares ``shard="optimizer"`` and ``shard="gradients"`` with ``shard="none"`` from the same start.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from _common import report_of
+from hvd_launch import TWO_NODES, run_job
+from sharded_fabric_checks import (
+    CASES,
+    INITIAL_SCALE,
+    SHARDS,
+    STEPS,
+    check_a_grad_scaler_under_zero1_and_zero2,
+    check_accumulating_without_no_backward_sync_is_refused,
+    check_checkpoint_holds_the_whole_state_and_resumes,
+    check_equal_to_unsharded,
+    check_no_backward_sync_accumulation_equals_unsharded,
+)
+
+COVERS = (
+    "hvd_plugins.fabric.strategies.horovod",
+    "hvd_plugins.fabric.strategies.shared",
+    "hvd_plugins.core.sync.sharded.mode",
+    "hvd_plugins.core.sync.sharded.optimizer",
+    "hvd_plugins.core.sync.sharded.partition",
+)
+"""The modules these real jobs exercise beyond their unit files."""
+
+pytestmark = pytest.mark.multiprocess
+
+WORKERS = 4
+TOLERANCE = 1e-5
+"""Of the largest parameter (or norm), in float32: the order of the sums is the only difference."""
+STATE_TOLERANCE = 1e-6
+"""Between the optimizer states two checkpoints hold (Adam's moments are far below 1)."""
+
+
+@pytest.fixture(scope="module")
+def four(tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict[str, Any]]:
+    out = tmp_path_factory.mktemp("sharded_fabric")
+    job = run_job("sharded_fabric_checks.py", np=WORKERS, hosts=TWO_NODES, out_dir=out, timeout=600)
+    job.check()
+    assert sorted(job.results) == list(range(WORKERS)), job.output[-3000:]
+    return job.results
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_a_sharded_fabric_loop_with_clipping_trains_as_unsharded(four: dict[int, dict[str, Any]], case: str) -> None:
+    clip = CASES[case][1]
+    for rank in range(WORKERS):
+        found = report_of(four[rank], check_equal_to_unsharded)[case]
+        reference = found["none"]
+        for stage, run in found.items():
+            assert run["distributed_sampler"] and run["steps"] == STEPS, (stage, run)
+            assert run["identical"], stage  # every worker holds the whole, same model
+        for shard in SHARDS:
+            assert found[shard]["difference"] <= TOLERANCE, (shard, found[shard]["difference"])
+            assert found[shard]["norms"] == pytest.approx(reference["norms"], rel=TOLERANCE), shard
+        assert found["unclipped"]["difference"] > 100 * TOLERANCE  # clipping changed the training
+        if "max_norm" in clip:
+            assert len(reference["norms"]) == STEPS
+            assert sum(norm > clip["max_norm"] for norm in reference["norms"]) >= STEPS // 2, reference["norms"]
+        else:
+            assert reference["norms"] == []  # clipping by value returns no norm
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_each_fabric_worker_holds_a_quarter_of_the_optimizer_state(four: dict[int, dict[str, Any]], case: str) -> None:
+    for rank in range(WORKERS):
+        found = report_of(four[rank], check_equal_to_unsharded)[case]
+        whole = found["none"]["state"]
+        assert not whole["sharded"]
+        assert whole["moment_bytes"] == 2 * 4 * whole["parameters"]  # two float32 moments a parameter
+        assert whole["scalar_bytes"] == 4 * whole["parameter_tensors"]  # one float32 step count a parameter tensor
+        for shard in SHARDS:
+            share = found[shard]["state"]
+            slices = share["slices"]
+            assert share["sharded"] and slices >= 1 and share["parameters"] == whole["parameters"]
+            padding = 2 * 4 * (WORKERS - 1) * slices  # at most N - 1 padded elements a bucket, two moments
+            assert whole["moment_bytes"] / WORKERS <= share["moment_bytes"] <= whole["moment_bytes"] / WORKERS + padding
+            assert share["scalar_bytes"] == 4 * slices  # one step count a slice
+            assert share["state_bytes"] == share["moment_bytes"] + share["scalar_bytes"]  # it says what it holds
+            total = whole["moment_bytes"] + whole["scalar_bytes"]
+            assert share["state_bytes"] <= total / WORKERS + padding + 4 * slices, (shard, share, whole)
+        small_buckets = CASES[case][2] < 1
+        assert (found["gradients"]["state"]["slices"] > 1) == small_buckets
+
+
+def test_no_backward_sync_accumulation_trains_as_unsharded(four: dict[int, dict[str, Any]]) -> None:
+    for rank in range(WORKERS):
+        found = report_of(four[rank], check_no_backward_sync_accumulation_equals_unsharded)
+        assert len(found["none"]["norms"]) == STEPS
+        for shard in SHARDS:
+            assert found[shard]["difference"] <= TOLERANCE, (shard, found[shard])
+            assert found[shard]["norms"] == pytest.approx(found["none"]["norms"], rel=TOLERANCE), shard
+
+
+def test_a_sharded_fabric_checkpoint_holds_the_whole_state_and_resumes_as_unsharded(
+    four: dict[int, dict[str, Any]],
+) -> None:
+    saved = report_of(four[0], check_checkpoint_holds_the_whole_state_and_resumes)["saved"]
+    assert "error" not in saved, saved["error"]  # rank 0 read both files
+    assert saved["same_parameters"] and saved["same_keys"] and saved["same_shapes"], saved
+    assert saved["same_param_groups"], saved
+    assert saved["entries"] == 3 * saved["optimizer_parameters"]  # AdamW: two moments and a step count each
+    assert saved["state_difference"] <= STATE_TOLERANCE, saved
+    for rank in range(WORKERS):
+        found = report_of(four[rank], check_checkpoint_holds_the_whole_state_and_resumes)
+        assert found["remainders"] == {stage: {"step": STEPS // 2} for stage in ("none", *SHARDS)}
+        before, after = found["held_before_save"], found["held_after_load"]
+        assert after["none"] == before["none"]  # unsharded: the whole state again
+        for shard in SHARDS:
+            assert after[shard] == before["gradients"], shard  # each worker kept only its slices of the file
+            assert found["resumed"][shard] <= TOLERANCE, (shard, found["resumed"])
+
+
+def test_zero1_trains_under_a_grad_scaler_as_unsharded_and_zero2_refuses_one(four: dict[int, dict[str, Any]]) -> None:
+    for rank in range(WORKERS):
+        found = report_of(four[rank], check_a_grad_scaler_under_zero1_and_zero2)
+        assert found["scales"]["optimizer"] == found["scales"]["none"] < INITIAL_SCALE  # the same steps skipped
+        assert found["norms"]["optimizer"] == pytest.approx(found["norms"]["none"], rel=TOLERANCE, nan_ok=True)
+        assert found["difference"] <= TOLERANCE, found["difference"]
+        assert found["refused"].startswith("shard='gradients' cannot train with a GradScaler"), found["refused"]
+
+
+def test_accumulating_without_no_backward_sync_is_refused_naming_the_way(four: dict[int, dict[str, Any]]) -> None:
+    for rank in range(WORKERS):
+        found = report_of(four[rank], check_accumulating_without_no_backward_sync_is_refused)
+        for shard in SHARDS:
+            assert f"shard={shard!r} cannot accumulate gradients with a second backward" in found[shard], found
+            assert "fabric.no_backward_sync" in found[shard]

@@ -1,0 +1,300 @@
+"""Sharded training on Fabric (``shard="optimizer"`` and ``shard="gradients"``) against ``shard="none"``.
+
+Run under ``horovodrun -np 4 -H localhost:2,127.0.0.1:2`` (two emulated nodes). Every check trains a
+plain Fabric loop (``fabric.backward``, ``fabric.clip_gradients``, ``optimizer.step()``,
+``optimizer.zero_grad()``) on a float32 dataset that ``fabric.setup_dataloaders`` splits with a
+DistributedSampler, once per stage from the same start, and reports what the tests compare: the
+parameters (float32: the order of the sums is the only difference), the clipped norms, the optimizer
+state each worker holds, and what ``fabric.save`` wrote.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterable
+from typing import Any
+
+import horovod.torch as hvd
+import torch
+from _common import Checks, out_dir, parse_out, write_result
+from lightning.fabric import Fabric
+from lightning.fabric.plugins.precision import MixedPrecision
+from torch import nn
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+from hvd_plugins.fabric import HorovodStrategy
+from hvd_plugins.fabric.lightning_internals import fabric_optimizer_target
+
+checks = Checks()
+SHARDS = ("optimizer", "gradients")
+STAGES = ("none", *SHARDS)
+BATCH = 4
+"""Samples per worker and micro-batch."""
+STEPS = 24
+TIME_LIMIT = 180.0
+"""Seconds a check may take (each takes a few): a hang in a collective fails the job, not the suite's timeout."""
+SMALL_BUCKETS_MB = 0.001
+"""262 float32 elements: the model's parameters fall into several buckets, each padded to a multiple of 4."""
+
+
+def make_fabric(shard: str, bucket_mb: float = SMALL_BUCKETS_MB, **options: Any) -> Fabric:
+    fabric = Fabric(strategy=HorovodStrategy(shard=shard, bucket_mb=bucket_mb), accelerator="cpu", **options)
+    fabric.launch()
+    return fabric
+
+
+def net(seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 16), nn.Tanh(), nn.Linear(16, 1))
+
+
+def make_optimizer(name: str, module: nn.Module) -> torch.optim.Optimizer:
+    if name == "adamw":
+        return torch.optim.AdamW(module.parameters(), lr=0.01, weight_decay=0.1)
+    return torch.optim.Adam(module.parameters(), lr=0.01)
+
+
+def set_up(fabric: Fabric, optimizer: str) -> tuple[Any, Any]:
+    """A model that differs on every worker until ``fabric.setup`` broadcasts rank 0's, and its optimizer."""
+    module = net(3 + hvd.rank())
+    return fabric.setup(module, make_optimizer(optimizer, module))
+
+
+def batches(fabric: Fabric, micro: int = 1) -> Any:
+    """``STEPS * micro`` batches a worker: the data set shuffled and split by Fabric's DistributedSampler."""
+    generator = torch.Generator().manual_seed(7)
+    x = torch.randn(STEPS * micro * BATCH * hvd.size(), 8, generator=generator)
+    y = (x[:, :3].sum(1, keepdim=True) - x[:, 3:4] * x[:, 4:5]).tanh()
+    return fabric.setup_dataloaders(DataLoader(TensorDataset(x, y), batch_size=BATCH, shuffle=True))
+
+
+def train(
+    fabric: Fabric, model: Any, optimizer: Any, loader: Iterable[Any], clip: dict[str, Any] | None, micro: int = 1
+) -> list[float]:
+    """Steps over ``loader``, ``micro`` micro-batches a step (all but the last under ``no_backward_sync``),
+    clipped with ``fabric.clip_gradients(**clip)``; the norms that clipping by norm returned."""
+    norms = []
+    for index, (x, y) in enumerate(loader):
+        last = (index + 1) % micro == 0
+        with fabric.no_backward_sync(model, enabled=not last):
+            fabric.backward(nn.functional.mse_loss(model(x), y) / micro)
+        if not last:
+            continue
+        if clip is not None:
+            norm = fabric.clip_gradients(model, optimizer, **clip)
+            if norm is not None:
+                norms.append(float(norm))
+        optimizer.step()
+        optimizer.zero_grad()
+    return norms
+
+
+def flat(module: nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1).double() for p in module.parameters()])
+
+
+def relative(found: torch.Tensor, expected: torch.Tensor) -> float:
+    """The largest difference, relative to the largest expected value."""
+    return float((found - expected).abs().max() / expected.abs().max())
+
+
+def held_state(optimizer: Any) -> dict[str, Any]:
+    """The optimizer state this worker holds: ``state_bytes()`` of a sharded optimizer, and for every optimizer
+    the bytes of its tensors of state kept per element (Adam's moments) and of its scalar ones (step counts)."""
+    target = fabric_optimizer_target(optimizer)
+    inner = getattr(target, "inner", None)  # what steps a sharded optimizer's slices
+    holder = inner if inner is not None else target
+    tensors = [v for state in holder.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
+    return {
+        "state_bytes": target.state_bytes() if hasattr(target, "state_bytes") else None,
+        "moment_bytes": sum(v.numel() * v.element_size() for v in tensors if v.dim() > 0),
+        "scalar_bytes": sum(v.numel() * v.element_size() for v in tensors if v.dim() == 0),
+        "slices": len(getattr(target, "slices", [])),
+        "parameters": sum(p.numel() for group in target.param_groups for p in group["params"]),
+        "parameter_tensors": sum(len(group["params"]) for group in target.param_groups),
+        "sharded": hasattr(target, "slices"),
+    }
+
+
+def identical_across_workers(module: nn.Module) -> bool:
+    values = flat(module)
+    return bool((hvd.allgather(values.unsqueeze(0)) == values).all())
+
+
+CASES: dict[str, tuple[str, dict[str, Any], float]] = {
+    "adam_max_norm": ("adam", {"max_norm": 0.1}, SMALL_BUCKETS_MB),
+    "adamw_clip_val": ("adamw", {"clip_val": 0.002}, SMALL_BUCKETS_MB),
+    "adam_inf_norm_one_bucket": ("adam", {"max_norm": 0.02, "norm_type": float("inf")}, 32.0),
+}
+"""Optimizer, ``fabric.clip_gradients`` arguments and bucket size of each case."""
+
+
+@checks.register(time_limit=TIME_LIMIT)
+def check_equal_to_unsharded() -> dict[str, Any]:
+    """Each case, every stage, ``STEPS`` steps from the same start: parameters, norms, state held. An unclipped
+    unsharded run shows that clipping changed the training."""
+    found: dict[str, Any] = {}
+    for case, (optimizer_name, clip, bucket_mb) in CASES.items():
+        runs: dict[str, Any] = {}
+        for stage in (*STAGES, "unclipped"):
+            fabric = make_fabric("none" if stage == "unclipped" else stage, bucket_mb)
+            model, optimizer = set_up(fabric, optimizer_name)
+            loader = batches(fabric)
+            norms = train(fabric, model, optimizer, loader, None if stage == "unclipped" else clip)
+            runs[stage] = {
+                "parameters": flat(model),
+                "norms": norms,
+                "state": held_state(optimizer),
+                "identical": identical_across_workers(model),
+                "distributed_sampler": isinstance(loader.sampler, DistributedSampler),
+                "steps": len(loader),
+            }
+        expected = runs["none"]["parameters"]
+        found[case] = {
+            stage: {
+                "difference": relative(run["parameters"], expected),
+                "norms": run["norms"],
+                "state": run["state"],
+                "identical": run["identical"],
+                "distributed_sampler": run["distributed_sampler"],
+                "steps": run["steps"],
+            }
+            for stage, run in runs.items()
+        }
+    return found
+
+
+@checks.register(time_limit=TIME_LIMIT)
+def check_no_backward_sync_accumulation_equals_unsharded() -> dict[str, Any]:
+    """Two micro-batches a step, the first under ``fabric.no_backward_sync``, clipped by norm."""
+    parameters, norms = {}, {}
+    for stage in STAGES:
+        fabric = make_fabric(stage)
+        model, optimizer = set_up(fabric, "adamw")
+        norms[stage] = train(fabric, model, optimizer, batches(fabric, micro=2), {"max_norm": 0.1}, micro=2)
+        parameters[stage] = flat(model)
+    return {
+        stage: {"difference": relative(parameters[stage], parameters["none"]), "norms": norms[stage]}
+        for stage in STAGES
+    }
+
+
+@checks.register(time_limit=TIME_LIMIT)
+def check_checkpoint_holds_the_whole_state_and_resumes() -> dict[str, Any]:
+    """ZeRO-2 and unsharded train half the steps and ``fabric.save``; rank 0 compares the two files' optimizer
+    states. Fresh models and optimizers of each stage ``fabric.load`` the ZeRO-2 file and train on."""
+    half = STEPS // 2
+    paths, held_before_save = {}, {}
+    for stage in ("gradients", "none"):
+        fabric = make_fabric(stage)
+        model, optimizer = set_up(fabric, "adamw")
+        train(fabric, model, optimizer, itertools.islice(batches(fabric), half), {"max_norm": 0.1})
+        held_before_save[stage] = held_state(optimizer)
+        paths[stage] = out_dir() / f"fabric_{stage}.ckpt"
+        fabric.save(paths[stage], {"model": model, "optimizer": optimizer, "step": half})
+    saved = compare_saved(paths["gradients"], paths["none"]) if hvd.rank() == 0 else {}
+    resumed, remainders, held_after_load = {}, {}, {}
+    for stage in STAGES:
+        fabric = make_fabric(stage)
+        model, optimizer = set_up(fabric, "adamw")  # other parameters than saved, on every worker
+        remainders[stage] = fabric.load(paths["gradients"], {"model": model, "optimizer": optimizer})
+        held_after_load[stage] = held_state(optimizer)
+        train(fabric, model, optimizer, itertools.islice(batches(fabric), half, None), {"max_norm": 0.1})
+        resumed[stage] = flat(model)
+    return {
+        "saved": saved,
+        "remainders": remainders,
+        "held_before_save": held_before_save,
+        "held_after_load": held_after_load,
+        "resumed": {stage: relative(resumed[stage], resumed["none"]) for stage in STAGES},
+    }
+
+
+def compare_saved(sharded_path: Any, plain_path: Any) -> dict[str, Any]:
+    """The largest difference between the optimizer states of two checkpoints, and whether they have one layout.
+
+    Rank 0 alone reads them, so nothing here may raise: the other workers would wait for it in the next collective.
+    """
+    try:
+        sharded = torch.load(sharded_path, weights_only=False)["optimizer"]
+        plain = torch.load(plain_path, weights_only=False)["optimizer"]
+        pairs = [
+            (torch.as_tensor(sharded["state"].get(index, {}).get(key, float("nan"))), torch.as_tensor(value))
+            for index, values in plain["state"].items()
+            for key, value in values.items()
+        ]
+        return {
+            "state_difference": max(
+                float((found - expected).abs().max()) if found.shape == expected.shape else float("inf")
+                for found, expected in pairs
+            ),
+            "entries": len(pairs),
+            "same_parameters": sorted(sharded["state"]) == sorted(plain["state"]),
+            "same_keys": all(sorted(sharded["state"][i]) == sorted(plain["state"][i]) for i in plain["state"]),
+            "same_shapes": all(found.shape == expected.shape for found, expected in pairs),
+            "same_param_groups": sharded["param_groups"] == plain["param_groups"],
+            "optimizer_parameters": sum(len(group["params"]) for group in plain["param_groups"]),
+        }
+    except Exception as error:  # reported for the test to show
+        return {"error": f"{type(error).__name__}: {error}"}
+
+
+INITIAL_SCALE = 2.0**17
+"""Large enough that the first steps' float16 gradients overflow: the GradScaler skips them and halves its scale."""
+
+
+def grad_scaler() -> MixedPrecision:
+    return MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=INITIAL_SCALE))
+
+
+@checks.register(time_limit=TIME_LIMIT)
+def check_a_grad_scaler_under_zero1_and_zero2() -> dict[str, Any]:
+    """16-mixed with a GradScaler, clipped by norm (unscaled first): ZeRO-1 keeps the whole averaged gradients and
+    trains as unsharded, skipped steps included; ZeRO-2, which frees them, is refused at ``fabric.setup``."""
+    parameters, scales, norms = {}, {}, {}
+    for stage in ("none", "optimizer"):
+        fabric = make_fabric(stage, plugins=[grad_scaler()])
+        model, optimizer = set_up(fabric, "adam")
+        clip = {"max_norm": 0.1, "error_if_nonfinite": False}  # the overflowing steps' norm is not finite
+        norms[stage] = train(fabric, model, optimizer, batches(fabric), clip)
+        parameters[stage] = flat(model)
+        scales[stage] = float(fabric.strategy.precision.scaler.get_scale())
+    fabric = make_fabric("gradients", plugins=[grad_scaler()])
+    try:
+        set_up(fabric, "adam")
+        refused = "accepted"
+    except ValueError as error:
+        refused = str(error)
+    return {
+        "difference": relative(parameters["optimizer"], parameters["none"]),
+        "scales": scales,
+        "norms": norms,
+        "refused": refused,
+    }
+
+
+@checks.register(time_limit=TIME_LIMIT)
+def check_accumulating_without_no_backward_sync_is_refused() -> dict[str, str]:
+    """A second backward before the step without ``no_backward_sync``: the first one's buckets are on their way,
+    so sharding refuses, naming what to use instead. Last in the job: the refused step's buckets stay unused."""
+    found = {}
+    for stage in SHARDS:
+        fabric = make_fabric(stage)
+        model, optimizer = set_up(fabric, "adam")
+        x, y = next(iter(batches(fabric)))
+        try:
+            for _ in range(2):
+                fabric.backward(nn.functional.mse_loss(model(x), y))
+            found[stage] = "accepted"
+        except ValueError as error:
+            found[stage] = str(error)
+        fabric.strategy.gradient_sync.synchronize(fabric_optimizer_target(optimizer))  # the first backward's sums
+    return found
+
+
+if __name__ == "__main__":
+    out, arguments = parse_out()
+    hvd.init()
+    torch.set_num_threads(1)
+    report = checks.selected(arguments.case).run(on_time_limit=lambda partial: write_result(out, hvd.rank(), partial))
+    write_result(out, hvd.rank(), report)
