@@ -7,6 +7,7 @@ step time after warmup, and the bytes its counters recorded.
 
     python benchmarks/sharding.py            # N = 1, 2, 4 and 2x1, 2x2; writes docs/benchmarks/sharding.txt
     python benchmarks/sharding.py --smoke    # tiny, N = 2 and 2x1 only: checks that everything runs
+    python benchmarks/sharding.py --does-not-fit   # 4 workers, a 151 M-parameter MLP under a memory limit each
 
 Memory: N = 1, 2 (one host) and 4 (two emulated hosts of two). Step time: two emulated hosts of one
 worker (2x1) and of two (2x2), unshaped loopback, medians of ``--repeats`` jobs, the settings in
@@ -66,6 +67,87 @@ def worker_main(args: argparse.Namespace) -> None:
         hvd.rank(),
         {"held": held, "step_seconds": statistics.median(steps), "counters": counters, "steps": len(clock.times)},
     )
+
+
+BIG_LAYERS, BIG_WIDTH = 9, 4096
+"""The model that does not fit: nine 4096x4096 linear layers, 151 M parameters, 0.6 GB in float32; with
+AdamW 2.4 GB of parameters, gradients and state unsharded, 1.05 GB with ZeRO-2 on 4 workers (after the step)."""
+
+
+def limit_address_space(extra_gb: float) -> int:
+    """Cap this process's address space (``RLIMIT_AS``) at what it maps now plus ``extra_gb``: the worker, not the
+    machine, runs out. Returns the cap in bytes."""
+    import resource
+
+    mapped = next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith("VmSize:"))
+    cap = mapped + int(extra_gb * 2**30)
+    resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
+    return cap
+
+
+def fit_worker(args: argparse.Namespace) -> None:
+    """A few AdamW steps of the big MLP under a memory cap; writes whether they ran, or the allocation error."""
+    import os
+
+    import horovod.torch as hvd
+    import lightning.pytorch as pl
+    import torch
+    from torch import nn
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from hvd_plugins import HorovodStrategy
+
+    class BigRegressor(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.net = nn.Sequential(*(nn.Sequential(nn.Linear(BIG_WIDTH, BIG_WIDTH), nn.Tanh()) for _ in range(9)))
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            return nn.functional.mse_loss(self.net(batch[0]), batch[1])
+
+        def train_dataloader(self) -> DataLoader:
+            samples = 4 * args.steps * hvd.size()
+            return DataLoader(TensorDataset(torch.randn(samples, BIG_WIDTH), torch.randn(samples, BIG_WIDTH)), 4)
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.AdamW(self.parameters(), lr=1e-4)
+
+    bench.one_thread_per_worker()
+    hvd.init()
+    strategy = HorovodStrategy(shard=args.shard, bucket_mb=64.0, stall_timeout_seconds=120)
+    outcome: dict[str, Any] = {"cap_gb": limit_address_space(args.limit_gb) / 2**30}
+    try:
+        clock = bench.StepClock()
+        bench.cpu_trainer(strategy, [clock]).fit(BigRegressor())
+        outcome.update(steps=len(clock.times), seconds=clock.total)
+    except (MemoryError, RuntimeError) as error:  # torch raises RuntimeError("... can't allocate memory")
+        outcome.update(steps=0, error=f"{type(error).__name__}: {str(error).splitlines()[0][:160]}")
+    write_rank_file(args.out, hvd.rank(), outcome)
+    os._exit(0 if outcome["steps"] else 1)  # a worker that ran out ends the job: the others wait in a collective
+
+
+def does_not_fit(limit_gb: float, steps: int, workdir: Path) -> str:
+    """The big MLP on 4 workers (two emulated hosts of two), each capped at ``limit_gb`` beyond what it maps at
+    start: unsharded, ZeRO-1 and ZeRO-2."""
+    rows = []
+    for shard in SHARDS:
+        script = [
+            str(Path(__file__).resolve()),
+            "--fit-worker",
+            f"--shard={shard}",
+            f"--steps={steps}",
+            f"--limit-gb={limit_gb}",
+        ]
+        outcome = bench.horovodrun(script, workdir / f"fit_{shard}", np=4, hosts=TOPOLOGIES[4], timeout=1200)
+        results = [outcome.results[rank] for rank in sorted(outcome.results)]
+        trained = min((r["steps"] for r in results), default=0) if len(results) == 4 else 0
+        error = next((r["error"] for r in results if r.get("error")), "" if trained else "a worker ended the job")
+        seconds = max((r.get("seconds", 0.0) for r in results), default=0.0)
+        rows.append((shard, f"{limit_gb:g}", trained, f"{seconds:.0f}" if trained else "-", error or "trained"))
+        print(f"  does not fit: {shard:<9} {trained} steps  {error or 'trained'}", flush=True)
+    header = ("shard", "cap GB / worker", "steps trained", "seconds", "outcome")
+    return format_table(header, rows)
 
 
 def run(shard: str, np: int, hosts: str, size: dict[str, Any], steps: int, out: Path, batch_size: int) -> dict:
@@ -135,7 +217,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--smoke", action="store_true", help="tiny model, few steps: checks that everything runs")
     parser.add_argument("--repeats", type=int, default=3, help="jobs per setting for the step times")
     parser.add_argument("--report", type=Path, help="write the report here instead of docs/benchmarks/sharding.txt")
+    parser.add_argument("--does-not-fit", action="store_true", help="only the big model under a memory cap per worker")
+    parser.add_argument("--limit-gb", type=float, default=2.0, help="the cap beyond what a worker maps at start (GB)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--fit-worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--shard", help=argparse.SUPPRESS)
     parser.add_argument("--size", help=argparse.SUPPRESS)
     parser.add_argument("--steps", type=int, help=argparse.SUPPRESS)
@@ -145,6 +230,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.worker:
         worker_main(args)
+        return 0
+    if args.fit_worker:
+        fit_worker(args)
+        return 0
+    if args.does_not_fit:
+        with tempfile.TemporaryDirectory(prefix="sharding_fit_") as workdir:
+            table = does_not_fit(args.limit_gb, 3, Path(workdir))
+        text = (
+            f"A model that does not fit: an MLP of {BIG_LAYERS} {BIG_WIDTH}x{BIG_WIDTH} layers (151 M parameters), "
+            f"AdamW, 4 workers on two emulated hosts, each capped (RLIMIT_AS) at {args.limit_gb:g} GB beyond what it "
+            f"maps at start\n{table}\n"
+        )
+        given = sys.argv[1:] if argv is None else argv
+        publish_report(text, __file__, given, args.report, "sharding_does_not_fit.txt")
         return 0
     size, steps, batch, repeats = (SMOKE_MODEL, 4, 4, 1) if args.smoke else (MODEL, 20, 16, args.repeats)
     memory_topologies = {2: TOPOLOGIES[2]} if args.smoke else TOPOLOGIES

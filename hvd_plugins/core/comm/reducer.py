@@ -45,8 +45,16 @@ class BucketReducer:
         passes: int = 1,
         backward_order: bool = True,
         buckets: Sequence[Sequence[Parameter]] | None = None,
+        land_early: bool = False,
+        max_in_flight: int | None = None,
     ) -> None:
         self.operation = operation
+        self.land_early = land_early
+        """Land a bucket whose operation has arrived as soon as a later bucket starts, while backward runs (its
+        buffers go at once); else every bucket lands at ``finish``: backward leaves the gradients as it made them."""
+        self.max_in_flight = max_in_flight
+        """With ``land_early``: at most this many buckets travel at once; starting one more lands the oldest first
+        (waiting for it), which bounds the memory of buffers in flight (None: no bound)."""
         self.name = name
         self.buckets = BackwardBuckets(parameters, bucket_bytes, self.start, passes, backward_order, buckets)
         self._in_flight: dict[int, tuple[list[torch.Tensor], InFlight[torch.Tensor | None] | None]] = {}
@@ -76,9 +84,26 @@ class BucketReducer:
         gradients = [gradient_to_send(p) for p in self.buckets.buckets[index]]
         operation = self.operation(index, flatten(gradients), f"{self.name}.{index}")
         self._in_flight[index] = (gradients, operation)
-        for _, other in self._in_flight.values():
-            if other is not None:
+        for earlier, (its_gradients, other) in self._in_flight.items():
+            if other is None:
+                continue
+            if self.land_early and other.ready():  # arrived: land it now, so its buffers go while backward runs
+                self._land(its_gradients, other.wait())
+                self._in_flight[earlier] = (its_gradients, None)
+            else:
                 other.progress()
+        travelling = [i for i in sorted(self._in_flight) if self._in_flight[i][1] is not None]
+        while self.land_early and self.max_in_flight is not None and len(travelling) > self.max_in_flight:
+            oldest = travelling.pop(0)
+            its_gradients, other = self._in_flight[oldest]
+            assert other is not None
+            self._land(its_gradients, other.wait())
+            self._in_flight[oldest] = (its_gradients, None)
+
+    @staticmethod
+    def _land(gradients: list[torch.Tensor], result: torch.Tensor | None) -> None:
+        if result is not None:
+            unflatten_into(result, gradients)
 
     def finish(self, waiting: AbstractContextManager[object] | None = None) -> None:
         """Start what backward did not, wait for every bucket (in order), write the results back; next step."""
@@ -90,8 +115,7 @@ class BucketReducer:
         with waiting if waiting is not None else nullcontext():
             results = finish_all([operation for _, operation in running])
         for (gradients, _), result in zip(running, results, strict=True):
-            if result is not None:
-                unflatten_into(result, gradients)
+            self._land(gradients, result)
         self._in_flight.clear()
         self.buckets.reset(self.buckets.passes_per_step)
 

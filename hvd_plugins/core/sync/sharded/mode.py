@@ -33,6 +33,10 @@ from hvd_plugins.core.sync.sharded.optimizer import ShardedOptimizer, refuse_who
 from hvd_plugins.core.sync.sharded.partition import partition
 
 SHARD_STAGES = {"optimizer": 1, "gradients": 2}
+BUCKETS_IN_FLIGHT = 2
+"""ZeRO-2: buckets reduce-scattered at once; a third lands the oldest first. Each bucket in flight holds about
+2.5 copies of itself (its flat gradients, the pieces it sends, the pieces it receives), so an unbounded backward
+would hold them for the whole model and spend what the freed gradients saved."""
 """``shard=`` names and the ZeRO stage each stands for."""
 
 
@@ -96,6 +100,8 @@ class ShardedGradientSync(GradientSync):
             f"{sharded.name}.grad",
             self.backward_passes,
             buckets=[bucket.parameters for bucket in buckets],
+            land_early=self.stage == 2,  # its results go to the slices, which nothing reads before the step
+            max_in_flight=BUCKETS_IN_FLIGHT if self.stage == 2 else None,
         )
         reducer.armed = self.world.size > 1 or self.stage == 2
         self._reducers[id(sharded)] = reducer
@@ -141,13 +147,13 @@ class ShardedGradientSync(GradientSync):
         def scatter(index: int, flat: torch.Tensor, name: str) -> InFlight[torch.Tensor | None] | None:
             bucket, piece = sharded.buckets[index], sharded.slices[index]
             padded = bucket.layout.padded(flat)
+            for parameter in bucket.parameters:
+                parameter.grad = None  # the flat copy travels; the whole gradients go at once
 
             def land(total: torch.Tensor) -> None:
                 if self.op == "average" and self.world.size > 1:
                     total = total.div_(self.world.size)
                 piece.grad = total.to(piece.dtype) if piece.grad is None else piece.grad.copy_(total)
-                for parameter in bucket.parameters:
-                    parameter.grad = None
                 return None
 
             if self.world.size == 1:
