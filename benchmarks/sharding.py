@@ -182,7 +182,7 @@ def memory_table(size: dict[str, Any], steps: int, batch_size: int, workdir: Pat
             rss = max(h.get("cpu_peak_rss_mb", 0.0) for h in held)
             row = (shard, np, held[0]["parameters_mb"], gradients, state, share_cell, rss, verdict)
             rows.append(row)
-            print(f"  memory {shard:<9} N={np}  state {state:8.2f} MiB  grads {gradients:8.2f} MiB", flush=True)
+            print(f"  memory {shard:<9} N={np}  state {state:10.4f} MiB  grads {gradients:10.4f} MiB", flush=True)
     header = ("shard", "N", "params MiB", "grads MiB", "opt state MiB", "state / (unsharded/N)", "peak RSS MiB", "aim")
     return format_table(header, rows)
 
