@@ -18,6 +18,7 @@ import torch
 from _common import Checks, out_dir, parse_out, write_result
 from finetuning import UnfreezeExtra
 from models import Gan, regression_data
+from strategy_common import trainer as strategy_trainer
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -80,16 +81,11 @@ def fit(shard: str, module: pl.LightningModule | None = None, epochs: int = 5, *
     ckpt_path = options.pop("ckpt_path", None)
     if callable(options.get("callbacks")):
         options["callbacks"] = options["callbacks"]()  # a fresh callback for every run
-    trainer = pl.Trainer(
-        strategy=HorovodStrategy(shard=shard, bucket_mb=strategy_options.pop("bucket_mb", 0.0005), **strategy_options),
-        accelerator="cpu",
+    bucket_mb = strategy_options.pop("bucket_mb", 0.0005)
+    trainer = strategy_trainer(
+        strategy=HorovodStrategy(shard=shard, bucket_mb=bucket_mb, **strategy_options),
         max_epochs=epochs,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        **options,
+        **{"precision": "32-true", **options},
     )
     trainer.fit(model, ckpt_path=ckpt_path)
     return model, trainer
@@ -265,15 +261,8 @@ def resume(checkpoint: str, parts: str) -> dict[str, float]:
     results = {}
     for shard, path in (("gradients", checkpoint), ("none", checkpoint), ("parts", parts)):
         model = ShardNet("adamw", scheduler=True)
-        trainer = pl.Trainer(
-            strategy=HorovodStrategy(shard="gradients" if shard == "parts" else shard, bucket_mb=0.0005),
-            accelerator="cpu",
-            max_epochs=4,
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-        )
+        strategy = HorovodStrategy(shard="gradients" if shard == "parts" else shard, bucket_mb=0.0005)
+        trainer = strategy_trainer(strategy=strategy, precision="32-true", max_epochs=4)
         trainer.fit(model, ckpt_path=path)
         results[shard] = parameters_of(model)
     expected = results["none"]

@@ -16,6 +16,7 @@ import horovod.torch as hvd
 import lightning.pytorch as pl
 import torch
 from _common import Checks, parse_out, write_result
+from strategy_common import trainer as strategy_trainer
 from torch import nn
 from torch.utils.data import Dataset
 
@@ -110,16 +111,8 @@ class Quadratic(pl.LightningModule):
 
 def fit_digest(strategy: HorovodStrategy, optimizer: str, epochs: int, accumulate: int = 1) -> str:
     model = Quadratic(optimizer)
-    trainer = pl.Trainer(
-        strategy=strategy,
-        accelerator="cpu",
-        max_epochs=epochs,
-        accumulate_grad_batches=accumulate,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
+    trainer = strategy_trainer(
+        strategy=strategy, precision="32-true", max_epochs=epochs, accumulate_grad_batches=accumulate
     )
     trainer.fit(model)
     optimizer_state = trainer.optimizers[0].state_dict()["state"]
