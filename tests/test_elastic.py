@@ -28,6 +28,7 @@ COVERS = (
     "hvd_plugins.core.elastic.epoch_split",
     "hvd_plugins.core.elastic.reset",
     "hvd_plugins.core.elastic.snapshot",
+    "hvd_plugins.core.sync.sharded.replicas",
     "hvd_plugins.fabric.elastic",
     "hvd_plugins.pytorch.elastic",
     "hvd_plugins.pytorch.strategies.launchers.elastic",
@@ -43,15 +44,21 @@ MAX_STEPS = 40
 class ElasticJob:
     """One elastic launch of the test worker, and what its workers wrote."""
 
-    def __init__(self, folder: Path, hosts_before: str, script: str = "elastic_training.py") -> None:
+    def __init__(
+        self, folder: Path, hosts_before: str, script: str = "elastic_training.py", mkdir: bool = False
+    ) -> None:
+        if mkdir:
+            folder.mkdir(parents=True)
         self.folder = folder
         self.script = WORKERS / script
         self.hosts_file = folder / "hosts"
         self.hosts_file.write_text(hosts_before.replace(",", "\n") + "\n")
         self.result: JobResult | None = None
 
-    def run(self, np: int, min_np: int, max_np: int, *args: str, timeout: float = 240) -> ElasticJob:
-        worker = [sys.executable, str(self.script), "--out", str(self.folder)]
+    def run(
+        self, np: int, min_np: int, max_np: int, *args: str, timeout: float = 240, fails: bool = False
+    ) -> ElasticJob:
+        worker = [sys.executable, str(self.script), "--out", str(self.folder), "--np-start", str(np)]
         worker += ["--hosts-file", str(self.hosts_file), "--max-steps", str(MAX_STEPS), *args]
         self.result = elastic_horovodrun(
             worker,
@@ -62,7 +69,7 @@ class ElasticJob:
             env={"HOSTS_FILE": str(self.hosts_file)},
             timeout=timeout,
         )
-        assert self.result.returncode == 0, self.result.output[-6000:]
+        assert (self.result.returncode != 0) == fails, self.result.output[-6000:]
         return self
 
     def events(self, kind: str) -> list[dict[str, Any]]:
@@ -110,9 +117,18 @@ def assert_epoch_trained_once(job: ElasticJob, epoch: int) -> None:
     assert not twice, f"{len(twice)} samples of epoch {epoch} were trained more than once, e.g. {twice[:10]}"
 
 
-def test_a_killed_worker_and_its_host_leave_and_the_fit_goes_on(tmp_path: Path) -> None:
+SHRINK = ("--kill-rank", "3", "--kill-step", "7")
+"""4 workers on 2 hosts; rank 3 is killed in epoch 0 and its host leaves with its other worker."""
+
+
+@pytest.fixture(scope="module")
+def unsharded_shrink(tmp_path_factory: pytest.TempPathFactory) -> ElasticJob:
+    return ElasticJob(tmp_path_factory.mktemp("shrink"), "localhost:2,127.0.0.1:2").run(4, 2, 4, *SHRINK)
+
+
+def test_a_killed_worker_and_its_host_leave_and_the_fit_goes_on(unsharded_shrink: ElasticJob) -> None:
     """4 workers on 2 hosts; rank 3 is killed in epoch 0 and its host leaves: 2 workers finish the same fit."""
-    job = ElasticJob(tmp_path, "localhost:2,127.0.0.1:2").run(4, 2, 4, "--kill-rank", "3", "--kill-step", "7")
+    job = unsharded_shrink
     ends = assert_one_finished_job(job, workers=2)
     assert {end["resets"] for end in ends} == {1}
     resets = job.events("reset")
@@ -176,3 +192,83 @@ def test_a_fabric_loop_goes_on_after_a_worker_and_its_host_leave(tmp_path: Path)
     assert resumed == {5}, "the loop resumes at the last commit (every 5 steps)"
     assert_epoch_trained_once(job, epoch=0)
     assert {end["trained"] for end in ends} == {MAX_STEPS}, "plain values are committed and rolled back too"
+
+
+def assert_weights_close(job: ElasticJob, reference: ElasticJob) -> None:
+    """Every worker's final weights within 1e-5 of the largest weight of the reference run's."""
+    want = reference.ends()[0]["weights"]
+    scale = max(abs(value) for value in want)
+    for end in job.ends():
+        worst = max(abs(a - b) for a, b in zip(end["weights"], want, strict=True))
+        assert worst <= 1e-5 * scale, f"rank {end['rank']}: {worst:.3g} from the unsharded run (largest {scale:.3g})"
+
+
+@pytest.mark.parametrize("shard", ["optimizer", "gradients"])
+def test_a_sharded_fit_loses_a_host_and_goes_on_from_the_copies_it_committed(
+    tmp_path: Path, unsharded_shrink: ElasticJob, shard: str
+) -> None:
+    """The shrink of the unsharded test, sharded: the two survivors hold their own parts and the copies of the
+    two that left (kept on the other host), lay the state out over two workers, and end as the unsharded run."""
+    job = ElasticJob(tmp_path, "localhost:2,127.0.0.1:2").run(4, 2, 4, "--shard", shard, *SHRINK)
+    ends = assert_one_finished_job(job, workers=2)
+    assert {event["step"] for event in job.events("train_start") if event["step"] > 0} == {5}
+    assert_epoch_trained_once(job, epoch=0)
+    assert_weights_close(job, unsharded_shrink)
+    assert all(end["commit_held_bytes"] > 0 for end in ends)
+
+
+def test_a_sharded_fit_takes_in_hosts_that_join_and_rank_zero_lost(tmp_path: Path) -> None:
+    """Grow 2 -> 4 (the workers that join hold no part and receive their slices), then, in another job, rank 0
+    killed on a job of two hosts: its survivor steps on from its own part and the copy of rank 0's."""
+    grown = ElasticJob(tmp_path / "grow", "localhost:1,127.0.0.1:1", mkdir=True).run(
+        2, 2, 4, "--shard", "gradients", "--grow-step", "3", "--hosts-after", "localhost:2,127.0.0.1:2"
+    )
+    assert_one_finished_job(grown, workers=4)
+    reference = ElasticJob(tmp_path / "ref", "localhost:1,127.0.0.1:1", mkdir=True).run(
+        2, 2, 4, "--grow-step", "3", "--hosts-after", "localhost:2,127.0.0.1:2"
+    )
+    assert_weights_close(grown, reference)
+    lost_rank_zero = ElasticJob(tmp_path / "rank0", "localhost:1,127.0.0.1:1", mkdir=True).run(
+        2, 1, 2, "--shard", "optimizer", "--kill-rank", "0", "--kill-step", "12"
+    )
+    (end,) = assert_one_finished_job(lost_rank_zero, workers=1)
+    assert end["pid"] != lost_rank_zero.events("killed")[0]["pid"]
+
+
+def test_a_sharded_fit_that_loses_both_copies_of_a_part_ends_saying_so(tmp_path: Path) -> None:
+    """3 hosts of one worker; rank 0 and rank 1, which keeps rank 0's copy, die together: the survivor holds
+    neither copy of rank 0's slice, and the job ends with that said, instead of training on with a hole."""
+    third = local_host_name()
+    job = ElasticJob(tmp_path, f"localhost:1,127.0.0.1:1,{third}:1").run(
+        3, 1, 3, "--shard", "gradients", "--kill-ranks", "0,1", "--kill-step", "7", fails=True
+    )
+    assert job.result is not None
+    assert "LostShardsError" in job.result.output and "slices of worker(s) [0] of 3" in job.result.output
+    assert not job.events("end"), "no worker finished the fit"
+    assert max(event["step"] for event in job.events("batch")) <= 7, "nobody trained on after the loss"
+
+
+def local_host_name() -> str:
+    """A third name for this machine that horovodrun starts workers on without ssh: its host name."""
+    import socket
+
+    name = socket.gethostname()
+    try:
+        local = socket.gethostbyname(name).startswith("127.")
+    except OSError:
+        local = False
+    if name in ("localhost", "127.0.0.1") or not local:
+        pytest.skip(f"this machine's host name {name!r} does not resolve to a loopback address: no third local host")
+    return name
+
+
+@pytest.mark.parametrize("shard", ["gradients"])
+def test_sharded_inside_the_node_survives_a_shrink(tmp_path: Path, shard: str) -> None:
+    """sync='hierarchical' with sharding on 2x2: each node holds the state, split over its two workers. A host
+    leaves; the survivors on the other node hold every part, and go on sharded over their node."""
+    job = ElasticJob(tmp_path, "localhost:2,127.0.0.1:2").run(
+        4, 2, 4, "--sync", "hierarchical", "--shard", shard, "--kill-rank", "3", "--kill-step", "22"
+    )
+    assert_one_finished_job(job, workers=2)
+    assert_epoch_trained_once(job, epoch=1)
+    assert {event["step"] for event in job.events("train_start") if event["step"] > 0} == {20}

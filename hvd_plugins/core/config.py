@@ -187,10 +187,22 @@ class HorovodConfig:
 
     def _check_shard(self) -> None:
         """What sharding cannot do yet, refused before any process starts a collective."""
-        if self.sync != "allreduce":
+        if self.sync == "daso":
             raise ValueError(
-                f"shard={self.shard!r} works with sync='allreduce', not sync={self.sync!r}: the node-aware syncs "
-                "move whole gradients (hierarchical) or average parameters across nodes (DASO)"
+                f"shard={self.shard!r} does not work with sync='daso': between its global syncs every node trains "
+                "its own parameters and DASO averages them, whole, across nodes, non-blocking, while the next steps "
+                "change them; a node-local shard would have to be gathered for that. For node-aware sharding use "
+                "sync='hierarchical' with shard= (each node holds the state, split over its workers)."
+            )
+        if self.sync == "hierarchical" and self.flat_below_mb != "auto":
+            raise ValueError(
+                f"flat_below_mb={self.flat_below_mb!r} does not apply with shard={self.shard!r}: a bucket sharded "
+                "inside the node always takes the node's reduce-scatter and the cross-node sum of its shard"
+            )
+        if self.sync == "hierarchical" and self.hierarchical_impl != "portable":
+            raise ValueError(
+                f"shard={self.shard!r} with sync='hierarchical' needs hierarchical_impl='portable' (the default), not "
+                f"{self.hierarchical_impl!r}: Horovod's own hierarchical allreduce has no reduce-scatter to shard with"
             )
         if self.op == "adasum":
             raise ValueError(
@@ -204,11 +216,6 @@ class HorovodConfig:
             )
         if self.sparse_as_dense:
             raise ValueError(f"sparse_as_dense=True does not work with shard={self.shard!r}: it has no sparse path")
-        if self.elastic is True:
-            raise ValueError(
-                f"shard={self.shard!r} does not work with elastic=True yet: a commit would gather the whole optimizer "
-                "state on every worker; use elastic=False (or 'auto' outside an elastic launch), or shard='none'"
-            )
 
     @staticmethod
     def argument_names() -> tuple[str, ...]:

@@ -63,6 +63,12 @@ class ElasticLoop:
                 f"ElasticLoop works with sync='allreduce', not sync={strategy.config.sync!r}: the node layout of "
                 "the two-level allreduce is fixed when Fabric sets up the optimizers"
             )
+        if strategy.config.shard != "none":
+            raise ValueError(
+                f"ElasticLoop works with shard='none', not shard={strategy.config.shard!r}: Fabric lays out the "
+                "optimizer's slices once, in fabric.setup, for the world of that moment. Sharded elastic training "
+                "runs with the Trainer (Trainer(strategy=HorovodStrategy(shard=...)) under an elastic horovodrun)."
+            )
         validate_commit_interval(commit_every_n_steps)
         self.fabric = fabric
         self.commit_every_n_steps = commit_every_n_steps

@@ -32,6 +32,7 @@ from hvd_plugins.core.backend.module import horovod_torch
 from hvd_plugins.core.elastic.cursor import EpochCursor, committed_world_size
 from hvd_plugins.core.elastic.epoch_split import ElasticDistributedSampler
 from hvd_plugins.core.elastic.snapshot import host_copy, rescale_learning_rates
+from hvd_plugins.core.sync.sharded.replicas import give_held, take_held
 from hvd_plugins.fabric.lightning_internals import forget_training_loader, set_logger_version
 from hvd_plugins.pytorch.loop_events import is_last_batch
 from hvd_plugins.pytorch.utilities.callbacks import StepAwareCallback, replace_callback
@@ -60,11 +61,15 @@ class ElasticFit:
         """Where the epoch under way stands, across resets."""
         self.world_size = 0
         """Workers when the attempt under way started."""
+        self.held: tuple[int, list[Any]] | None = None
+        """The global step of the last commit and the parts of sharded optimizer states this worker keeps of it:
+        its own, not rank 0's, so they stay out of the snapshot every worker gets from rank 0."""
 
     # ------------------------------------------------------------------ attempts
     def start_fit(self) -> ElasticCommits:
         """A fit begins: no commit yet (a failure before the first one starts the fit over)."""
         self.commits = ElasticCommits()
+        self.held = None
         return self.commits
 
     def start_attempt(self) -> bool:
@@ -95,8 +100,10 @@ class ElasticFit:
             **self.cursor.commit_state(self.world_size),
             "logger_versions": [getattr(logger, "version", None) for logger in trainer.loggers],
         }
+        held = take_held(snapshot)
         snapshot = host_copy(snapshot)
         self.copy_seconds.append(time.perf_counter() - start)
+        self.held = (snapshot.get("global_step", -1), held)  # bytes on the CPU already
         try:
             self.commits.commit(snapshot)
         finally:
@@ -110,6 +117,8 @@ class ElasticFit:
         if self.commits is None or self.commits.snapshot is None:
             raise RuntimeError("ElasticFit.restore without a commit: the launcher resumes only from one")
         checkpoint = host_copy(self.commits.snapshot)
+        step, held = self.held if self.held is not None else (None, None)
+        give_held(checkpoint, held if step == checkpoint.get("global_step") else None)  # parts of this commit only
         elastic = checkpoint.get(ELASTIC_KEY, {})
         committed_size, size = committed_world_size(elastic), horovod_torch().size()
         if scale_lr and committed_size and committed_size != size:

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import fcntl
 import json
 import os
 import signal
@@ -32,10 +33,12 @@ def parser() -> argparse.ArgumentParser:
     parser.add_argument("--hosts-file", type=Path, required=True)
     parser.add_argument("--hosts-after", default="", help="the discovery file's hosts from --grow-step on")
     parser.add_argument("--kill-rank", type=int, default=-1)
+    parser.add_argument("--kill-ranks", default="", help="several ranks killed at --kill-step, comma-separated")
     parser.add_argument("--kill-step", type=int, default=-1)
     parser.add_argument("--grow-step", type=int, default=-1)
     parser.add_argument("--max-steps", type=int, default=60)
     parser.add_argument("--commit-every", type=int, default=5)
+    parser.add_argument("--np-start", type=int, default=0, help="workers the job starts with: kills happen then only")
     return parser
 
 
@@ -50,21 +53,26 @@ def slots_of(hosts: str) -> int:
 
 
 def leave_or_grow(args: argparse.Namespace, events: Events, step: int) -> None:
-    """At ``--kill-step`` the worker of ``--kill-rank`` drops its host from the discovery file and SIGKILLs
-    itself; at ``--grow-step`` rank 0 writes ``--hosts-after`` there, and each step pauses until the job grew.
-    Once per job."""
+    """At ``--kill-step`` the workers of ``--kill-rank`` (or ``--kill-ranks``) drop their hosts from the discovery
+    file and SIGKILL themselves; at ``--grow-step`` rank 0 writes ``--hosts-after`` there, and each step pauses
+    until the job grew. Once per job."""
     if 0 <= args.grow_step < step and hvd.size() < slots_of(args.hosts_after):
         time.sleep(GROW_PAUSE_S)
     marker = args.out / "changed"
-    if marker.exists():
-        return
-    if args.kill_step >= 0 and step == args.kill_step and hvd.rank() == args.kill_rank:
+    killed = {args.kill_rank} | {int(rank) for rank in args.kill_ranks.split(",") if rank}
+    if args.kill_step >= 0 and step == args.kill_step and hvd.rank() in killed and hvd.size() == args.np_start:
         marker.write_text("killed")
         host = os.environ["HOROVOD_HOSTNAME"]  # this worker's host leaves the job with it
-        others = [line for line in args.hosts_file.read_text().split() if line.split(":")[0] != host]
-        args.hosts_file.write_text("\n".join(others) + "\n")
+        with args.hosts_file.open("r+") as file:
+            fcntl.flock(file, fcntl.LOCK_EX)  # workers killed together rewrite the file one at a time
+            others = [line for line in file.read().split() if line.split(":")[0] != host]
+            file.seek(0)
+            file.truncate()
+            file.write("\n".join(others) + "\n")
         events.write("killed", rank=hvd.rank(), step=step, host=host)
         os.kill(os.getpid(), signal.SIGKILL)
+    if marker.exists():
+        return
     if args.grow_step >= 0 and step == args.grow_step and hvd.rank() == 0:
         marker.write_text("grown")
         args.hosts_file.write_text(args.hosts_after.replace(",", "\n") + "\n")

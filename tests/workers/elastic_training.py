@@ -57,13 +57,20 @@ class EventLog(Callback):
             self.events.write("listening", addresses=listening_addresses(launcher.pid))
 
 
+def committed_part_bytes(strategy: HorovodStrategy) -> int:
+    """Bytes of sharded optimizer parts this worker keeps of the last commit (0 unsharded)."""
+    held = strategy.elastic.held if strategy.elastic is not None else None
+    return sum(t.numel() for parts in (held[1] if held else []) if parts for t in parts.values())
+
+
 def main() -> None:
     arguments = parser()
     arguments.add_argument("--sync", default="allreduce")
+    arguments.add_argument("--shard", default="none")
     args = arguments.parse_args()
     events = Events(args.out)
     seed_everything(0, verbose=False)
-    strategy = HorovodStrategy(sync=args.sync, commit_every_n_steps=args.commit_every, scale_lr=True)
+    strategy = HorovodStrategy(sync=args.sync, shard=args.shard, commit_every_n_steps=args.commit_every, scale_lr=True)
     log = EventLog(args, events)
     trainer = Trainer(
         strategy=strategy,
@@ -91,6 +98,7 @@ def main() -> None:
         weights=weights.tolist(),
         lr=lrs,
         resets=strategy.elastic.resets if strategy.elastic else 0,
+        commit_held_bytes=committed_part_bytes(strategy),
         log_dir=trainer.log_dir,
     )
 

@@ -588,11 +588,15 @@ class IndexedData(Dataset):
 
 
 class ElasticRegressor(pl.LightningModule):
-    """8 -> 16 -> 1 with BatchNorm, Adam with a StepLR, on IndexedData (the index is not trained on)."""
+    """8 -> 16 -> 1 with BatchNorm, Adam with a StepLR, on IndexedData (the index is not trained on).
+
+    The first layer has no bias: BatchNorm takes the mean out, so its gradient would be rounding noise, which
+    Adam turns into steps of the full learning rate, and runs that add in another order would part ways there."""
 
     def __init__(self, on_step: StepHook | None = None) -> None:
         super().__init__()
-        self.net = nn.Sequential(nn.Linear(ELASTIC_FEATURES, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 1))
+        first = nn.Linear(ELASTIC_FEATURES, 16, bias=False)
+        self.net = nn.Sequential(first, nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 1))
         self.on_step = on_step
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:

@@ -80,7 +80,11 @@ class OneLevelSum(InFlight[torch.Tensor]):
 
 
 class TwoLevelSum(InFlight[torch.Tensor]):
-    """Reduce-scatter inside the node, sum the shard across nodes, allgather inside the node: one leg at a time."""
+    """Reduce-scatter inside the node, sum the shard across nodes, allgather inside the node: one leg at a time.
+
+    With ``keep_shard`` the last leg is left out: the result is this worker's shard of the sum (the
+    buffer padded to a multiple of the node's workers, shard ``local_rank``), as sharding inside the node needs.
+    """
 
     def __init__(
         self,
@@ -90,8 +94,10 @@ class TwoLevelSum(InFlight[torch.Tensor]):
         cross_codec: Compressor,
         counters: CommCounters,
         name: str,
+        keep_shard: bool = False,
     ) -> None:
         assert groups.local is not None and groups.cross is not None
+        self.keep_shard = keep_shard
         self.local, self.cross = groups.local, groups.cross
         self.local_codec, self.cross_codec = local_codec, cross_codec
         self.counters = counters
@@ -135,6 +141,9 @@ class TwoLevelSum(InFlight[torch.Tensor]):
             elif self._cross is not None:
                 total = self._cross.wait()
                 self._cross = None
+                if self.keep_shard:
+                    self._total = total
+                    return
                 self._gather = start_allgather(total, self.local, self.local_codec, f"{self.name}.ag")
                 self.counters.record(Scope.NODE_LOCAL, self._gather.piece_nbytes)
             elif self._gather is not None:

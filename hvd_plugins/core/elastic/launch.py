@@ -32,11 +32,6 @@ def runs_elastic(config: HorovodConfig) -> bool:
         )
     else:
         wanted = bool(config.elastic)
-    if wanted and config.shard != "none":
-        raise ValueError(
-            f"shard={config.shard!r} does not work in an elastic job yet: a commit would gather the whole optimizer "
-            "state on every worker. Launch without --host-discovery-script, or use shard='none'."
-        )
     if wanted and config.op == "adasum":
         raise ValueError(
             "op='adasum' does not work in an elastic job: Adasum needs Horovod's MPI controller and elastic "

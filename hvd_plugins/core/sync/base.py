@@ -13,8 +13,9 @@ and never reads every gradient or the whole optimizer state itself:
 - the gradients this worker owns once averaged (``owned_gradients``: the finite check reads them);
 - clipping by the global norm or by value (``clip_grad_norm_``, ``clip_grad_value_``);
 - the optimizer state to save or commit and to load (``optimizer_state_dict``, ``load_optimizer_state_dict``);
-- whether an elastic reset must build the mode again (``world_shaped``), and whether every worker holds
-  the whole optimizer state (``replicates_optimizer_state``).
+- whether an elastic reset must build the mode again (``world_shaped``), whether every worker holds
+  the whole optimizer state (``replicates_optimizer_state``), and what an elastic commit keeps of it
+  (``committing``).
 
 The defaults here are those of a mode in which every worker holds every averaged gradient and the
 whole optimizer state; a mode that shards overrides them.
@@ -139,3 +140,9 @@ class GradientSync(TrainingLoopHooks, ABC):
     def load_optimizer_state_dict(self, optimizer: Optimizer, state: Mapping[str, Any]) -> None:
         """Take back what ``optimizer_state_dict`` returned, saved at any world size."""
         optimizer.load_state_dict(dict(state))
+
+    @contextlib.contextmanager
+    def committing(self) -> Iterator[None]:
+        """Inside, ``optimizer_state_dict`` gives what an elastic commit keeps in host memory. Here the whole state,
+        which every worker holds; a sharded mode keeps its own part and a copy of another worker's instead."""
+        yield

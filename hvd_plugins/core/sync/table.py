@@ -5,6 +5,8 @@ A new mode takes one ``case`` here (and its name in ``core.config.SYNC_MODES``).
 
 from __future__ import annotations
 
+import logging
+
 from hvd_plugins.core.backend.module import horovod_torch
 from hvd_plugins.core.comm.compression import compressor_by_name
 from hvd_plugins.core.comm.counters import CommCounters, Scope
@@ -16,14 +18,29 @@ from hvd_plugins.core.sync.flat import AdasumOptimizerSync, HorovodOptimizerSync
 from hvd_plugins.core.sync.hierarchical.mode import HierarchicalGradientSync
 from hvd_plugins.core.sync.sharded.mode import ShardedGradientSync
 
+log = logging.getLogger(__name__)
+
 
 def make_gradient_sync(config: HorovodConfig, counters: CommCounters) -> GradientSync:
     """The gradient sync ``config.sync`` names. Node-aware modes learn the layout here: a collective."""
     compressor = compressor_by_name(config.compression)
     match config.sync, config.hierarchical_impl:
-        case ("allreduce", _) if config.shard != "none":
+        case ("allreduce" | "hierarchical", _) if config.shard != "none":
+            topology = discover_topology() if config.sync == "hierarchical" else None
+            if topology is not None and not topology.equal_nodes:
+                log.warning(
+                    f"shard={config.shard!r} with sync='hierarchical': nodes run different numbers of workers "
+                    f"({[len(node) for node in topology.nodes]}), so the state is sharded over every worker instead"
+                )
             return ShardedGradientSync(
-                config.shard, compressor, config.op, counters, config.bucket_bytes, config.shard_checkpoint
+                config.shard,
+                compressor,
+                config.op,
+                counters,
+                config.bucket_bytes,
+                config.shard_checkpoint,
+                node_groups=build_node_groups(topology) if topology is not None and topology.equal_nodes else None,
+                compress_node_local=config.compress_node_local,
             )
         case ("allreduce", _) | ("hierarchical", "native"):  # native: Horovod's own two-level allreduce
             scope = Scope.CROSS_NODE if horovod_torch().cross_size() > 1 else Scope.NODE_LOCAL

@@ -141,7 +141,8 @@ class HorovodStrategyShared(ABC):
         if not states or not all(is_part(state) for state in states):
             return
         rank, workers = states[0]["rank"], states[0]["workers"]
-        self.checkpoint_io.save_checkpoint({"optimizer_parts": states}, part_path(filepath, rank, workers))
+        if not states[0].get("copy", 0):  # sharded inside the node: every node holds the same parts; node 0 writes
+            self.checkpoint_io.save_checkpoint({"optimizer_parts": states}, part_path(filepath, rank, workers))
         checkpoint["optimizer_states"] = parts_marker(workers, len(states))
 
     def _read_optimizer_parts(self, checkpoint: dict[str, Any], filepath: Any) -> None:

@@ -9,6 +9,7 @@ mode runs: every mode offers the same hooks. Launch with ``horovodrun -np N pyth
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from contextlib import nullcontext
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
@@ -307,8 +308,10 @@ class HorovodStrategy(HorovodStrategyShared, ParallelStrategy):
         super().save_checkpoint(checkpoint, filepath, storage_options)
 
     def checkpoint_content(self, trainer: pl.Trainer) -> dict[str, Any]:
-        """What a checkpoint saved now would hold (Lightning's content and the gradient sync's state)."""
-        checkpoint = checkpoint_content(trainer)
+        """What an elastic commit keeps: a checkpoint's content now, and the gradient sync's state (a sharded
+        optimizer's state as the parts this worker keeps, not the whole)."""
+        with self.gradient_sync.committing() if self.gradient_sync is not None else nullcontext():
+            checkpoint = checkpoint_content(trainer)
         self._add_sync_state(checkpoint)
         return checkpoint
 

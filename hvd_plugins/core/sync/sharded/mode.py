@@ -1,4 +1,4 @@
-"""``shard="optimizer"`` (ZeRO-1) and ``shard="gradients"`` (ZeRO-2) on Horovod's flat world.
+"""``shard="optimizer"`` (ZeRO-1) and ``shard="gradients"`` (ZeRO-2), over every worker or inside each node.
 
 Every worker holds the whole model; the optimizer state is split over the workers
 (``ShardedOptimizer``). With ``shard="optimizer"`` gradients are averaged as a flat allreduce would
@@ -10,11 +10,22 @@ bytes are those of an allreduce: a ring allreduce is a reduce-scatter and an all
 
 The reduce-scatter is a global alltoall that sends each worker its piece of the padded bucket
 (``comm.partners``): one round, every Horovod build, summed in rank order on every worker.
+
+Inside the node (``sync="hierarchical"``, the layout FSDP calls hybrid sharding): the state is
+split over the L workers of each node and every node holds all of it. A bucket is reduce-scattered
+inside the node, each shard is summed across nodes among the workers of the same local rank (the
+two-level allreduce's first two legs), the shard is stepped and the parameters are allgathered
+inside the node: 1/L of the state per worker, and the cross-node bytes of the two-level allreduce.
+ZeRO-1 takes the two-level allreduce's three legs and steps its slices of the whole averaged gradients.
+
+In an elastic commit each worker keeps its own part and a copy of another's (``replicas``), or its
+own part only where other nodes hold copies of it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import contextlib
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -22,15 +33,26 @@ from torch.nn import Module
 from torch.optim import Optimizer
 
 from hvd_plugins.core.backend.module import horovod_torch
-from hvd_plugins.core.comm.compression import Compressor
+from hvd_plugins.core.comm.compression import Compressor, NoCompression
 from hvd_plugins.core.comm.counters import CommCounters, Scope
 from hvd_plugins.core.comm.in_flight import InFlight, Then
 from hvd_plugins.core.comm.partners import GroupSum, PartnerGroup, add_in_order, start_reduce_scatter
 from hvd_plugins.core.comm.reducer import BucketOperation, BucketReducer
+from hvd_plugins.core.comm.topology import NodeGroups, discover_topology
+from hvd_plugins.core.comm.two_level import TwoLevelSum
 from hvd_plugins.core.sync.base import GradientSync
 from hvd_plugins.core.sync.sharded.checkpoint import is_part
 from hvd_plugins.core.sync.sharded.optimizer import ShardedOptimizer, refuse_whole_tensor_optimizer
 from hvd_plugins.core.sync.sharded.partition import partition
+from hvd_plugins.core.sync.sharded.replicas import (
+    commit_state,
+    holder_ring,
+    is_commit,
+    rebuild,
+    replicate,
+    to_bytes,
+    whole_state,
+)
 
 SHARD_STAGES = {"optimizer": 1, "gradients": 2}
 BUCKETS_IN_FLIGHT = 2
@@ -54,6 +76,8 @@ class ShardedGradientSync(GradientSync):
         counters: CommCounters,
         bucket_bytes: int,
         checkpoint: str = "full",
+        node_groups: NodeGroups | None = None,
+        compress_node_local: bool = False,
     ) -> None:
         if shard not in SHARD_STAGES:
             raise ValueError(f"shard={shard!r} is not a sharded mode; choose one of {list(SHARD_STAGES)}")
@@ -66,10 +90,23 @@ class ShardedGradientSync(GradientSync):
         self.counters = counters
         self.bucket_bytes = bucket_bytes
         self.checkpoint = checkpoint
+        self.compress_node_local = compress_node_local
         hvd = horovod_torch()
         size, rank = hvd.size(), hvd.rank()
-        self.world = PartnerGroup(tuple(range(size)), rank, size)
-        self.scope = Scope.CROSS_NODE if hvd.cross_size() > 1 else Scope.NODE_LOCAL
+        self.workers = size
+        self.nodes: NodeGroups | None = None
+        """With sharding inside the node: the node groups (each node holds all of the state, split over its workers)."""
+        if node_groups is not None and node_groups.local is not None and node_groups.cross is not None:
+            self.nodes, self.topology = node_groups, node_groups.topology
+            self.world = node_groups.local  # the workers a bucket is split over
+            self.scope = Scope.NODE_LOCAL
+        else:
+            self.world = PartnerGroup(tuple(range(size)), rank, size)
+            self.scope = Scope.CROSS_NODE if hvd.cross_size() > 1 else Scope.NODE_LOCAL
+        self.copies = size // self.world.size
+        """How many workers hold each slice (the number of nodes when sharded inside the node, else 1)."""
+        self._committing = False
+        self._ring: tuple[int, ...] | None = None  # who keeps whose copy in a commit, learned at the first
         self._optimizers: dict[int, ShardedOptimizer] = {}
         self._reducers: dict[int, BucketReducer] = {}
 
@@ -80,7 +117,7 @@ class ShardedGradientSync(GradientSync):
     def wrap(self, optimizer: Optimizer, named_parameters: list[tuple[str, torch.nn.Parameter]]) -> Optimizer:
         refuse_whole_tensor_optimizer(optimizer, self.shard)
         name = f"shard.opt{len(self._optimizers)}"
-        buckets = partition(optimizer, self.world.size, self.world.rank, self.bucket_bytes)
+        buckets = partition(optimizer, self.world.size, self.world.index, self.bucket_bytes)
         sharded = ShardedOptimizer(
             optimizer, buckets, self.world, self.counters, self.scope, name, gradients_from_parameters=self.stage == 1
         )
@@ -103,7 +140,7 @@ class ShardedGradientSync(GradientSync):
             land_early=self.stage == 2,  # its results go to the slices, which nothing reads before the step
             max_in_flight=BUCKETS_IN_FLIGHT if self.stage == 2 else None,
         )
-        reducer.armed = self.world.size > 1 or self.stage == 2
+        reducer.armed = self.workers > 1 or self.stage == 2
         self._reducers[id(sharded)] = reducer
 
     def _follow_trainable(self, sharded: ShardedOptimizer) -> None:
@@ -116,7 +153,7 @@ class ShardedGradientSync(GradientSync):
         if {id(p) for p in planned} == {id(p) for p in trainable} or not trainable:
             return  # unchanged, or all frozen for now (Lightning's toggle_optimizer while another one steps)
         world, bucket_bytes = self.world, self.bucket_bytes
-        sharded.repartition(lambda signature: partition(sharded, world.size, world.rank, bucket_bytes, signature))
+        sharded.repartition(lambda signature: partition(sharded, world.size, world.index, bucket_bytes, signature))
         self._build_reducer(sharded)
 
     def _reducer(self, optimizer: Optimizer) -> BucketReducer:
@@ -129,16 +166,21 @@ class ShardedGradientSync(GradientSync):
     def synchronize(self, optimizer: Optimizer) -> None:
         reducer = self._reducer(optimizer)
         reducer.finish(waiting=self.counters.waiting())
-        reducer.armed = self.world.size > 1 or self.stage == 2
+        reducer.armed = self.workers > 1 or self.stage == 2
 
     def _sum_bucket(self, index: int, flat: torch.Tensor, name: str) -> InFlight[torch.Tensor | None] | None:
-        """ZeRO-1: one bucket summed over every worker (Horovod's allreduce), averaged, written back."""
-        if self.world.size == 1:
+        """ZeRO-1: one bucket summed over every worker (Horovod's allreduce, or the two-level allreduce when sharded
+        inside the node), averaged, written back."""
+        if self.workers == 1:
             return None
-        sum_ = GroupSum(flat, self.world, self.compressor, name)
-        if sum_.nbytes:
-            self.counters.record(self.scope, sum_.nbytes)
-        return sum_ if self.op == "sum" else Then(sum_, lambda total: total.div_(self.world.size))
+        if self.nodes is not None:
+            sum_: InFlight[torch.Tensor] = self._two_level(flat, name, keep_shard=False)
+        else:
+            sum_ = GroupSum(flat, self.world, self.compressor, name)
+            if sum_.nbytes:
+                self.counters.record(self.scope, sum_.nbytes)
+        count = flat.numel()
+        return Then(sum_, lambda total: total[:count] if self.op == "sum" else total[:count].div_(self.workers))
 
     def _scatter_to(self, sharded: ShardedOptimizer) -> BucketOperation:
         """ZeRO-2: each bucket reduce-scattered; this worker's slice of the average becomes its slice's gradient
@@ -151,18 +193,26 @@ class ShardedGradientSync(GradientSync):
                 parameter.grad = None  # the flat copy travels; the whole gradients go at once
 
             def land(total: torch.Tensor) -> None:
-                if self.op == "average" and self.world.size > 1:
-                    total = total.div_(self.world.size)
+                if self.op == "average" and self.workers > 1:
+                    total = total.div_(self.workers)
                 piece.grad = total.to(piece.dtype) if piece.grad is None else piece.grad.copy_(total)
                 return None
 
-            if self.world.size == 1:
+            if self.workers == 1:
                 return Then(_Done(padded), land)
+            if self.nodes is not None:  # inside the node, then this shard across nodes
+                return Then(self._two_level(padded, name, keep_shard=True), land)
             pending = start_reduce_scatter(padded, self.world, self.compressor, name)
             self.counters.record(self.scope, pending.piece_nbytes * self.world.size)
             return Then(pending, lambda pieces: land(add_in_order(pieces)))
 
         return scatter
+
+    def _two_level(self, flat: torch.Tensor, name: str, keep_shard: bool) -> TwoLevelSum:
+        """The two-level allreduce's legs over the node groups (its first two only, with ``keep_shard``)."""
+        assert self.nodes is not None
+        local_codec = self.compressor if self.compress_node_local else NoCompression()
+        return TwoLevelSum(flat, self.nodes, local_codec, self.compressor, self.counters, name, keep_shard)
 
     def set_backward_passes(self, optimizer: Optimizer, passes: int) -> None:
         self.backward_passes = passes
@@ -198,7 +248,7 @@ class ShardedGradientSync(GradientSync):
         if self.stage == 1:
             return super().clip_grad_norm_(optimizer, max_norm, norm_type, error_if_nonfinite)
         gradients = self._sharded(optimizer).owned_gradients()
-        total = global_norm(gradients, float(norm_type), self.world.size)
+        total = global_norm(gradients, float(norm_type), self.workers, self.copies)
         if error_if_nonfinite and not torch.isfinite(total):
             raise RuntimeError(
                 f"The total norm of order {float(norm_type)} for gradients from `parameters` is non-finite, so it "
@@ -234,14 +284,43 @@ class ShardedGradientSync(GradientSync):
         return sharded
 
     def optimizer_state_dict(self, optimizer: Optimizer) -> dict[str, Any]:
-        """The whole state (a collective of every worker), or with ``shard_checkpoint="parts"`` this worker's part."""
+        """The whole state (a collective of every worker), or with ``shard_checkpoint="parts"`` this worker's part;
+        in an elastic commit the parts this worker keeps (``replicas``)."""
         sharded = self._sharded(optimizer)
-        return sharded.part() if self.checkpoint == "parts" else sharded.state_dict()
+        if self._committing:
+            return self._commit_parts(sharded)
+        if self.checkpoint != "parts":
+            return sharded.state_dict()
+        part = sharded.part()
+        if self.nodes is not None:
+            part["copy"] = self.nodes.topology.node_index  # every node holds the same parts: node 0's are written
+        return part
+
+    def _commit_parts(self, sharded: ShardedOptimizer) -> dict[str, Any]:
+        part = sharded.part()
+        if self.copies > 1:  # the other nodes hold this part too
+            return commit_state({self.world.index: to_bytes(part)}, self.world.size, part["param_groups"])
+        if self._ring is None:
+            self._ring = holder_ring(discover_topology())  # a collective: every worker commits at the same step
+        held = replicate(part, self._ring, f"{sharded.name}.commit")
+        return commit_state(held, self.world.size, part["param_groups"])
+
+    @contextlib.contextmanager
+    def committing(self) -> Iterator[None]:
+        self._committing = True
+        try:
+            yield
+        finally:
+            self._committing = False
 
     def load_optimizer_state_dict(self, optimizer: Optimizer, state: Mapping[str, Any]) -> None:
-        """A whole state (saved at any world size) or this worker's own part."""
+        """A whole state (saved at any world size), this worker's own part, or an elastic commit's parts (a
+        collective: the survivors' parts are laid out again over this world)."""
         sharded = self._sharded(optimizer)
-        if is_part(state):
+        if is_commit(state):
+            parts = rebuild(state["held"], state["workers"], f"{sharded.name}.rebuild")
+            sharded.load_state_dict(whole_state(state, parts))
+        elif is_part(state):
             sharded.load_part(state)
         else:
             sharded.load_state_dict(state)
@@ -273,9 +352,10 @@ class _Done(InFlight[torch.Tensor]):
         return self.value
 
 
-def global_norm(gradients: Sequence[torch.Tensor], norm_type: float, workers: int) -> torch.Tensor:
+def global_norm(gradients: Sequence[torch.Tensor], norm_type: float, workers: int, copies: int = 1) -> torch.Tensor:
     """The ``norm_type`` norm of the gradients of every worker together, from this worker's ``gradients``:
-    the local sum of powers (or maximum) combined across workers in one allreduce."""
+    the local sum of powers (or maximum) combined across workers in one allreduce. Each slice is held by
+    ``copies`` workers (one per node when sharded inside the node): its powers count once."""
     hvd = horovod_torch()
     device = gradients[0].device if gradients else torch.device("cpu")
     if norm_type == float("inf"):
@@ -288,7 +368,7 @@ def global_norm(gradients: Sequence[torch.Tensor], norm_type: float, workers: in
         powers += gradient.detach().double().abs().pow(norm_type).sum().cpu()
     local = powers.reshape(1)
     combined = hvd.allreduce(local, op=hvd.Sum, name="shard.grad_norm") if workers > 1 else local
-    return combined[0].pow(1.0 / norm_type).float().to(device)
+    return (combined[0] / copies).pow(1.0 / norm_type).float().to(device)
 
 
 def refuse_sparse_gradients(model: Module, shard: str) -> None:

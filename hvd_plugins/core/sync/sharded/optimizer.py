@@ -241,7 +241,7 @@ class ShardedOptimizer(Optimizer):
         world = self.world
         return {
             "format": PART_FORMAT,
-            "rank": world.rank if world is not None else 0,
+            "rank": world.index if world is not None else 0,
             "workers": world.size if world is not None else 1,
             "param_groups": groups,
             "buckets": buckets,
@@ -252,7 +252,7 @@ class ShardedOptimizer(Optimizer):
         """Take back this worker's own part (saved by this rank with the same number of workers and buckets)."""
         indices = self.parameter_indices()
         world = self.world
-        rank, workers = (world.rank, world.size) if world is not None else (0, 1)
+        rank, workers = (world.index, world.size) if world is not None else (0, 1)
         layout = [([indices[id(p)] for p in b.parameters], b.layout.numel) for b in self.buckets]
         saved = [(bucket["parameters"], bucket["numel"]) for bucket in part["buckets"]]
         if (part["rank"], part["workers"]) != (rank, workers) or layout != saved:

@@ -21,8 +21,7 @@ def test_elastic_settings_are_checked(monkeypatch: pytest.MonkeyPatch) -> None:
         runs_elastic(HorovodConfig(elastic=False))
     with pytest.raises(ValueError, match="op='adasum' does not work in an elastic job"):
         runs_elastic(HorovodConfig(op="adasum"))
-    with pytest.raises(ValueError, match="shard='gradients' does not work in an elastic job yet"):
-        runs_elastic(HorovodConfig(shard="gradients"))
+    assert runs_elastic(HorovodConfig(shard="gradients")) is True  # sharded commits keep parts (sharded/replicas)
     with pytest.raises(ValueError, match="commit_every_n_steps=0 must be a whole number >= 1"):
         HorovodConfig(commit_every_n_steps=0)
     with pytest.raises(ValueError, match="elastic='yes' must be True, False or 'auto'"):
