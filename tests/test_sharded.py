@@ -19,6 +19,7 @@ from sharded_checks import (
     CASES,
     check_a_short_run_equals_unsharded,
     check_equal_to_unsharded,
+    check_inside_the_node,
     check_partition,
     check_parts_checkpoint,
     check_refusals,
@@ -96,6 +97,20 @@ def test_a_short_clipped_run_with_a_scheduler_equals_unsharded_under_each_packag
         assert found["optimizer"] <= TOLERANCE and found["gradients"] <= TOLERANCE, found
 
 
+@pytest.mark.parametrize("shard", ["optimizer", "gradients"])
+def test_sharded_inside_the_node_equals_flat_sharding_with_half_the_state_and_no_more_cross_node_bytes(
+    four: dict[int, dict[str, Any]], shard: str
+) -> None:
+    for rank in range(4):
+        report = report_of(four[rank], check_inside_the_node)
+        found = report[shard]
+        assert found["from_flat_sharding"] <= TOLERANCE and found["from_unsharded"] <= TOLERANCE, found
+        assert found["identical_across_workers"], found
+        assert found["shard_world"] == 2, "split over the two workers of each node"
+        assert found["state_bytes"] <= found["whole_state_bytes"] / 2 + 1024, found  # 1/L, and bucket padding
+        assert 0 < found["cross_bytes"] <= report["two_level_cross_bytes"], (found, report["two_level_cross_bytes"])
+
+
 @pytest.mark.parametrize("case", ["gan", "unfreeze"])
 def test_two_optimizers_and_an_unfrozen_layer_train_as_unsharded(four: dict[int, dict[str, Any]], case: str) -> None:
     for rank in range(4):
@@ -145,8 +160,8 @@ def test_a_sharded_checkpoint_holds_the_whole_state_and_resumes_on_two_workers_a
     ("case", "words"),
     [
         ("adasum", ["shard='gradients' does not work with op='adasum'"]),
-        ("daso", ["shard='optimizer' works with sync='allreduce', not sync='daso'"]),
-        ("hierarchical", ["shard='optimizer' works with sync='allreduce', not sync='hierarchical'"]),
+        ("daso", ["shard='optimizer' does not work with sync='daso'", "sync='hierarchical' with shard="]),
+        ("hierarchical_native", ["needs hierarchical_impl='portable'", "not 'native'"]),
         ("unknown", ["shard='parameters' is not supported", "'none', 'optimizer', 'gradients'"]),
         ("lbfgs", ["cannot shard LBFGS: it needs whole parameters"]),
         ("sparse", ["cannot shard sparse gradients", "Embedding(sparse=True)"]),

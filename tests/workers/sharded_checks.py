@@ -75,7 +75,7 @@ def parameters_of(module: nn.Module) -> torch.Tensor:
 
 
 def fit(shard: str, module: pl.LightningModule | None = None, epochs: int = 5, **options: Any) -> tuple[Any, Any]:
-    names = ("compression", "op", "scale_lr", "bucket_mb", "shard_checkpoint")
+    names = ("compression", "op", "scale_lr", "bucket_mb", "shard_checkpoint", "sync")
     strategy_options = {k: options.pop(k) for k in names if k in options}
     model = module if module is not None else ShardNet()
     ckpt_path = options.pop("ckpt_path", None)
@@ -179,6 +179,38 @@ def check_partition() -> dict[str, Any]:
 
 
 @checks.register
+def check_inside_the_node() -> dict[str, Any]:
+    """``sync="hierarchical"`` with sharding on two nodes of two workers: the parameters of flat sharding (and of
+    the unsharded two-level allreduce), half the state per worker, no more cross-node bytes than unsharded."""
+    found: dict[str, Any] = {}
+    unsharded, two_level = fit("none", ShardNet("adam"), sync="hierarchical")
+    expected = parameters_of(unsharded)
+    found["two_level_cross_bytes"] = two_level.strategy.comm_counters.cross_node_bytes
+    for shard in SHARDS:
+        flat, _ = fit(shard, ShardNet("adam"))
+        inside, trainer = fit(shard, ShardNet("adam"), sync="hierarchical")
+        optimizer = trainer.optimizers[0]
+        scale = expected.abs().max()
+        found[shard] = {
+            "from_flat_sharding": float((parameters_of(inside) - parameters_of(flat)).abs().max() / scale),
+            "from_unsharded": float((parameters_of(inside) - expected).abs().max() / scale),
+            "shard_world": optimizer.world.size,
+            "state_bytes": optimizer.state_bytes(),
+            "whole_state_bytes": sum(
+                v.numel() * v.element_size()
+                for s in optimizer.state_dict()["state"].values()
+                for v in s.values()
+                if isinstance(v, torch.Tensor) and v.dim() > 0
+            ),
+            "cross_bytes": trainer.strategy.comm_counters.cross_node_bytes,
+            "identical_across_workers": bool(
+                (hvd.allgather(parameters_of(inside).unsqueeze(0)) == parameters_of(inside)).all()
+            ),
+        }
+    return found
+
+
+@checks.register
 def check_save_for_resume() -> dict[str, Any]:
     """ZeRO-2 saves a checkpoint after 2 epochs (the consolidated state), and unsharded does the same."""
     saved = {}
@@ -211,7 +243,9 @@ def check_refusals() -> dict[str, str]:
     for name, make in {
         "adasum": lambda: HorovodStrategy(shard="gradients", op="adasum"),
         "daso": lambda: HorovodStrategy(shard="optimizer", sync="daso"),
-        "hierarchical": lambda: HorovodStrategy(shard="optimizer", sync="hierarchical"),
+        "hierarchical_native": lambda: HorovodStrategy(
+            shard="optimizer", sync="hierarchical", hierarchical_impl="native"
+        ),
         "unknown": lambda: HorovodStrategy(shard="parameters"),  # type: ignore[arg-type]
     }.items():
         try:
