@@ -13,8 +13,14 @@ machine (``localhost:2`` and ``127.0.0.1:2``), one intra-op thread each, trainin
   next completed step, split into noticing it (the reset), starting Horovod again and restoring
   the commit, and that first step. Steps redone = the step it died at - the commit it resumed from.
 
-    python benchmarks/elastic.py            # writes docs/benchmarks/elastic.txt
-    python benchmarks/elastic.py --smoke    # a small model, one recovery; writes no report
+- **Sharded** (``--shard optimizer|gradients``): the same runs with the optimizer state split over
+  the workers. A commit keeps each worker's part and a copy of another's; its host memory per worker
+  is compared with 2/N of the whole optimizer state (the aim), and the recovery includes laying the
+  state out again over the two survivors.
+
+    python benchmarks/elastic.py                      # writes docs/benchmarks/elastic.txt
+    python benchmarks/elastic.py --shard gradients    # writes docs/benchmarks/elastic_sharded.txt
+    python benchmarks/elastic.py --smoke              # a small model, one recovery; writes no report
 """
 
 from __future__ import annotations
@@ -105,7 +111,7 @@ def worker(args: argparse.Namespace) -> None:
                 "step", rank=hvd.rank(), size=hvd.size(), step=trainer.global_step, seconds=seconds, committed=committed
             )
 
-    strategy = HorovodStrategy(commit_every_n_steps=args.commit_every)
+    strategy = HorovodStrategy(commit_every_n_steps=args.commit_every, shard=args.shard)
     module = bench.Classifier(widths[0], widths[1:-1], widths[-1], lr=1e-3)
     module.configure_optimizers = lambda: torch.optim.Adam(module.parameters(), lr=1e-3)  # type: ignore[method-assign]
     trainer = bench.cpu_trainer(strategy, [Clock()], max_epochs=-1)
@@ -114,7 +120,16 @@ def worker(args: argparse.Namespace) -> None:
     trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=BATCH, shuffle=True))
     assert strategy.elastic is not None
     elastic = strategy.elastic
-    events.write("end", rank=hvd.rank(), size=hvd.size(), commits=elastic.commit_seconds, copies=elastic.copy_seconds)
+    held = elastic.held[1] if elastic.held is not None else []
+    events.write(
+        "end",
+        rank=hvd.rank(),
+        size=hvd.size(),
+        commits=elastic.commit_seconds,
+        copies=elastic.copy_seconds,
+        held_bytes=sum(part.numel() for parts in held if parts for part in parts.values()),
+        whole_state_bytes=2 * sum(p.numel() * p.element_size() for p in module.parameters()),  # Adam's two moments
+    )
 
 
 # ------------------------------------------------------------------------------------------ driver
@@ -127,7 +142,8 @@ def launch(
     hosts_file.write_text((GROW_FROM if grow_step >= 0 else HOSTS).replace(",", "\n") + "\n")
     command = [sys.executable, __file__, "--worker", "--out", str(folder), "--hosts-file", str(hosts_file)]
     command += ["--steps", str(steps or args.steps), "--commit-every", str(args.commit_every)]
-    command += ["--kill-step", str(kill_step), "--grow-step", str(grow_step)] + (["--smoke"] if args.smoke else [])
+    command += ["--kill-step", str(kill_step), "--grow-step", str(grow_step), "--shard", args.shard]
+    command += ["--smoke"] if args.smoke else []
     job = elastic_horovodrun(
         command,
         np=2 if grow_step >= 0 else 4,
@@ -148,7 +164,11 @@ def commit_cost(events: list[dict[str, Any]], interval: int) -> dict[str, float]
     commits = [seconds for e in events if e["kind"] == "end" for seconds in e["commits"]]
     commit = bench.median(commits)
     copy = bench.median([seconds for e in events if e["kind"] == "end" for seconds in e["copies"]])
+    ends = [e for e in events if e["kind"] == "end"]
     return {
+        "held_mb": max(e["held_bytes"] for e in ends) / 2**20,
+        "whole_state_mb": ends[0]["whole_state_bytes"] / 2**20,
+        "workers": float(len(ends)),
         "step_ms": plain * 1e3,
         "commit_ms": commit * 1e3,
         "copy_ms": copy * 1e3,
@@ -184,6 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3, help="recoveries measured (default 3)")
     parser.add_argument("--steps", type=int, default=0, help="steps per run (default 120, smoke 30)")
     parser.add_argument("--commit-every", type=int, default=0, help=f"default {DEFAULT_COMMIT_EVERY_N_STEPS}, smoke 5")
+    parser.add_argument("--shard", default="none", choices=["none", "optimizer", "gradients"], help="sharded runs")
     parser.add_argument("--kill-step", type=int, default=-1, help=argparse.SUPPRESS)
     parser.add_argument("--grow-step", type=int, default=-1, help=argparse.SUPPRESS)
     parser.add_argument("--report", type=Path, default=None, help="where to write the report")
@@ -225,21 +246,37 @@ def main(argv: list[str] | None = None) -> int:
             f"aim < {RECOVERY_AIM_SECONDS:g} s: {bench.target_verdict(total, RECOVERY_AIM_SECONDS, False)}",
         ],
         ["steps redone", " ".join(str(r["redone"]) for r in recoveries), ""],
+        *held_rows(steady, args.shard),
         ["hosts grow: listed to 4 workers restored", fmt_spread([j["noticed_s"] for j in joins]), ""],
         ["join: listed to the first step of 4 workers", fmt_spread([j["total_s"] for j in joins]), ""],
     ]
     widths = SMOKE_WIDTHS if args.smoke else FULL_WIDTHS
+    sharded = f", shard={args.shard!r}" if args.shard != "none" else ""
     title = (
-        f"elastic: 4 workers on 2 hosts of this machine, MLP {'-'.join(map(str, widths))}, Adam, {BATCH} samples "
-        f"per worker and step; rank 3 killed at step {kill_step}, its host leaves, 2 workers go on "
+        f"elastic{sharded}: 4 workers on 2 hosts of this machine, MLP {'-'.join(map(str, widths))}, Adam, {BATCH} "
+        f"samples per worker and step; rank 3 killed at step {kill_step}, its host leaves, 2 workers go on "
         f"({repeats} recoveries; medians, the runs in brackets). Join: 2 workers on {GROW_FROM}, both hosts get a "
         f"second slot at step 2, noticed at the next commit"
     )
     table = format_table(["", "measured", ""], rows)
-    publish_report(
-        f"{title}\n\n{table}", __file__, argv or sys.argv[1:], args.report, None if args.smoke else "elastic.txt"
-    )
+    name = "elastic.txt" if args.shard == "none" else "elastic_sharded.txt"
+    publish_report(f"{title}\n\n{table}", __file__, argv or sys.argv[1:], args.report, None if args.smoke else name)
     return 0
+
+
+def held_rows(steady: dict[str, float], shard: str) -> list[list[str]]:
+    """Sharded: the optimizer state a commit keeps per worker, against the aim of 2/N of the whole state."""
+    if shard == "none":
+        return []
+    aim = 2 / steady["workers"] * steady["whole_state_mb"]
+    return [
+        ["optimizer state, whole", f"{steady['whole_state_mb']:.3f} MB", ""],
+        [
+            "commit keeps per worker (own part + a copy)",
+            f"{steady['held_mb']:.3f} MB",
+            f"aim <= 2/N = {aim:.3f} MB: {bench.target_verdict(steady['held_mb'], aim * 1.01, False)}",
+        ],
+    ]
 
 
 def fmt_spread(values: list[float]) -> str:

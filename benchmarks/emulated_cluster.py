@@ -66,7 +66,18 @@ from hvd_plugins.testing.netns_cluster import (
     shaping_for,
 )
 
-MODES = ("allreduce/none", "allreduce/fp16", "hierarchical/none", "hierarchical/fp16", "daso/none", "daso/fp16")
+MODES = (
+    "allreduce/none",
+    "allreduce/fp16",
+    "hierarchical/none",
+    "hierarchical/fp16",
+    "daso/none",
+    "daso/fp16",
+    "hierarchical+zero1/none",
+    "hierarchical+zero2/none",
+)
+"""``sync/compression``; ``+zero1``/``+zero2``: sharded inside the node (``shard="optimizer"``/``"gradients"``)."""
+SHARD_TAGS = {"zero1": "optimizer", "zero2": "gradients"}
 BASELINE = "allreduce/none"
 SWEEP_MODES = ("allreduce/none", "allreduce/fp16", "hierarchical/none", "daso/fp16")
 TARGET_FRACTION = 0.75
@@ -303,10 +314,12 @@ def worker_main(spec: Path, out: Path) -> None:
     run = Run.from_dict(json.loads(spec.read_text()))
     train, val = load_data(run.model, Path(run.data_path))
     sync, compression = run.mode.split("/")
+    sync, _, shard_tag = sync.partition("+")
     daso = bench.daso_settings(compression, run.daso_warmup, run.daso_cooldown) if sync == "daso" else None
     if daso is not None:
         daso["average_optimizer_state"] = run.daso_average_state
-    strategy = HorovodStrategy(sync=sync, compression=compression, daso=daso)
+    shard = SHARD_TAGS[shard_tag] if shard_tag else "none"
+    strategy = HorovodStrategy(sync=sync, compression=compression, daso=daso, shard=shard)
     recorder = StepRecorder()
     stopper = StopAtTarget(recorder, run.target_loss, run.budget_s)
     trainer = bench.cpu_trainer(

@@ -160,11 +160,24 @@ def test_gloo_allreduce_smoke_times_both_libraries_on_checked_sums(
     assert body.startswith("gloo_allreduce: 2 workers on CPU")
 
 
+def test_sharding_hybrid_smoke_compares_sharded_inside_the_node_with_the_two_level_allreduce(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["--smoke", "--hybrid", "--report", str(tmp_path / "hybrid.txt")]
+    code, printed = run_main(sharding, argv, capsys)
+    assert code == 0, printed
+    for shard in ("none", "optimizer", "gradients"):
+        assert f"hybrid {shard}" in printed, printed
+    body = assert_dated_report(tmp_path / "hybrid.txt", "sharding.py", argv)
+    assert body.startswith("Sharded inside the node:")
+
+
 # ------------------------------------------------------------------------------------------ elastic
 def test_elastic_smoke_times_commits_and_a_recovery_from_a_killed_worker(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    argv = ["--smoke", "--report", str(tmp_path / "elastic.txt")]
+    """Sharded (ZeRO-2): the unsharded path is what tests/test_elastic.py runs most; this adds the parts kept."""
+    argv = ["--smoke", "--shard", "gradients", "--report", str(tmp_path / "elastic.txt")]
     code, printed = run_main(elastic, argv, capsys)
     assert code == 0, printed
     recovery = printed.split("recovery: death to next completed step", 1)[1].split()
@@ -173,8 +186,10 @@ def test_elastic_smoke_times_commits_and_a_recovery_from_a_killed_worker(
     assert 0 < redone <= 5, printed  # killed in the middle of the second interval of 5 steps
     assert float(printed.split("commit cost, every 5 steps", 1)[1].split()[0]) > 0
     assert 0 < float(printed.split("join: listed to the first step of 4 workers", 1)[1].split()[0]) < 120
+    held = float(printed.split("commit keeps per worker (own part + a copy)", 1)[1].split()[0])
+    assert held > 0 and "aim <= 2/N" in printed, printed  # the tiny model's parts are mostly their headers
     body = assert_dated_report(tmp_path / "elastic.txt", "elastic.py", argv)
-    assert body.startswith("elastic: 4 workers on 2 hosts of this machine")
+    assert body.startswith("elastic, shard='gradients': 4 workers on 2 hosts of this machine")
 
 
 # ------------------------------------------------------------------------------------------ background_progress
