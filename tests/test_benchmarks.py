@@ -34,6 +34,7 @@ from benchmarks import (  # noqa: E402
     gloo_allreduce,
     overhead,
     sharding,
+    small_collectives,
     sparse_gradients,
     transport,
 )
@@ -170,6 +171,21 @@ def test_sharding_hybrid_smoke_compares_sharded_inside_the_node_with_the_two_lev
         assert f"hybrid {shard}" in printed, printed
     body = assert_dated_report(tmp_path / "hybrid.txt", "sharding.py", argv)
     assert body.startswith("Sharded inside the node:")
+
+
+# ------------------------------------------------------------------------------------------ small_collectives
+def test_small_collectives_smoke_times_each_operation_with_the_timeline_off_and_on(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["--smoke", "--report", str(tmp_path / "small.txt")]
+    code, printed = run_main(small_collectives, argv, capsys)
+    assert code == 0, printed
+    for timeline in ("off", "DYNAMIC", "file"):
+        line = next(line for line in printed.splitlines() if f"timeline {timeline} " in line)
+        times = [float(word) for word, unit in zip(line.split(), line.split()[1:], strict=False) if unit == "ms"]
+        assert len(times) == 3 and all(0 < t < 1000 for t in times), line
+    body = assert_dated_report(tmp_path / "small.txt", "small_collectives.py", argv)
+    assert body.startswith("small_collectives: N workers on this machine")
 
 
 # ------------------------------------------------------------------------------------------ elastic
