@@ -109,6 +109,9 @@ def test_sharded_inside_the_node_equals_flat_sharding_with_half_the_state_and_no
         assert found["shard_world"] == 2, "split over the two workers of each node"
         assert found["state_bytes"] <= found["whole_state_bytes"] / 2 + 1024, found  # 1/L, and bucket padding
         assert 0 < found["cross_bytes"] <= report["two_level_cross_bytes"], (found, report["two_level_cross_bytes"])
+    parts = report_of(four[0], check_inside_the_node)["parts"]
+    assert parts["files"] == [f"inside_node_parts.ckpt.optimizer-part-{r}-of-2" for r in range(2)], parts
+    assert parts["parts_vs_full"] <= TOLERANCE, parts  # the first node's parts, consolidated on load
 
 
 @pytest.mark.parametrize("case", ["gan", "unfreeze"])

@@ -207,7 +207,25 @@ def check_inside_the_node() -> dict[str, Any]:
                 (hvd.allgather(parameters_of(inside).unsqueeze(0)) == parameters_of(inside)).all()
             ),
         }
+    found["parts"] = resume_inside_the_node()
     return found
+
+
+def resume_inside_the_node() -> dict[str, Any]:
+    """A checkpoint in parts written by the first node's workers resumes as the same checkpoint saved whole."""
+    resumed = {}
+    for how in ("parts", "full"):
+        options = {"sync": "hierarchical", "shard_checkpoint": how}
+        _, trainer = fit("gradients", ShardNet("adamw", scheduler=True), epochs=2, **options)
+        path = out_dir() / f"inside_node_{how}.ckpt"
+        trainer.save_checkpoint(path)
+        hvd.allreduce(torch.zeros(1), name=f"inside_node_{how}_written")  # every file is on disk before any read
+        model, _ = fit("gradients", ShardNet("adamw", scheduler=True), epochs=4, ckpt_path=str(path), **options)
+        resumed[how] = parameters_of(model)
+    return {
+        "files": sorted(p.name for p in out_dir().glob("inside_node_parts.ckpt.optimizer-part-*")),
+        "parts_vs_full": float((resumed["parts"] - resumed["full"]).abs().max()),
+    }
 
 
 @checks.register
