@@ -18,23 +18,14 @@ from hvd_plugins.core.comm.compression import NoCompression
 from hvd_plugins.core.comm.counters import CommCounters
 from hvd_plugins.core.comm.topology import Topology, build_node_groups, discover_topology
 from hvd_plugins.core.sync.hierarchical.mode import HierarchicalGradientSync
+from unit.integer_training import integer_inputs, integer_model
 from unit.threaded_horovod import RankHorovod, ThreadedJob
 
 STEPS = 2
 
 
-def integer_model() -> nn.Sequential:
-    """Two float64 layers with small integer weights and biases: integer gradients for integer inputs."""
-    model = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2)).double()
-    generator = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for parameter in model.parameters():
-            parameter.copy_(torch.randint(-3, 4, parameter.shape, generator=generator))
-    return model
-
-
 def rank_data(rank: int, step: int) -> torch.Tensor:
-    return torch.randint(-3, 4, (5, 3), generator=torch.Generator().manual_seed(100 * step + rank)).double()
+    return integer_inputs(rank, step, rows=5, features=3, bound=3)
 
 
 def loss(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -63,7 +54,7 @@ def test_synchronize_leaves_every_rank_the_exact_result_over_the_four_ranks(
     monkeypatch: pytest.MonkeyPatch, op: str
 ) -> None:
     job = ThreadedJob(nodes=2, workers_per_node=2).install(monkeypatch)
-    model = integer_model()
+    model = integer_model(3, 4, 2)
     expected = [reference_gradients(model, job.size, step, op) for step in range(STEPS)]
 
     def rank_main(hvd: RankHorovod) -> list[tuple[list[torch.Tensor], list[str]]]:

@@ -20,23 +20,15 @@ from hvd_plugins.core.comm.topology import build_node_groups, discover_topology
 from hvd_plugins.core.sync.hierarchical.mode import HierarchicalGradientSync
 from hvd_plugins.core.sync.sharded import mode as sharded_mode
 from hvd_plugins.core.sync.sharded.mode import ShardedGradientSync
+from unit.integer_training import integer_inputs, integer_model
 from unit.threaded_horovod import RankHorovod, ThreadedJob
 
 STEPS = 3
 LR = 0.25
 
 
-def integer_model() -> nn.Sequential:
-    model = nn.Sequential(nn.Linear(3, 5), nn.Linear(5, 2)).double()
-    generator = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for parameter in model.parameters():
-            parameter.copy_(torch.randint(-3, 4, parameter.shape, generator=generator))
-    return model
-
-
 def rank_data(rank: int, step: int) -> torch.Tensor:
-    return torch.randint(-2, 3, (4, 3), generator=torch.Generator().manual_seed(100 * step + rank)).double()
+    return integer_inputs(rank, step, rows=4, features=3, bound=2)
 
 
 def unsharded(model: nn.Module, size: int) -> list[torch.Tensor]:
@@ -56,7 +48,7 @@ def test_sharded_inside_the_node_trains_as_over_every_worker_with_half_the_state
     monkeypatch: pytest.MonkeyPatch, shard: str
 ) -> None:
     job = ThreadedJob(nodes=2, workers_per_node=2).install(monkeypatch, sharded_mode)
-    model = integer_model()
+    model = integer_model(3, 5, 2)
     expected = unsharded(model, job.size)
 
     def train(hvd: RankHorovod, inside_node: bool) -> tuple[list[torch.Tensor], int, CommCounters, list[float]]:
