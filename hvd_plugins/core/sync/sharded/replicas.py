@@ -126,13 +126,13 @@ def rebuild(held: Mapping[int, torch.Tensor], workers: int, name: str) -> list[d
             "and training on would leave a hole in the optimizer state. Restart from the last checkpoint on disk "
             "(trainer.fit(..., ckpt_path=...)); keep hosts alive in pairs, or commit to disk more often."
         )
+    if hvd.size() == 1:
+        return [from_bytes(held[shard]) for shard in range(workers)]
     provider = [int(torch.nonzero(holders[:, shard])[0, 0]) for shard in range(workers)]
     mine = [shard for shard in range(workers) if provider[shard] == rank]
     lengths = torch.zeros(workers, dtype=torch.int64)
     for shard in mine:
         lengths[shard] = held[shard].numel()
-    if hvd.size() == 1:
-        return [from_bytes(held[shard]) for shard in range(workers)]
     lengths = hvd.allreduce(lengths, op=hvd.Sum, name=f"{name}.lengths")
     payload = torch.cat([held[shard] for shard in mine]) if mine else torch.zeros(0, dtype=torch.uint8)
     everything = hvd.allgather(payload, name=f"{name}.parts")
