@@ -49,7 +49,7 @@ parser.add_argument(
     choices=["32-true", "64-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true"],
     help="Trainer precision",
 )
-parser.add_argument("--compression", choices=["none", "fp16"], default="none", help="gradients on the wire")
+parser.add_argument("--compression", choices=["none", "fp16", "bf16"], default="none", help="gradients on the wire")
 parser.add_argument(
     "--sync",
     choices=["allreduce", "hierarchical", "daso"],

@@ -174,8 +174,11 @@ def run_single(
 def run_mpirun(
     script: str | Path, *args: str, np: int = 2, out_dir: Path | None = None, timeout: float = 300
 ) -> JobResult:
-    """``mpirun -np N python script args`` on this machine: OpenMPI starts the workers, no horovodrun."""
-    job = mpirun([sys.executable, str(_worker_path(script)), *args], np=np, out_dir=out_dir, timeout=timeout, cwd=REPO)
+    """``mpirun -np N python script args`` on this machine: OpenMPI starts the workers, no horovodrun.
+
+    The host is given N slots, so OpenMPI starts more workers than the machine has cores."""
+    worker = [sys.executable, str(_worker_path(script)), *args]
+    job = mpirun(worker, np=np, hosts=f"localhost:{np}", out_dir=out_dir, timeout=timeout, cwd=REPO)
     return _fail_on_timeout(job, "mpirun", timeout)
 
 

@@ -16,8 +16,8 @@ from hvd_plugins.core.comm.compression import compressor_by_name
 from hvd_plugins.core.cpu_threads import validate_cpu_threads
 from hvd_plugins.core.sync.daso.config import DasoConfig
 
-CompressionName = Literal["none", "fp16"]
-"""How gradients travel: ``"none"`` (their own dtype) or ``"fp16"`` (float16 on the wire)."""
+CompressionName = Literal["none", "fp16", "bf16"]
+"""How gradients travel: ``"none"`` (their own dtype), ``"fp16"`` or ``"bf16"`` (float16 or bfloat16 on the wire)."""
 GradientOp = Literal["average", "sum", "adasum"]
 """How gradients combine across workers (``"adasum"`` needs Horovod's MPI controller)."""
 SyncMode = Literal["allreduce", "hierarchical", "daso"]
@@ -74,7 +74,7 @@ class HorovodConfig:
     """What HorovodStrategy was asked to do; see HorovodStrategy for each argument's meaning."""
 
     compression: CompressionName = "none"
-    """Name of the gradient wire format, ``"none"`` or ``"fp16"``."""
+    """Name of the gradient wire format, ``"none"``, ``"fp16"`` or ``"bf16"``."""
     op: GradientOp = "average"
     """How gradients combine across workers, ``"average"``, ``"sum"`` or ``"adasum"``."""
     gradient_predivide_factor: float = 1.0

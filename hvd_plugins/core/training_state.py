@@ -11,6 +11,7 @@ from typing import Any
 from torch.nn import Module, Parameter
 from torch.optim import Optimizer
 
+from hvd_plugins.core.backend.bfloat16 import require_bfloat16_for
 from hvd_plugins.core.backend.module import horovod_torch
 from hvd_plugins.core.comm.buffers import finish_buffer_average, start_buffer_average
 from hvd_plugins.core.comm.parameters import indexed_optimizer_parameters
@@ -30,6 +31,14 @@ def named_parameters_for(optimizer: Optimizer, model: Module, prefix: str) -> li
         name = model_names.get(id(parameter), f"group{group_index}.param{position}")
         named.append((f"{prefix}.{name}", parameter))
     return named
+
+
+def broadcast_module_(model: Module, root_rank: int = 0) -> None:
+    """Give every worker ``root_rank``'s parameters and buffers; a bfloat16 model on a Horovod that cannot
+    send bfloat16 stops here, before the first collective, with the command that builds one that can."""
+    hvd = horovod_torch()
+    require_bfloat16_for(model, hvd)
+    hvd.broadcast_parameters(model.state_dict(), root_rank=root_rank)
 
 
 def average_buffers_(model: Module, name: str) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from types import ModuleType
 from typing import TYPE_CHECKING
 
+from hvd_plugins.core.backend.bfloat16 import require_bfloat16
 from hvd_plugins.core.backend.module import horovod_torch
 
 if TYPE_CHECKING:
@@ -14,6 +15,10 @@ if TYPE_CHECKING:
 def require_build_supports(config: HorovodConfig) -> None:
     """Checks that need only the build, so a missing Horovod or a bad choice fails when the strategy is created."""
     hvd = horovod_torch()  # raises HorovodUnavailable naming the build command
+    if config.compression == "bf16":
+        require_bfloat16("compression='bf16'", hvd)
+    if config.daso is not None and config.daso.downcast == "bf16":
+        require_bfloat16("DasoConfig(downcast='bf16')", hvd)
     if config.op == "adasum" and not hvd.mpi_built():
         raise ValueError(
             "op='adasum' needs Horovod's MPI controller, but this Horovod build has no MPI. Use op='average' or "

@@ -2,9 +2,10 @@
 
 Each worker's buffers follow its own batches, so they drift apart even when the parameters are
 identical. Averaging is split into start and finish so DASO can overlap it with its parameter
-sync. Buffers are flattened into one message per wire dtype: float64 stays float64 (exact);
-every other floating dtype travels as float32, because Horovod cannot reduce bfloat16 and a
-float16 sum of running variances over many workers can overflow.
+sync. Buffers are flattened into one message per wire dtype: float64 stays float64 (exact),
+bfloat16 stays bfloat16 where the installed Horovod takes it (float32's range, half the bytes);
+every other floating dtype travels as float32, because a float16 sum of running variances over
+many workers can overflow.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Any
 import torch
 from torch.nn import Module
 
+from hvd_plugins.core.backend.bfloat16 import takes_bfloat16
 from hvd_plugins.core.backend.module import horovod_torch
 from hvd_plugins.core.backend.waits import wait_for
 from hvd_plugins.core.comm.buckets import flatten, unflatten_into
@@ -24,7 +26,11 @@ from hvd_plugins.core.comm.wire import nbytes
 
 
 def _buffer_wire_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
+    if dtype == torch.float64:
+        return dtype
+    if dtype == torch.bfloat16 and takes_bfloat16(horovod_torch()):
+        return dtype
+    return torch.float32
 
 
 class BufferAverage(InFlight[None]):

@@ -57,9 +57,30 @@ class FP16Compression:
         return tensor if ctx is None else tensor.to(ctx)
 
 
-COMPRESSORS: dict[str, type[NoCompression] | type[FP16Compression]] = {
+class BF16Compression:
+    """Send floating-point tensors as bfloat16 and cast back on arrival.
+
+    Halves the bytes on the wire like fp16, with float32's range: no overflow, no underflow of
+    small gradients, so no loss scaling, at 8 bits of mantissa instead of 11. Needs a Horovod that
+    takes bfloat16 (``hvd-build-horovod``); the strategy checks that when it is created. Horovod's
+    Gloo and MPI sums of bfloat16 add in float32 and round once.
+    """
+
+    name = "bf16"
+
+    def compress(self, tensor: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        if tensor.dtype.is_floating_point and tensor.dtype != torch.bfloat16:
+            return tensor.to(torch.bfloat16), tensor.dtype
+        return tensor, None
+
+    def decompress(self, tensor: torch.Tensor, ctx: Any) -> torch.Tensor:
+        return tensor if ctx is None else tensor.to(ctx)
+
+
+COMPRESSORS: dict[str, type[NoCompression] | type[FP16Compression] | type[BF16Compression]] = {
     NoCompression.name: NoCompression,
     FP16Compression.name: FP16Compression,
+    BF16Compression.name: BF16Compression,
 }
 
 

@@ -1,8 +1,9 @@
 """What a tensor looks like on Horovod's wire, and the one map from op names to Horovod ops.
 
-Horovod cannot reduce bfloat16 and handles bool poorly, and averaging integers in an integer
-type would truncate. Every collective of the package picks its wire dtype here, so a reduce, a
-gather and a metric sync treat the same tensor the same way.
+Horovod 0.28.1 cannot reduce bfloat16 (the builds of ``hvd-build-horovod`` can) and handles bool
+poorly, and averaging integers in an integer type would truncate. Every collective of the package
+picks its wire dtype here, so a reduce, a gather and a metric sync treat the same tensor the same
+way.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from typing import Any
 
 import torch
 
+from hvd_plugins.core.backend.bfloat16 import takes_bfloat16
 from hvd_plugins.core.backend.module import horovod_torch
 
 OP_NAMES = ("average", "sum", "max", "min", "adasum")
@@ -51,13 +53,13 @@ def horovod_op(op: str) -> Any:
 def wire_dtype(dtype: torch.dtype, op: str) -> torch.dtype:
     """The dtype a tensor of ``dtype`` travels in for ``op`` (a name of ``OP_NAMES``, or ``GATHER``).
 
-    bfloat16 goes as float32 (Horovod cannot reduce it); integers and bool under ``"average"``
-    go as float64 (an integer average would truncate; float64 is exact up to 2**53); bool
+    bfloat16 goes as bfloat16 where the installed Horovod takes it, else as float32; integers and
+    bool under ``"average"`` go as float64 (an integer average would truncate; float64 is exact up to 2**53); bool
     goes as uint8 in a gather and as int64 in other reductions, so a sum over any number of
     workers stays exact. Everything else is sent as it is.
     """
     if dtype == torch.bfloat16:
-        return torch.float32
+        return dtype if takes_bfloat16(horovod_torch()) else torch.float32
     if op == "average" and not dtype.is_floating_point:
         return torch.float64
     if dtype == torch.bool:

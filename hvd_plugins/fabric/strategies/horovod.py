@@ -31,7 +31,6 @@ from typing_extensions import override
 
 from hvd_plugins.core.backend import capabilities
 from hvd_plugins.core.backend import optimizer as horovod_optimizer
-from hvd_plugins.core.backend.module import horovod_torch
 from hvd_plugins.core.backend.startup import init_horovod
 from hvd_plugins.core.comm.counters import CommCounters
 from hvd_plugins.core.config import (
@@ -48,7 +47,12 @@ from hvd_plugins.core.config import (
 from hvd_plugins.core.sync.base import GradientSync
 from hvd_plugins.core.sync.guards import SyncGuards
 from hvd_plugins.core.sync.table import make_gradient_sync
-from hvd_plugins.core.training_state import broadcast_optimizer_state_, param_groups_kept, wrap_optimizers
+from hvd_plugins.core.training_state import (
+    broadcast_module_,
+    broadcast_optimizer_state_,
+    param_groups_kept,
+    wrap_optimizers,
+)
 from hvd_plugins.fabric.lightning_internals import (
     BackwardSyncControl,
     CheckpointPath,
@@ -198,7 +202,7 @@ class HorovodStrategy(HorovodStrategyShared, ParallelStrategy):
     @override
     def setup_module(self, module: Module) -> Module:
         """Every worker starts from rank 0's parameters and buffers."""
-        horovod_torch().broadcast_parameters(module.state_dict(), root_rank=0)
+        broadcast_module_(module)
         return module
 
     @override
@@ -299,10 +303,9 @@ class HorovodStrategy(HorovodStrategyShared, ParallelStrategy):
         with param_groups_kept(self._wrapped):
             remainder = super().load_checkpoint(path, state, strict, **kwargs)  # weights_only since Fabric 2.4
         objects = state.values() if isinstance(state, dict) else [state] if state is not None else []
-        hvd = horovod_torch()
         for obj in objects:
             if isinstance(obj, Module):
-                hvd.broadcast_parameters(obj.state_dict(), root_rank=0)
+                broadcast_module_(obj)
             elif isinstance(obj, Optimizer) and self._replicates_optimizer_state:
                 inner = getattr(obj, "optimizer", obj)
                 index = next((i for i, o in enumerate(self._wrapped) if o is inner), len(self._wrapped))

@@ -56,7 +56,7 @@ from hvd_plugins.core.sync.base import GradientSync
 from hvd_plugins.core.sync.daso.config import DasoConfig
 from hvd_plugins.core.sync.guards import SyncGuards
 from hvd_plugins.core.sync.table import make_gradient_sync
-from hvd_plugins.core.training_state import scale_learning_rates_, wrap_optimizers
+from hvd_plugins.core.training_state import broadcast_module_, scale_learning_rates_, wrap_optimizers
 from hvd_plugins.fabric.lightning_internals import (
     CheckpointPath,
     checkpoint_content,
@@ -240,7 +240,7 @@ class HorovodStrategy(HorovodStrategyShared, ParallelStrategy):
             self.gradient_sync = make_gradient_sync(self.config, self.comm_counters)  # node-aware: a collective
             self.gradient_sync.load_state_dict(self._restored_sync_state)
         # Every worker starts from rank 0's weights and buffers (also after a checkpoint restore).
-        horovod_torch().broadcast_parameters(self.model.state_dict(), root_rank=0)
+        broadcast_module_(self.model)
         if fitting:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()

@@ -1,9 +1,9 @@
 """DASO knobs as a typed, validated config.
 
 Defaults follow the reference implementation except ``downcast``: the reference sends bfloat16,
-we default to fp16. Horovod cannot reduce bfloat16, so here bf16 is only emulated (rounded, then
-sent as float32) and saves no bytes; fp16 halves them, and because ``daso.parameter_sync`` sends the drift
-since the last sync rather than the weights, fp16's rounding stays small.
+we default to fp16, which every Horovod build can reduce. Both halve the bytes, and because
+``daso.parameter_sync`` sends the drift since the last sync rather than the weights, the rounding
+of either stays small. bf16 needs a Horovod that takes bfloat16 (``hvd-build-horovod``).
 """
 
 from __future__ import annotations
@@ -38,9 +38,13 @@ class DasoConfig:
     """Largest number of elements in one cross-node message."""
     downcast: Downcast = "fp16"
     """Wire type of the cross-node parameters, 'fp16' (the default here, half the bytes; the drift
-    since the last sync is what is sent, so its rounding stays small), 'bf16' (the reference's choice,
-    emulated in float32: bf16 rounding, fp32 bytes) or 'fp32'. The gradients of warmup and cooldown
-    travel as fp16 with 'fp16' and as exact fp32 otherwise."""
+    since the last sync is what is sent, so its rounding stays small), 'bf16' (the reference's choice:
+    half the bytes too, float32's range; needs a Horovod that takes bfloat16) or 'fp32'. The gradients
+    of warmup and cooldown travel in the same type."""
+    downcast_optimizer_state: bool = False
+    """Send the optimizer state of the closing syncs in the ``downcast`` type instead of float32: half
+    the bytes of those syncs' state. With 'fp16' small second moments (Adam's ``exp_avg_sq``) can
+    underflow to zero; 'bf16' keeps float32's range."""
     average_optimizer_state: bool = True
     """Average the optimizer state across nodes in every cycling epoch's closing sync, so every epoch
     ends with one optimizer state (checkpoints and resumes are the same from any rank). With Adam
@@ -52,7 +56,7 @@ class DasoConfig:
     """Print schedule changes on rank 0."""
 
     def __post_init__(self) -> None:
-        for name in ("average_optimizer_state", "verbose"):
+        for name in ("average_optimizer_state", "downcast_optimizer_state", "verbose"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"DasoConfig.{name}={getattr(self, name)!r} must be True or False")
         for name in ("warmup_epochs", "cooldown_epochs", "stable_epochs"):

@@ -56,7 +56,7 @@ class DasoGradientSync(GradientSync):
         self.groups = groups
         self.topology = groups.topology
         self.node_compressor = node_compressor
-        self.global_compressor = compressor_by_name("fp16" if config.downcast == "fp16" else "none")
+        self.global_compressor = compressor_by_name("none" if config.downcast == "fp32" else config.downcast)
         self.op = op
         self.counters = counters
         self.bucket_bytes = bucket_bytes

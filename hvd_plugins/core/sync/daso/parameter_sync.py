@@ -42,11 +42,11 @@ last sync, not to the weights themselves: sending weights in float16 every batch
 away any update smaller than ~1e-3 of the weight. Mathematically ``S`` is unchanged:
 ``sum(p_n) = N * reference + sum(p_n - reference)``.
 
-Wire types: ``fp16`` halves the bytes; ``fp32`` sends full precision; ``bf16`` rounds each value
-to bfloat16 precision (what the reference implementation sends) but carries it as float32,
-because Horovod cannot reduce bfloat16 tensors: bf16 numerics, fp32 bytes. Choose fp16 to save
-bytes. Optimizer state travels in float32 (moments such as ``exp_avg_sq`` underflow in float16);
-only state that lives with its parameter (same shape and device) is averaged, never a step count.
+Wire types: ``fp16`` and ``bf16`` (what the reference implementation sends; it needs a Horovod
+that takes bfloat16, which ``hvd-build-horovod`` builds) halve the bytes; ``fp32`` sends full
+precision. Optimizer state travels in float32 (moments such as ``exp_avg_sq`` underflow in
+float16), or in the downcast type with ``downcast_optimizer_state=True``; only state that lives
+with its parameter (same shape and device) is averaged, never a step count.
 
 Trainable parameters are collected again at every epoch start (every rank is there together),
 so parameters unfrozen between epochs (Lightning's ``BaseFinetuning``) join the cross-node sync;
@@ -78,13 +78,12 @@ from hvd_plugins.core.sync.daso.schedule import DasoSchedule, StepPlan
 log = logging.getLogger(__name__)
 
 
+WIRE_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+
+
 def to_wire(values: torch.Tensor, downcast: str) -> torch.Tensor:
-    """What goes on the wire for ``downcast`` ('fp16', 'bf16' emulated in float32, or 'fp32')."""
-    if downcast == "fp16":
-        return values.to(torch.float16)
-    if downcast == "bf16":
-        return values.to(torch.bfloat16).to(torch.float32)
-    return values.to(torch.float32)
+    """What goes on the wire for ``downcast`` ('fp16', 'bf16' or 'fp32')."""
+    return values.to(WIRE_DTYPES[downcast])
 
 
 class DasoParameterSync:
@@ -257,7 +256,8 @@ class DasoParameterSync:
     def _average_over_nodes(self, with_state: bool) -> None:
         state_tensors = optimizer_state_to_average(self._optimizers) if with_state else []
         drift = to_wire(self._flat_parameters() - self._reference, self.config.downcast)
-        exact = _flatten_as(state_tensors, self._work_dtype)
+        state_dtype = drift.dtype if self.config.downcast_optimizer_state else self._work_dtype
+        exact = _flatten_as(state_tensors, state_dtype)
         messages = [drift, exact] if exact.dtype != drift.dtype else [torch.cat([drift, exact])]
         sums = self.sharding.sum_node_copies([m for m in messages if m.numel()], "daso.blocking")
         nodes = self.sharding.num_nodes

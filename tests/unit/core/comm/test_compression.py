@@ -5,7 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hvd_plugins.core.comm.compression import CountingCompressor, FP16Compression, NoCompression, compressor_by_name
+from hvd_plugins.core.comm.compression import (
+    BF16Compression,
+    CountingCompressor,
+    FP16Compression,
+    NoCompression,
+    compressor_by_name,
+)
 from hvd_plugins.core.comm.counters import CommCounters, Scope
 
 
@@ -24,10 +30,22 @@ def test_fp16_compression_leaves_integers_alone() -> None:
     assert wire is tensor and FP16Compression().decompress(wire, ctx) is tensor
 
 
+def test_bf16_compression_round_trip_halves_bytes_and_keeps_the_range() -> None:
+    tensor = torch.tensor([1e-30, -3.0, 0.1, 7e4, 1e30], dtype=torch.float32)  # float16 loses both ends
+    wire, ctx = BF16Compression().compress(tensor)
+    assert wire.dtype == torch.bfloat16 and wire.element_size() * wire.numel() == 2 * 5
+    back = BF16Compression().decompress(wire, ctx)
+    assert back.dtype == torch.float32 and torch.all(torch.isfinite(back))
+    assert torch.allclose(back, tensor, rtol=2**-8, atol=0)
+    bf16 = torch.ones(3, dtype=torch.bfloat16)
+    assert BF16Compression().compress(bf16)[0] is bf16  # already on the wire type
+
+
 def test_compressor_by_name_rejects_unknown_names() -> None:
     assert isinstance(compressor_by_name("none"), NoCompression)
-    with pytest.raises(ValueError, match=r"compression='bf16'.*\['fp16', 'none'\]"):
-        compressor_by_name("bf16")
+    assert isinstance(compressor_by_name("bf16"), BF16Compression)
+    with pytest.raises(ValueError, match=r"compression='int8'.*\['bf16', 'fp16', 'none'\]"):
+        compressor_by_name("int8")
 
 
 def test_counting_compressor_records_wire_bytes() -> None:

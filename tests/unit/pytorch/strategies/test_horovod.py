@@ -11,7 +11,7 @@ from hvd_plugins.core.sync.daso.config import DasoConfig
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"compression": "int8"}, r"compression='int8' is not supported; choose one of \['fp16', 'none'\]"),
+        ({"compression": "int8"}, r"compression='int8' is not supported; choose one of \['bf16', 'fp16', 'none'\]"),
         ({"op": "mean"}, r"op='mean' is not supported; choose one of \['average', 'sum', 'adasum'\]"),
         ({"sync": "ring"}, r"sync='ring' is not supported; choose one of \['allreduce', 'hierarchical', 'daso'\]"),
         ({"gradient_predivide_factor": 0}, r"gradient_predivide_factor=0 must be a positive number"),
