@@ -1,4 +1,4 @@
-"""GPU paths (NCCL build, cuda:<local_rank>, fp16 AMP). Skipped where there is no GPU."""
+"""GPU paths (NCCL build, cuda:<local_rank>, fp16 AMP, bfloat16 collectives, bf16-true). Skipped without a GPU."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 from _common import report_of
-from gpu_checks import amp_fp16_compressed, fp32
+from gpu_checks import amp_fp16_compressed, bf16_collectives, bf16_mixed_bf16_wire, bf16_true, fp32
 from hvd_launch import run_job
 
 
@@ -29,7 +29,8 @@ def test_training_on_gpus_with_nccl(tmp_path: Path) -> None:
     workers = min(2, torch.cuda.device_count())
     job = run_job("gpu_checks.py", np=workers, out_dir=tmp_path, timeout=600).check()
     for report in job.results.values():
-        for check in (fp32, amp_fp16_compressed):
+        assert all(report_of(report, bf16_collectives).values()), report_of(report, bf16_collectives)
+        for check in (fp32, amp_fp16_compressed, bf16_true, bf16_mixed_bf16_wire):
             result = report_of(report, check)
             assert result["device"] == f"cuda:{result['local_rank']}"
             assert len(set(result["digests"])) == 1  # identical weights on every GPU
