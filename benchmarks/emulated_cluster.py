@@ -69,15 +69,21 @@ from hvd_plugins.testing.netns_cluster import (
 MODES = (
     "allreduce/none",
     "allreduce/fp16",
+    "allreduce/bf16",
     "hierarchical/none",
     "hierarchical/fp16",
+    "hierarchical/bf16",
     "daso/none",
     "daso/fp16",
+    "daso/bf16",
+    "daso+state/bf16",
     "hierarchical+zero1/none",
     "hierarchical+zero2/none",
 )
-"""``sync/compression``; ``+zero1``/``+zero2``: sharded inside the node (``shard="optimizer"``/``"gradients"``)."""
+"""``sync/compression``; ``+zero1``/``+zero2``: sharded inside the node (``shard="optimizer"``/``"gradients"``);
+``daso+state``: DASO's closing syncs send the optimizer state in the downcast type too."""
 SHARD_TAGS = {"zero1": "optimizer", "zero2": "gradients"}
+DASO_STATE_TAG = "state"
 BASELINE = "allreduce/none"
 SWEEP_MODES = ("allreduce/none", "allreduce/fp16", "hierarchical/none", "daso/fp16")
 TARGET_FRACTION = 0.75
@@ -314,11 +320,12 @@ def worker_main(spec: Path, out: Path) -> None:
     run = Run.from_dict(json.loads(spec.read_text()))
     train, val = load_data(run.model, Path(run.data_path))
     sync, compression = run.mode.split("/")
-    sync, _, shard_tag = sync.partition("+")
+    sync, _, tag = sync.partition("+")
     daso = bench.daso_settings(compression, run.daso_warmup, run.daso_cooldown) if sync == "daso" else None
     if daso is not None:
         daso["average_optimizer_state"] = run.daso_average_state
-    shard = SHARD_TAGS[shard_tag] if shard_tag else "none"
+        daso["downcast_optimizer_state"] = tag == DASO_STATE_TAG
+    shard = SHARD_TAGS[tag] if tag in SHARD_TAGS else "none"
     strategy = HorovodStrategy(sync=sync, compression=compression, daso=daso, shard=shard)
     recorder = StepRecorder()
     stopper = StopAtTarget(recorder, run.target_loss, run.budget_s)

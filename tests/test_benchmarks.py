@@ -33,11 +33,14 @@ from benchmarks import (  # noqa: E402
     emulated_cluster,
     gloo_allreduce,
     overhead,
+    precisions,
     sharding,
     small_collectives,
     sparse_gradients,
     transport,
+    wire_dtypes,
 )
+from hvd_plugins.core.backend.bfloat16 import horovod_takes_bfloat16  # noqa: E402
 from hvd_plugins.testing.netns_cluster import SKIP_EXIT_CODE, process_tag  # noqa: E402
 
 # The package modules this file's jobs exercise (tests/unit/test_module_coverage.py reads it).
@@ -186,6 +189,34 @@ def test_small_collectives_smoke_times_each_operation_with_the_timeline_off_and_
         assert len(times) == 3 and all(0 < t < 1000 for t in times), line
     body = assert_dated_report(tmp_path / "small.txt", "small_collectives.py", argv)
     assert body.startswith("small_collectives: N workers on this machine")
+
+
+# ------------------------------------------------------------------------------------------ wire_dtypes
+@pytest.mark.skipif(not horovod_takes_bfloat16(), reason="this Horovod takes no bfloat16; run hvd-build-horovod")
+def test_wire_dtypes_smoke_halves_the_bytes_and_loses_no_bfloat16_element(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["--smoke", "--report", str(tmp_path / "wire.txt")]
+    code, printed = run_main(wire_dtypes, argv, capsys)
+    assert code == 0, printed
+    body = assert_dated_report(tmp_path / "wire.txt", "wire_dtypes.py", argv)
+    rows = {line.split()[2]: line.split() for line in body.splitlines() if line.strip().startswith("gloo")}
+    assert set(rows) == {"fp32", "fp16", "bf16"}, body
+    assert rows["bf16"][-1] == "0" and rows["fp32"][-1] == "0" and rows["fp16"][-1] != "0", body  # fp16 loses some
+
+
+# ------------------------------------------------------------------------------------------ precisions
+@pytest.mark.skipif(not horovod_takes_bfloat16(), reason="this Horovod takes no bfloat16; run hvd-build-horovod")
+def test_precisions_smoke_trains_digits_in_each_precision(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["--smoke", "--report", str(tmp_path / "precisions.txt")]
+    code, printed = run_main(precisions, argv, capsys)
+    assert code == 0, printed
+    body = assert_dated_report(tmp_path / "precisions.txt", "precisions.py", argv)
+    lines = [line.strip() for line in body.splitlines() if re.search(r"\s(b?float\d+)\s", line)]
+    rows = {re.split(r"\s{2,}", line)[0]: line for line in lines}
+    assert "bfloat16" in rows["bf16-true"] and "float32" in rows["32-true"], body
+    kib = {label: float(line.split()[-1]) for label, line in rows.items()}
+    assert abs(kib["bf16-true"] * 2 - kib["32-true"]) <= 0.1 and kib["bf16-mixed, bf16 wire"] == kib["bf16-true"], body
 
 
 # ------------------------------------------------------------------------------------------ elastic

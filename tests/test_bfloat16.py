@@ -23,7 +23,7 @@ from bfloat16_checks import (
     check_fabric_bf16_true_trains,
 )
 from conftest import skip_without_mpi
-from hvd_launch import TWO_NODES, run_job, run_mpirun
+from hvd_launch import TWO_NODES, run_job, run_mpirun, run_on_mpi_nodes
 
 from hvd_plugins.core.backend.bfloat16 import horovod_takes_bfloat16
 
@@ -72,7 +72,7 @@ def test_gloo_collectives_equal_float32_rounded(size: int, request: pytest.Fixtu
     reports = request.getfixturevalue("two" if size == 2 else "four")
     for report in reports.values():
         found = report_of(report, check_collectives)
-        assert found["size"] == size
+        assert found["size"] == size and found["nodes"] == size // 2  # 4 workers: two nodes, the two-level sums
         assert_collectives_exact(found)
 
 
@@ -83,6 +83,15 @@ def test_mpi_collectives_equal_float32_rounded(size: int, tmp_path: Path) -> Non
     for report in ranks(job, size).values():
         assert_collectives_exact(report_of(report, check_collectives))
         assert "Adasum does not support bfloat16" in report_of(report, check_adasum_refuses_bfloat16)
+
+
+def test_mpi_collectives_on_two_nodes(mpi_nodes: Any, tmp_path: Path) -> None:
+    """mpirun over two network namespaces (two hosts to OpenMPI): the sums take their two-level form."""
+    job = run_on_mpi_nodes(mpi_nodes, "bfloat16_checks.py", *case_argument(*COLLECTIVE_CHECKS), out_dir=tmp_path)
+    for report in ranks(job, 4).values():
+        found = report_of(report, check_collectives)
+        assert found["nodes"] == 2, found
+        assert_collectives_exact(found)
 
 
 def test_adasum_refuses_bfloat16_under_gloo(two: dict[int, dict[str, Any]]) -> None:

@@ -54,9 +54,10 @@ def torchrun(script_args: Sequence[str], out_dir: Path, nproc: int = 2, timeout:
 def daso_settings(compression: str, warmup_epochs: int, cooldown_epochs: int) -> dict[str, Any]:
     """DASO knobs for a benchmark row whose compression column also picks the cross-node wire type.
 
-    ``"fp16"`` sends the parameters as float16, ``"none"`` as float32, so a row's bytes follow its label.
+    ``"fp16"`` and ``"bf16"`` send the parameters as float16 and bfloat16, ``"none"`` as float32, so a row's
+    bytes follow its label.
     """
-    downcast = "fp16" if compression == "fp16" else "fp32"
+    downcast = compression if compression in ("fp16", "bf16") else "fp32"
     return {"warmup_epochs": warmup_epochs, "cooldown_epochs": cooldown_epochs, "downcast": downcast}
 
 

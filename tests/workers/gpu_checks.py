@@ -34,7 +34,9 @@ def fit(precision: str, compression: str, accelerator: str = "gpu") -> dict[str,
         enable_progress_bar=False,
     )
     trainer.fit(model, DataLoader(TensorDataset(x, y), batch_size=32))
-    digest = hashlib.sha256(b"".join(p.detach().cpu().float().numpy().tobytes() for p in model.parameters())).hexdigest()
+    digest = hashlib.sha256(
+        b"".join(p.detach().cpu().float().numpy().tobytes() for p in model.parameters())
+    ).hexdigest()
     return {
         "device": str(trainer.strategy.root_device),
         "local_rank": hvd.local_rank(),

@@ -257,8 +257,8 @@ class DasoParameterSync:
         state_tensors = optimizer_state_to_average(self._optimizers) if with_state else []
         drift = to_wire(self._flat_parameters() - self._reference, self.config.downcast)
         state_dtype = drift.dtype if self.config.downcast_optimizer_state else self._work_dtype
-        exact = _flatten_as(state_tensors, state_dtype)
-        messages = [drift, exact] if exact.dtype != drift.dtype else [torch.cat([drift, exact])]
+        state = _flatten_as(state_tensors, state_dtype)
+        messages = [drift, state] if state.dtype != drift.dtype else [torch.cat([drift, state])]
         sums = self.sharding.sum_node_copies([m for m in messages if m.numel()], "daso.blocking")
         nodes = self.sharding.num_nodes
         results = [total.to(self._work_dtype).div_(nodes) for total in sums]
