@@ -39,7 +39,7 @@ parser = argparse.ArgumentParser(
 )
 parser.add_argument("--epochs", type=int, default=40, help="training epochs")
 parser.add_argument("--lr", type=float, default=0.02, help="Adam's learning rate")
-parser.add_argument("--compression", choices=["none", "fp16"], default="none", help="gradients on the wire")
+parser.add_argument("--compression", choices=["none", "fp16", "bf16"], default="none", help="gradients on the wire")
 parser.add_argument(
     "--sync",
     choices=["allreduce", "hierarchical", "daso"],

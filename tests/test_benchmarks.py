@@ -216,7 +216,7 @@ def test_precisions_smoke_trains_digits_in_each_precision(tmp_path: Path, capsys
     rows = {re.split(r"\s{2,}", line)[0]: line for line in lines}
     assert "bfloat16" in rows["bf16-true"] and "float32" in rows["32-true"], body
     kib = {label: float(line.split()[-1]) for label, line in rows.items()}
-    assert abs(kib["bf16-true"] * 2 - kib["32-true"]) <= 0.1 and kib["bf16-mixed, bf16 wire"] == kib["bf16-true"], body
+    assert abs(kib["bf16-true"] * 2 - kib["32-true"]) < 0.2 and kib["bf16-mixed, bf16 wire"] == kib["bf16-true"], body
 
 
 # ------------------------------------------------------------------------------------------ elastic

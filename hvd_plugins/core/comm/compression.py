@@ -38,7 +38,22 @@ class NoCompression:
         return tensor
 
 
-class FP16Compression:
+class CastCompression:
+    """Send floating-point tensors as ``wire`` (a 16-bit type) and cast them back on arrival."""
+
+    name = "cast"
+    wire = torch.float32
+
+    def compress(self, tensor: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        if tensor.dtype.is_floating_point and tensor.dtype != self.wire:
+            return tensor.to(self.wire), tensor.dtype
+        return tensor, None
+
+    def decompress(self, tensor: torch.Tensor, ctx: Any) -> torch.Tensor:
+        return tensor if ctx is None else tensor.to(ctx)
+
+
+class FP16Compression(CastCompression):
     """Send floating-point tensors as float16 and cast back on arrival.
 
     Halves the bytes on the wire. On CPU the float16 sum is fast only where Horovod's Gloo adds
@@ -47,17 +62,10 @@ class FP16Compression:
     """
 
     name = "fp16"
-
-    def compress(self, tensor: torch.Tensor) -> tuple[torch.Tensor, Any]:
-        if tensor.dtype.is_floating_point and tensor.dtype != torch.float16:
-            return tensor.to(torch.float16), tensor.dtype
-        return tensor, None
-
-    def decompress(self, tensor: torch.Tensor, ctx: Any) -> torch.Tensor:
-        return tensor if ctx is None else tensor.to(ctx)
+    wire = torch.float16
 
 
-class BF16Compression:
+class BF16Compression(CastCompression):
     """Send floating-point tensors as bfloat16 and cast back on arrival.
 
     Halves the bytes on the wire like fp16, with float32's range: no overflow, no underflow of
@@ -67,17 +75,10 @@ class BF16Compression:
     """
 
     name = "bf16"
-
-    def compress(self, tensor: torch.Tensor) -> tuple[torch.Tensor, Any]:
-        if tensor.dtype.is_floating_point and tensor.dtype != torch.bfloat16:
-            return tensor.to(torch.bfloat16), tensor.dtype
-        return tensor, None
-
-    def decompress(self, tensor: torch.Tensor, ctx: Any) -> torch.Tensor:
-        return tensor if ctx is None else tensor.to(ctx)
+    wire = torch.bfloat16
 
 
-COMPRESSORS: dict[str, type[NoCompression] | type[FP16Compression] | type[BF16Compression]] = {
+COMPRESSORS: dict[str, type[NoCompression] | type[CastCompression]] = {
     NoCompression.name: NoCompression,
     FP16Compression.name: FP16Compression,
     BF16Compression.name: BF16Compression,

@@ -86,7 +86,7 @@ class HorovodStrategy(HorovodStrategyShared, ParallelStrategy):
     """Data-parallel training over Horovod for Lightning Fabric (Gloo or MPI controller; NCCL on GPUs).
 
     Args:
-        compression: ``"none"`` or ``"fp16"``: gradients on the wire.
+        compression: ``"none"``, ``"fp16"`` or ``"bf16"``: gradients on the wire.
         op: ``"average"``, ``"sum"`` or ``"adasum"`` (MPI builds only; no accumulation).
         gradient_predivide_factor: divide before the sum, the rest after (``op="average"``, flat sync).
         sparse_as_dense: send sparse gradients (``nn.Embedding(sparse=True)``) dense: one allreduce, not two allgathers.

@@ -95,7 +95,7 @@ class HorovodStrategy(HorovodStrategyShared, ParallelStrategy):
     The arguments become ``self.config``, a frozen ``HorovodConfig`` (same names, more detail), validated at once.
 
     Args:
-        compression: ``"none"`` or ``"fp16"``: gradients on the wire (DASO's parameters: ``DasoConfig.downcast``).
+        compression: ``"none"``, ``"fp16"`` or ``"bf16"``: gradients on the wire (DASO's: ``DasoConfig.downcast``).
         op: ``"average"``, ``"sum"`` or ``"adasum"`` (MPI builds only).
         gradient_predivide_factor: divide before the sum, the rest after (``op="average"``, flat sync).
         sparse_as_dense: send sparse gradients (``nn.Embedding(sparse=True)``) dense: one allreduce, not two allgathers.

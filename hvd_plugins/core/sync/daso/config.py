@@ -42,8 +42,8 @@ class DasoConfig:
     half the bytes too, float32's range; needs a Horovod that takes bfloat16) or 'fp32'. The gradients
     of warmup and cooldown travel in the same type."""
     downcast_optimizer_state: bool = False
-    """Send the optimizer state of the closing syncs in the ``downcast`` type instead of float32: half
-    the bytes of those syncs' state. With 'fp16' small second moments (Adam's ``exp_avg_sq``) can
+    """Send the optimizer state of the closing syncs in the ``downcast`` type instead of float32, which
+    halves the bytes of that state. With 'fp16' small second moments (Adam's ``exp_avg_sq``) can
     underflow to zero; 'bf16' keeps float32's range."""
     average_optimizer_state: bool = True
     """Average the optimizer state across nodes in every cycling epoch's closing sync, so every epoch
