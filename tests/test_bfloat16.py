@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 from _common import case_argument, report_of
 from bfloat16_checks import (
+    check_a_build_without_bfloat16_refuses,
     check_adasum_refuses_bfloat16,
     check_bf16_compression_halves_bytes,
     check_bf16_true_trains,
@@ -159,3 +160,11 @@ def test_bf16_true_trains_with_pytorch_lightning(tmp_path: Path) -> None:
     }.items():
         assert found["dtypes"] == ["torch.bfloat16"] and found["same_on_every_rank"], (mode, found)
         assert found["last_loss"] < 0.7 * found["first_loss"], (mode, found)
+
+
+def test_a_build_without_bfloat16_stops_before_training(two: dict[int, dict[str, Any]]) -> None:
+    """bf16-true, compression='bf16' and DASO's bf16 on a build that cannot: the error, and no step."""
+    for report in two.values():
+        for ask, message in report_of(report, check_a_build_without_bfloat16_refuses).items():
+            assert "cannot" in message and "Run `hvd-build-horovod`" in message, (ask, message)
+            assert not message.startswith("trained"), ask

@@ -225,6 +225,32 @@ def check_fabric_bf16_true_trains() -> dict[str, Any]:
 
 
 @checks.register
+def check_a_build_without_bfloat16_refuses() -> dict[str, str]:
+    """With the build's answer forced to 'no bfloat16' (Horovod 0.28.1's), each way to ask for bfloat16
+    stops before any step, with the error that names the build command."""
+    from hvd_plugins.core.backend import bfloat16
+
+    real = bfloat16.takes_bfloat16
+    bfloat16.takes_bfloat16 = lambda hvd: False  # what Horovod 0.28.1's extension answers
+    asks = {
+        "bf16-true": lambda: fit("bf16-true", epochs=1),
+        "compression": lambda: fit("32-true", epochs=1, compression="bf16"),
+        "daso": lambda: fit("32-true", epochs=1, sync="daso", daso=DasoConfig(downcast="bf16")),
+    }
+    found = {}
+    try:
+        for name, ask in asks.items():
+            try:
+                model, _ = ask()
+                found[name] = f"trained {len(model.losses)} steps"
+            except bfloat16.BFloat16Unsupported as error:
+                found[name] = str(error)
+    finally:
+        bfloat16.takes_bfloat16 = real
+    return found
+
+
+@checks.register
 def check_bf16_compression_halves_bytes() -> dict[str, Any]:
     """compression='bf16' sends half of fp32's bytes, flat and (on two nodes) two-level, and trains like fp32."""
     found = {}
