@@ -14,6 +14,7 @@ from fabric_checks import (
     check_accumulating_without_no_backward_sync_equals_the_large_batch,
     check_clipping_sees_averaged_gradients,
     check_collectives,
+    check_compiled_module_trains_like_eager,
     check_daso_is_refused_at_construction,
     check_hierarchical_accumulation_equals_the_large_batch,
     check_mixed_precision_trains_alike_on_every_rank,
@@ -169,3 +170,12 @@ def test_schedulers_built_before_setup_set_every_ranks_rates(checks: dict[int, d
 def test_daso_is_refused_with_the_reason(checks: dict[int, dict]) -> None:
     message = value(checks, check_daso_is_refused_at_construction, 0)
     assert message.startswith("sync='daso' is not available with Fabric")
+
+
+def test_compiled_module_trains_like_eager_with_graphs_cut_and_plain_names(checks: dict[int, dict]) -> None:
+    """``fabric.setup(torch.compile(model))``: Fabric compiles the module again after the strategy set it up."""
+    for rank in (0, 1):
+        for name, case in value(checks, check_compiled_module_trains_like_eager, rank).items():
+            assert case["vs_eager"] == 0.0 and case["same"], (name, case)  # aot_eager: eager's kernels
+            assert case["pieces"] == 2 and case["graph_breaks"] == 0, (name, case)
+            assert case["compiled_names"] == [] and case["names"], (name, case)

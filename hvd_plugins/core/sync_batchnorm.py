@@ -1,12 +1,14 @@
 """BatchNorm whose batch statistics span all workers, on CPU and GPU.
 
 Horovod's own ``hvd.SyncBatchNorm`` accepts only CUDA inputs. This one computes per-channel
-sums with Horovod's differentiable allreduce, so autograd produces the synchronized backward
-(the allreduce of the gradient sums) by itself.
+sums with a differentiable allreduce, so autograd produces the synchronized backward (the
+allreduce of the gradient sums) by itself. From torch 2.4 that allreduce is a torch library op,
+so a ``torch.compile``-d model holds each BatchNorm's sums as one node of its graph, not a break.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 import torch
@@ -21,7 +23,7 @@ AnyBatchNorm = TypeVar("AnyBatchNorm", bound=_BatchNorm)
 
 
 class _NamedSumAllreduce(torch.autograd.Function):
-    """A differentiable Sum whose backward allreduce is named too.
+    """A differentiable Sum whose backward allreduce is named too (torch before 2.4; compiled, it breaks the graph).
 
     Horovod's own differentiable allreduce leaves its backward op unnamed, so it is named after a
     per-process counter that drifts apart once ranks ran different numbers of batches (uneven data,
@@ -31,14 +33,42 @@ class _NamedSumAllreduce(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, tensor: Tensor, kind: str) -> Tensor:
-        ctx.name = COLLECTIVE_NAMES.next(kind)
-        hvd = horovod_torch()
-        return hvd.allreduce(tensor, op=hvd.Sum, name=ctx.name)
+        return _named_sum(tensor, kind)
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
-        hvd = horovod_torch()
-        return hvd.allreduce(grad.contiguous(), op=hvd.Sum, name=f"{ctx.name}.grad"), None
+        return _named_sum(grad.contiguous(), "sync_bn.grad"), None
+
+
+def _named_sum(tensor: Tensor, kind: str) -> Tensor:
+    """The sum over every worker, under a name from ``COLLECTIVE_NAMES`` (equal on every rank)."""
+    hvd = horovod_torch()
+    return hvd.allreduce(tensor, op=hvd.Sum, name=COLLECTIVE_NAMES.next(kind))
+
+
+def _sum_op() -> Callable[[Tensor, str], Tensor]:
+    """The differentiable named sum; from torch 2.4 a torch library op, which a compiled graph calls as one opaque
+    node (Horovod's functions are not torch ops: traced into, they would break the graph at every BatchNorm)."""
+    custom_op = getattr(torch.library, "custom_op", None)
+    if custom_op is None:
+        return _NamedSumAllreduce.apply
+
+    @custom_op("hvd_plugins::sum_over_workers", mutates_args=())
+    def sum_over_workers(tensor: Tensor, kind: str) -> Tensor:
+        return _named_sum(tensor, kind)
+
+    @sum_over_workers.register_fake
+    def _(tensor: Tensor, kind: str) -> Tensor:
+        return torch.empty_like(tensor)
+
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+        return sum_over_workers(grad.contiguous(), "sync_bn.grad"), None
+
+    sum_over_workers.register_autograd(backward, setup_context=lambda ctx, inputs, output: None)
+    return sum_over_workers
+
+
+_sum_over_workers = _sum_op()
 
 
 class SyncBatchNorm(_BatchNorm):
@@ -53,17 +83,17 @@ class SyncBatchNorm(_BatchNorm):
 
     def forward(self, input: Tensor) -> Tensor:
         self._check_input_dim(input)
-        hvd = horovod_torch()
         use_batch_stats = self.training or not self.track_running_stats
-        if not use_batch_stats or hvd.size() == 1:
+        # Compiled, the graph always sums (a sum over one worker is its own): it holds no call into Horovod.
+        if not use_batch_stats or (not _compiling() and horovod_torch().size() == 1):
             return super().forward(input)
 
         x = input if input.dtype in (torch.float32, torch.float64) else input.float()
         dims = [0, *range(2, x.dim())]
         count = x.new_full((x.size(1),), float(x.numel() // x.size(1)))
         # One round for sums, sums of squares and the sample count; backward allreduces the grad sums.
-        total = _NamedSumAllreduce.apply(torch.stack([x.sum(dims), (x * x).sum(dims), count]), "sync_bn")
-        n = float(total[2, 0].detach())  # a count: no gradient flows through it
+        total = _sum_over_workers(torch.stack([x.sum(dims), (x * x).sum(dims), count]), "sync_bn")
+        n = total[2, 0].detach()  # a count: no gradient flows through it (a tensor: no graph break when compiled)
         mean = total[0] / n
         var = (total[1] / n - mean * mean).clamp_min(0.0)
 
@@ -72,16 +102,22 @@ class SyncBatchNorm(_BatchNorm):
             assert tracked is not None  # BatchNorm keeps the count whenever it tracks running statistics
             with torch.no_grad():
                 tracked.add_(1)
-                momentum = self.momentum if self.momentum is not None else 1.0 / float(tracked)
-                unbiased = var * (n / max(n - 1.0, 1.0))
-                self.running_mean.mul_(1 - momentum).add_(mean.to(self.running_mean.dtype), alpha=momentum)
-                self.running_var.mul_(1 - momentum).add_(unbiased.to(self.running_var.dtype), alpha=momentum)
+                momentum = self.momentum if self.momentum is not None else 1.0 / tracked
+                unbiased = var * (n / (n - 1.0).clamp_min(1.0))
+                self.running_mean.mul_(1 - momentum).add_(mean.to(self.running_mean.dtype) * momentum)
+                self.running_var.mul_(1 - momentum).add_(unbiased.to(self.running_var.dtype) * momentum)
 
         shape = [1, -1] + [1] * (x.dim() - 2)
         y = (x - mean.view(shape)) * torch.rsqrt(var.view(shape) + self.eps)
         if self.affine:
             y = y * self.weight.view(shape) + self.bias.view(shape)
         return y.to(input.dtype)
+
+
+def _compiling() -> bool:
+    """Whether ``torch.compile`` is tracing this call (dynamo folds the answer into the graph)."""
+    compiler = getattr(torch, "compiler", None)
+    return bool(compiler is not None and hasattr(compiler, "is_compiling") and compiler.is_compiling())
 
 
 def convert_sync_batchnorm(module: Module) -> Module:

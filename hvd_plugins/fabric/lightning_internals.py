@@ -45,6 +45,7 @@ __all__ = [
     "FabricLauncher",
     "TrainerConnector",
     "TrainerLauncher",
+    "allow_compiled_models",
     "checkpoint_content",
     "end_fit_in_place",
     "fabric_optimizer_target",
@@ -124,6 +125,8 @@ TOUCHED: tuple[Private, ...] = (
     Private(f"{FABRIC}.loggers.csv_logs", "CSVLogger._version", "set on instances", "rank 0's folder after a reset"),
     Private(f"{FABRIC}.loggers.tensorboard", "TensorBoardLogger._version", "set on instances", "the same"),
     Private(f"{FABRIC}.wrappers", "_FabricOptimizer._optimizer", "set on instances", "what zero_grad works on"),
+    # compiled models (pytorch/strategies/horovod.py)
+    Private(f"{TRAINER}.trainer.trainer", "_verify_strategy_supports_compile", "defined", "wrapped: lets ours compile"),
 )
 """What this package touches of Lightning's private names, by module (checked by the unit test)."""
 
@@ -191,6 +194,25 @@ def override_cluster_environment_choice(
 
     setattr(choose_and_init, _OVERRIDDEN, True)
     connector._choose_and_init_cluster_environment = choose_and_init  # type: ignore[attr-defined]
+
+
+def allow_compiled_models(strategy_class: type) -> None:
+    """Wrap the Trainer's ``_verify_strategy_supports_compile`` so that it lets ``strategy_class`` train, validate,
+    test and predict with a ``torch.compile``-d LightningModule; every other strategy is judged by Lightning as before.
+
+    Lightning refuses a compiled model under any strategy but its own single-device, DDP and FSDP ones, by
+    class. Once per Trainer package: a second call changes nothing."""
+    trainer_module = importlib.import_module(f"{TRAINER}.trainer.trainer")
+    original: Callable[[Any, Any], None] | None = getattr(trainer_module, "_verify_strategy_supports_compile", None)
+    if original is None or hasattr(original, _OVERRIDDEN):
+        return
+
+    def verify_strategy_supports_compile(model: Any, strategy: Any) -> None:
+        if not isinstance(strategy, strategy_class):
+            original(model, strategy)
+
+    setattr(verify_strategy_supports_compile, _OVERRIDDEN, True)
+    trainer_module._verify_strategy_supports_compile = verify_strategy_supports_compile  # type: ignore[attr-defined]
 
 
 def fabric_optimizer_target(optimizer: Any) -> Any:

@@ -2,10 +2,11 @@
 workers on one node that tests/test_strategy_multiprocess.py, tests/test_faults.py, tests/test_adasum.py and
 tests/test_pytorch_lightning.py share, under ``horovodrun -np 2``.
 
-The checks live by feature in strategy_gradients.py, strategy_loops.py, strategy_optimizers.py and
-strategy_batchnorm.py, then faults_checks.py; with ``--adasum`` (under the MPI controller) Adasum's
-(adasum_checks.py) run too. Every rank runs every check in the same order and writes its report, each
-check under its function's name, to ``--out/rank<r>.json``; ``--case`` runs only the named ones.
+The checks live by feature in strategy_gradients.py, strategy_loops.py, strategy_optimizers.py,
+strategy_batchnorm.py and compile_checks.py, then faults_checks.py; with ``--adasum`` (under the MPI
+controller) Adasum's (adasum_checks.py) run too. Every rank runs every check in the same order and writes
+its report, each check under its function's name, to ``--out/rank<r>.json``; ``--case`` runs only the
+named ones.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import sys
 
 import adasum_checks
+import compile_checks
 import faults_checks
 import horovod.torch as hvd
 import strategy_batchnorm
@@ -26,6 +28,7 @@ JOB = Checks(
     strategy_loops.checks,
     strategy_optimizers.checks,
     strategy_batchnorm.checks,
+    compile_checks.checks,
     faults_checks.checks,
 )
 """The job's checks but the last (and Adasum's)."""

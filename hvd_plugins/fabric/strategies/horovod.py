@@ -33,6 +33,7 @@ from hvd_plugins.core.backend import capabilities
 from hvd_plugins.core.backend import optimizer as horovod_optimizer
 from hvd_plugins.core.backend.startup import init_horovod
 from hvd_plugins.core.comm.counters import CommCounters
+from hvd_plugins.core.compiled_graphs import GraphCuts
 from hvd_plugins.core.config import (
     CompressionName,
     CpuThreads,
@@ -160,6 +161,7 @@ class HorovodStrategy(HorovodStrategyShared, ParallelStrategy):
         self.gradient_sync: GradientSync | None = None  # built at the first setup (node-aware: a collective)
         self._restored_sync_state: dict[str, Any] = {}  # for a sync built again after an elastic reset
         self._guards = SyncGuards(self.config)
+        self._graph_cuts = GraphCuts(self.config.bucket_bytes)  # a compiled module's graphs end at gradient buckets
         set_backward_sync_control(self, _HoldAllreduces(self))
         self._wrapped: list[Optimizer] = []  # every optimizer set up so far, in order (names opt0, opt1, ...)
         self._averaged: set[int] = set()  # optimizers whose gradients are averaged for the coming step
@@ -201,8 +203,11 @@ class HorovodStrategy(HorovodStrategyShared, ParallelStrategy):
     # ------------------------------------------------------------------ setup
     @override
     def setup_module(self, module: Module) -> Module:
-        """Every worker starts from rank 0's parameters and buffers."""
+        """Every worker starts from rank 0's parameters and buffers. Until teardown, graphs that ``torch.compile``
+        captures (``fabric.setup`` compiles the module again after this when it was given compiled) end where a
+        gradient bucket fills, so the syncs that backward's hooks start overlap the rest of backward."""
         broadcast_module_(module)
+        self._graph_cuts.open()
         return module
 
     @override
@@ -338,6 +343,7 @@ class HorovodStrategy(HorovodStrategyShared, ParallelStrategy):
     @override
     def teardown(self) -> None:
         self._guards.stop_checking()
+        self._graph_cuts.close()
         if self.gradient_sync is not None:
             self.gradient_sync.teardown(self._wrapped)
         super().teardown()

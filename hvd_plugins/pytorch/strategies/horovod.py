@@ -32,6 +32,7 @@ from hvd_plugins.core.backend.agreement import assert_ranks_agree
 from hvd_plugins.core.backend.module import horovod_torch
 from hvd_plugins.core.backend.startup import init_horovod
 from hvd_plugins.core.comm.counters import CommCounters
+from hvd_plugins.core.compiled_graphs import GraphCuts
 from hvd_plugins.core.config import (
     DEFAULT_COMMIT_EVERY_N_STEPS,
     CompressionName,
@@ -164,6 +165,7 @@ class HorovodStrategy(HorovodStrategyShared, ParallelStrategy):
         self.comm_counters = CommCounters()
         self.gradient_sync: GradientSync | None = None  # built at the first setup, kept across fits
         self._guards = SyncGuards(self.config)
+        self._graph_cuts = GraphCuts(self.config.bucket_bytes)  # a compiled model's graphs end at gradient buckets
         self._restored_sync_state: dict[str, Any] = {}  # for the next sync built: from a checkpoint or a reset
         self._progress_bar_given: bool | None = None
         self._resume_position = ResumePosition()  # a mid-epoch resume continues at the next batch
@@ -235,6 +237,7 @@ class HorovodStrategy(HorovodStrategyShared, ParallelStrategy):
         if fitting and (sync_layers := layer_sync(self)) is not None:  # as DDP: while fitting, reverted at teardown
             self.model = sync_layers.apply(self.model)
         self.model_to_device()
+        self._graph_cuts.open()  # until teardown: graphs torch.compile captures meanwhile end at gradient buckets
         attach_horovod_metric_sync(self.model)
         if self.gradient_sync is None:
             self.gradient_sync = make_gradient_sync(self.config, self.comm_counters)  # node-aware: a collective
@@ -378,6 +381,7 @@ class HorovodStrategy(HorovodStrategyShared, ParallelStrategy):
     @override
     def teardown(self) -> None:
         self._guards.stop_checking()
+        self._graph_cuts.close()
         if self.gradient_sync is not None:
             self.gradient_sync.teardown(self.optimizers)  # its state (the measured route) stays for a later fit
         trainer = self._trainer
