@@ -28,6 +28,7 @@ if str(REPO) not in sys.path:
 from benchmarks import (  # noqa: E402
     background_progress,
     comm_volume,
+    compiled,
     duplex,
     elastic,
     emulated_cluster,
@@ -112,6 +113,18 @@ def test_sharding_smoke_reports_a_quarter_less_state_and_every_setting_timed(
 
 
 # ------------------------------------------------------------------------------------------ overhead
+def test_compiled_smoke_times_eager_and_both_compiled_forms_in_every_setting(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, out = run_main(compiled, ["--smoke", "--report", str(tmp_path / "compiled.txt")], capsys)
+    assert code == 0, out
+    rows = [line.split() for line in out.splitlines() if line.split()[:1] == ["transformer"] and len(line.split()) == 7]
+    assert [(row[1], row[2]) for row in rows] == [(s, v) for s in compiled.SETTINGS for v in compiled.VARIANTS]
+    for row in rows:
+        assert float(row[3]) > 0 and row[5].endswith("x") and float(row[6]) >= 0, row
+    assert (tmp_path / "compiled.txt").exists()
+
+
 def test_overhead_smoke_prints_positive_rates_and_verdicts(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     argv = ["--smoke", "--report", str(tmp_path / "overhead.txt")]
     code, printed = run_main(overhead, argv, capsys)
