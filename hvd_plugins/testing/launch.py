@@ -197,15 +197,18 @@ def elastic_horovodrun(
     timeout: float = 300,
     env: Mapping[str, str] | None = None,
     cwd: Path | None = None,
+    runner_args: Sequence[str] = (),
 ) -> JobResult:
-    """``horovodrun -np N --min-np A --max-np B --host-discovery-script S <worker>``: an elastic Gloo job.
+    """``horovodrun -np N --min-np A --max-np B --host-discovery-script S [runner_args] <worker>``: an elastic
+    Gloo job.
 
-    Its hosts are what ``discovery_script`` prints, and may change while the job runs.
+    Its hosts are what ``discovery_script`` prints, and may change while the job runs. ``runner_args`` are
+    more horovodrun options (``--elastic-timeout 20``).
     """
     command = [
         *horovodrun_command(),
         "-np", str(np), "--min-np", str(min_np), "--max-np", str(max_np),
-        "--host-discovery-script", str(discovery_script), *worker,
+        "--host-discovery-script", str(discovery_script), *runner_args, *worker,
     ]  # fmt: skip
     full_env = {"HOROVOD_GLOO_TIMEOUT_SECONDS": os.environ.get("HOROVOD_GLOO_TIMEOUT_SECONDS", GLOO_TIMEOUT_SECONDS)}
     return run_bounded(command, timeout, env={**full_env, **(env or {})}, cwd=cwd)
