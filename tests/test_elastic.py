@@ -1,4 +1,5 @@
-"""Elastic training with real elastic horovodrun jobs: workers killed, hosts leaving and joining, rank 0 lost.
+"""Elastic training with real elastic horovodrun jobs: workers killed, hosts leaving and joining, rank 0 lost,
+and a job left with no usable host (what it says while it waits, and how it ends).
 
 Hosts ``localhost`` and ``127.0.0.1`` are two hosts of one machine; the discovery script
 (examples/elastic/discover_hosts_file.sh) prints a file the worker rewrites when it kills itself
@@ -10,17 +11,22 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 import re
+import signal
+import subprocess
 import sys
+import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 from hvd_launch import REPO, WORKERS
 
 from hvd_plugins.core.backend.build_marker import applied_patches
-from hvd_plugins.testing.launch import JobResult, elastic_horovodrun
+from hvd_plugins.testing.launch import JobResult, elastic_env, elastic_horovodrun, elastic_horovodrun_command
 
 # The package modules this file's jobs exercise (tests/unit/test_module_coverage.py reads it).
 COVERS = (
@@ -58,6 +64,10 @@ class ElasticJob:
         self.hosts_file.write_text(hosts_before.replace(",", "\n") + "\n")
         self.result: JobResult | None = None
 
+    def worker(self, np: int, *args: str) -> list[str]:
+        worker = [sys.executable, str(self.script), "--out", str(self.folder), "--np-start", str(np)]
+        return worker + ["--hosts-file", str(self.hosts_file), "--max-steps", str(MAX_STEPS), *args]
+
     def run(
         self,
         np: int,
@@ -69,10 +79,8 @@ class ElasticJob:
         runner_args: tuple[str, ...] = (),
         env: dict[str, str] | None = None,
     ) -> ElasticJob:
-        worker = [sys.executable, str(self.script), "--out", str(self.folder), "--np-start", str(np)]
-        worker += ["--hosts-file", str(self.hosts_file), "--max-steps", str(MAX_STEPS), *args]
         self.result = elastic_horovodrun(
-            worker,
+            self.worker(np, *args),
             np=np,
             min_np=min_np,
             max_np=max_np,
@@ -206,6 +214,44 @@ def test_no_usable_host_left_the_job_says_why_while_it_waits_and_when_it_ends(tm
     ):
         assert said in last_error, f"{said!r} not in {last_error!r}"
     assert "{activity}" not in output
+
+
+def test_a_sigterm_while_no_host_is_usable_ends_horovodrun_and_the_workers_at_once(tmp_path: Path) -> None:
+    """The same job with a long elastic timeout, and horovodrun stopped by SIGTERM while it waits: the waiting
+    workers end at once on every build, and horovodrun too with patch 0016 (it waited for the timeout)."""
+    job = ElasticJob(tmp_path, "localhost:2,127.0.0.1:2")
+    command = elastic_horovodrun_command(
+        job.worker(4, "--fail-rank", "1", "--kill-step", "7"), 4, 2, 4, DISCOVERY, ("--elastic-timeout", "600")
+    )
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONWARNINGS": "ignore", "HOSTS_FILE": str(job.hosts_file)}
+    env["HOROVOD_ELASTIC_WAIT_REPORT_SECONDS"] = str(WAIT_REPORT_S)
+    output = tmp_path / "output.txt"
+    with output.open("w") as sink:
+        runner = subprocess.Popen(command, env={**env, **elastic_env()}, stdout=sink, stderr=subprocess.STDOUT,
+                                  start_new_session=True)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 150
+        while "still waiting for" not in output.read_text():  # a reset that waits, not one under way
+            assert runner.poll() is None and time.monotonic() < deadline, output.read_text()[-4000:]
+            time.sleep(0.5)
+        waiting = [child for child in psutil.Process(runner.pid).children(recursive=True) if "elastic_training" in
+                   " ".join(child.cmdline())]  # fmt: skip
+        assert waiting, "no worker left to wait"
+        runner.send_signal(signal.SIGTERM)
+        stopped = time.monotonic()
+        _, alive = psutil.wait_procs(waiting, timeout=10)
+        assert not alive, f"workers still running 10 s after the SIGTERM: {alive}"
+        if "0016-runner-elastic-wait-says-why" not in applied_patches():
+            return  # another build's horovodrun notices the signal only at the elastic timeout
+        returncode = runner.wait(timeout=10)
+        assert returncode != 0 and time.monotonic() - stopped < 10
+        text = output.read_text()
+        last_error = [line for line in text.splitlines() if line.startswith(RUNTIME_ERROR)][-1]
+        assert "Elastic job stopped by a signal" in last_error and "blacklisted because rank 1 of 4" in last_error
+    finally:
+        if runner.poll() is None:
+            os.killpg(runner.pid, signal.SIGKILL)
+            runner.wait()
 
 
 def test_hosts_that_join_get_the_state_and_train_in_step(tmp_path: Path) -> None:

@@ -78,7 +78,7 @@ def fail_and_drop_other_hosts(args: argparse.Namespace, events: Events, step: in
 
 def leave_or_grow(args: argparse.Namespace, events: Events, step: int) -> None:
     """At ``--kill-step`` the workers of ``--kill-rank`` (or ``--kill-ranks``) drop their hosts from the discovery
-    file and SIGKILL themselves; at ``--grow-step`` rank 0 writes ``--hosts-after`` there, and each step pauses
+    file and SIGKILL themselves (``--fail-rank``: drops the other hosts and exits with status 1); at ``--grow-step`` rank 0 writes ``--hosts-after`` there, and each step pauses
     until the job grew. Once per job."""
     if 0 <= args.grow_step < step and hvd.size() < slots_of(args.hosts_after):
         time.sleep(GROW_PAUSE_S)
