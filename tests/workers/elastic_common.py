@@ -56,6 +56,11 @@ def slots_of(hosts: str) -> int:
     return sum(int(entry.split(":")[1]) for entry in hosts.split(",") if entry)
 
 
+DISCOVERY_NOTICED_S = 3.0
+"""horovodrun runs the discovery script every second: a failing worker waits this long after dropping hosts, so
+that the reset after its failure finds them gone (a reset before that would form a world on them first)."""
+
+
 def rewrite_hosts(args: argparse.Namespace, keep: Callable[[str], bool]) -> None:
     """Keep the discovery file's lines whose host ``keep`` accepts (workers rewrite it one at a time)."""
     with args.hosts_file.open("r+") as file:
@@ -72,14 +77,15 @@ def fail_and_drop_other_hosts(args: argparse.Namespace, events: Events, step: in
     (args.out / "changed").write_text("failed")
     host = os.environ["HOROVOD_HOSTNAME"]
     rewrite_hosts(args, lambda name: name == host)
+    time.sleep(DISCOVERY_NOTICED_S)  # the others wait for this worker in the step's first collective meanwhile
     events.write("failed", rank=hvd.rank(), step=step, host=host)
     os._exit(1)
 
 
 def leave_or_grow(args: argparse.Namespace, events: Events, step: int) -> None:
     """At ``--kill-step`` the workers of ``--kill-rank`` (or ``--kill-ranks``) drop their hosts from the discovery
-    file and SIGKILL themselves (``--fail-rank``: drops the other hosts and exits with status 1); at ``--grow-step`` rank 0 writes ``--hosts-after`` there, and each step pauses
-    until the job grew. Once per job."""
+    file and SIGKILL themselves (``--fail-rank``: drops the other hosts and exits with status 1); at
+    ``--grow-step`` rank 0 writes ``--hosts-after`` there, and each step pauses until the job grew. Once per job."""
     if 0 <= args.grow_step < step and hvd.size() < slots_of(args.hosts_after):
         time.sleep(GROW_PAUSE_S)
     marker = args.out / "changed"
