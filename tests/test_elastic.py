@@ -1,4 +1,5 @@
-"""Elastic training with real elastic horovodrun jobs: workers killed, hosts leaving and joining, rank 0 lost.
+"""Elastic training with real elastic horovodrun jobs: workers killed, hosts leaving and joining, rank 0 lost,
+and a job left with no usable host (what it says while it waits, and how it ends).
 
 Hosts ``localhost`` and ``127.0.0.1`` are two hosts of one machine; the discovery script
 (examples/elastic/discover_hosts_file.sh) prints a file the worker rewrites when it kills itself
@@ -10,19 +11,27 @@ from __future__ import annotations
 
 import csv
 import json
+import os
+import re
+import signal
+import subprocess
 import sys
+import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 from hvd_launch import REPO, WORKERS
 
-from hvd_plugins.testing.launch import JobResult, elastic_horovodrun
+from hvd_plugins.core.backend.build_marker import applied_patches
+from hvd_plugins.testing.launch import JobResult, elastic_env, elastic_horovodrun, elastic_horovodrun_command
 
 # The package modules this file's jobs exercise (tests/unit/test_module_coverage.py reads it).
 COVERS = (
     "hvd_plugins.core.backend.elastic",
+    "hvd_plugins.core.backend.reset_wait",
     "hvd_plugins.core.elastic.attempts",
     "hvd_plugins.core.elastic.cursor",
     "hvd_plugins.core.elastic.epoch_split",
@@ -55,19 +64,30 @@ class ElasticJob:
         self.hosts_file.write_text(hosts_before.replace(",", "\n") + "\n")
         self.result: JobResult | None = None
 
-    def run(
-        self, np: int, min_np: int, max_np: int, *args: str, timeout: float = 240, fails: bool = False
-    ) -> ElasticJob:
+    def worker(self, np: int, *args: str) -> list[str]:
         worker = [sys.executable, str(self.script), "--out", str(self.folder), "--np-start", str(np)]
-        worker += ["--hosts-file", str(self.hosts_file), "--max-steps", str(MAX_STEPS), *args]
+        return worker + ["--hosts-file", str(self.hosts_file), "--max-steps", str(MAX_STEPS), *args]
+
+    def run(
+        self,
+        np: int,
+        min_np: int,
+        max_np: int,
+        *args: str,
+        timeout: float = 240,
+        fails: bool = False,
+        runner_args: tuple[str, ...] = (),
+        env: dict[str, str] | None = None,
+    ) -> ElasticJob:
         self.result = elastic_horovodrun(
-            worker,
+            self.worker(np, *args),
             np=np,
             min_np=min_np,
             max_np=max_np,
             discovery_script=DISCOVERY,  # the example script, reading the file the workers rewrite
-            env={"HOSTS_FILE": str(self.hosts_file)},
+            env={"HOSTS_FILE": str(self.hosts_file), **(env or {})},
             timeout=timeout,
+            runner_args=runner_args,
         )
         assert (self.result.returncode != 0) == fails, self.result.output[-6000:]
         return self
@@ -140,6 +160,102 @@ def test_a_killed_worker_and_its_host_leave_and_the_fit_goes_on(unsharded_shrink
     assert listening["addresses"] and all(a.startswith("127.") for a in listening["addresses"]), listening
     # scale_lr=True: learning rates follow the number of workers (StepLR's epoch decay does not reach 20 epochs)
     assert [end["lr"][0] for end in ends] == pytest.approx([0.01 * 2] * 2)
+
+
+NO_HOST_TIMEOUT_S = 20
+"""--elastic-timeout of the job left without a usable host: short, the suite stays fast."""
+WAIT_REPORT_S = 5
+RUNTIME_ERROR = "RuntimeError: "
+
+
+def test_no_usable_host_left_the_job_says_why_while_it_waits_and_when_it_ends(tmp_path: Path) -> None:
+    """4 workers on 2 hosts; rank 1 exits with status 1 while discovery drops the other host. Horovod blacklists
+    the failed worker's host: no usable host is left. The job says that it waits, for what, and how long; at the
+    elastic timeout every process ends non-zero and horovodrun's last error names the cause."""
+    job = ElasticJob(tmp_path, "localhost:2,127.0.0.1:2").run(
+        4, 2, 4, "--fail-rank", "1", "--kill-step", "7",
+        fails=True,
+        timeout=NO_HOST_TIMEOUT_S + 150,
+        runner_args=("--elastic-timeout", str(NO_HOST_TIMEOUT_S)),
+        env={"HOROVOD_ELASTIC_WAIT_REPORT_SECONDS": str(WAIT_REPORT_S)},
+    )  # fmt: skip
+    assert job.result is not None and not job.result.timed_out
+    output = job.result.output
+    assert not job.events("end"), "no worker finished the fit"
+    (failed,) = job.events("failed")
+    blacklisted = failed["host"]
+    (removed,) = {"localhost", "127.0.0.1"} - {blacklisted}
+    # every worker ended non-zero: horovodrun prints such an exit by the worker's index, or the worker's shell
+    # says that SIGTERM ended it (horovodrun may end before it prints the exit)
+    exits = set(re.findall(r"^Process (\d) exit with status code -?[1-9]\d*\.$", output, re.M))
+    exits |= set(re.findall(r"^\[(\d)\]<stderr>:Terminated$", output, re.M))
+    assert sorted(exits) == ["0", "1", "2", "3"], output[-4000:]
+    alive = [event["pid"] for event in job.events("train_start") if psutil.pid_exists(event["pid"])]
+    assert not alive, f"workers outlived horovodrun: {alive}"
+    # the job ended soon after the elastic timeout: the last failure and the timeout, then at most a few seconds
+    assert job.result.seconds < NO_HOST_TIMEOUT_S + 120, f"{job.result.seconds:.0f} s"
+    # the waiting workers said so, for how many workers and how long, at the start and then at intervals
+    waiting = [line for line in output.splitlines() if "waiting for" in line and "hvd_plugins: elastic reset" in line]
+    assert [line for line in waiting if "workers before; waiting for" in line], output[-4000:]
+    assert [line for line in waiting if "still waiting for" in line], output[-4000:]
+    if "0016-runner-elastic-wait-says-why" not in applied_patches():
+        return  # another build: the workers said what they know, horovodrun says only Horovod's own words
+    assert all("waiting for 2 workers (--min-np)" in line for line in waiting), waiting
+    assert f"of the elastic timeout of {NO_HOST_TIMEOUT_S} s" in "\n".join(waiting)
+    reports = [line for line in output.splitlines() if line.startswith("WARNING:root:Elastic job waiting for 2 slots")]
+    assert len(reports) >= 2, output[-4000:]
+    cause = f"{blacklisted}:2 blacklisted because rank 1 of 4 ({blacklisted}["
+    assert cause in reports[0] and "exited with status 1" in reports[0], reports[0]
+    assert f"Removed by discovery: {removed} (ranks" in reports[0], reports[0]
+    last_error = [line for line in output.splitlines() if line.startswith(RUNTIME_ERROR)][-1]
+    for said in (
+        cause,
+        "exited with status 1",
+        f"Removed by discovery: {removed}",
+        f"elastic timeout of {NO_HOST_TIMEOUT_S} s",
+        "--elastic-timeout",
+        "--blacklist-cooldown-range",
+    ):
+        assert said in last_error, f"{said!r} not in {last_error!r}"
+    assert "{activity}" not in output
+
+
+def test_a_sigterm_while_no_host_is_usable_ends_horovodrun_and_the_workers_at_once(tmp_path: Path) -> None:
+    """The same job with a long elastic timeout, and horovodrun stopped by SIGTERM while it waits: the waiting
+    workers end at once on every build, and horovodrun too with patch 0016 (it waited for the timeout)."""
+    job = ElasticJob(tmp_path, "localhost:2,127.0.0.1:2")
+    command = elastic_horovodrun_command(
+        job.worker(4, "--fail-rank", "1", "--kill-step", "7"), 4, 2, 4, DISCOVERY, ("--elastic-timeout", "600")
+    )
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONWARNINGS": "ignore", "HOSTS_FILE": str(job.hosts_file)}
+    env["HOROVOD_ELASTIC_WAIT_REPORT_SECONDS"] = str(WAIT_REPORT_S)
+    output = tmp_path / "output.txt"
+    with output.open("w") as sink:
+        runner = subprocess.Popen(command, env={**env, **elastic_env()}, stdout=sink, stderr=subprocess.STDOUT,
+                                  start_new_session=True)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 150
+        while "still waiting for" not in output.read_text():  # a reset that waits, not one under way
+            assert runner.poll() is None and time.monotonic() < deadline, output.read_text()[-4000:]
+            time.sleep(0.5)
+        waiting = [child for child in psutil.Process(runner.pid).children(recursive=True) if "elastic_training" in
+                   " ".join(child.cmdline())]  # fmt: skip
+        assert waiting, "no worker left to wait"
+        runner.send_signal(signal.SIGTERM)
+        stopped = time.monotonic()
+        _, alive = psutil.wait_procs(waiting, timeout=10)
+        assert not alive, f"workers still running 10 s after the SIGTERM: {alive}"
+        if "0016-runner-elastic-wait-says-why" not in applied_patches():
+            return  # another build's horovodrun notices the signal only at the elastic timeout
+        returncode = runner.wait(timeout=10)
+        assert returncode != 0 and time.monotonic() - stopped < 10
+        text = output.read_text()
+        last_error = [line for line in text.splitlines() if line.startswith(RUNTIME_ERROR)][-1]
+        assert "Elastic job stopped by a signal" in last_error and "blacklisted because rank 1 of 4" in last_error
+    finally:
+        if runner.poll() is None:
+            os.killpg(runner.pid, signal.SIGKILL)
+            runner.wait()
 
 
 def test_hosts_that_join_get_the_state_and_train_in_step(tmp_path: Path) -> None:

@@ -101,7 +101,7 @@ class ElasticLoop:
                     self._restore(commits.snapshot)
                 return loop(self)
 
-            return run_attempts(attempt, commits, self._after_reset)
+            return run_attempts(attempt, commits, self._after_reset, reset_number=lambda: self.resets + 1)
 
         return run_loop
 
@@ -111,7 +111,10 @@ class ElasticLoop:
         strategy = self.fabric.strategy
         assert isinstance(strategy, HorovodStrategy)  # checked when the loop was made
         strategy.forget_world()
-        log.info(f"elastic reset {self.resets}: {hvd.size()} workers; this worker is rank {hvd.rank()}")
+        log.info(
+            f"elastic reset {self.resets}: {hvd.size()} workers; this worker is rank {hvd.rank()}; resuming from the "
+            "last commit"
+        )
 
     # ------------------------------------------------------------------ the loop
     def epochs(self, max_epochs: int) -> Iterator[int]:

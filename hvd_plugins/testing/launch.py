@@ -197,18 +197,33 @@ def elastic_horovodrun(
     timeout: float = 300,
     env: Mapping[str, str] | None = None,
     cwd: Path | None = None,
+    runner_args: Sequence[str] = (),
 ) -> JobResult:
-    """``horovodrun -np N --min-np A --max-np B --host-discovery-script S <worker>``: an elastic Gloo job.
+    """``horovodrun -np N --min-np A --max-np B --host-discovery-script S [runner_args] <worker>``: an elastic
+    Gloo job.
 
-    Its hosts are what ``discovery_script`` prints, and may change while the job runs.
+    Its hosts are what ``discovery_script`` prints, and may change while the job runs. ``runner_args`` are
+    more horovodrun options (``--elastic-timeout 20``).
     """
-    command = [
+    command = elastic_horovodrun_command(worker, np, min_np, max_np, discovery_script, runner_args)
+    return run_bounded(command, timeout, env=elastic_env(env), cwd=cwd)
+
+
+def elastic_horovodrun_command(
+    worker: Sequence[str], np: int, min_np: int, max_np: int, discovery_script: Path, runner_args: Sequence[str] = ()
+) -> list[str]:
+    """The command ``elastic_horovodrun`` runs, for a driver that starts it itself (to signal it, say)."""
+    return [
         *horovodrun_command(),
         "-np", str(np), "--min-np", str(min_np), "--max-np", str(max_np),
-        "--host-discovery-script", str(discovery_script), *worker,
+        "--host-discovery-script", str(discovery_script), *runner_args, *worker,
     ]  # fmt: skip
-    full_env = {"HOROVOD_GLOO_TIMEOUT_SECONDS": os.environ.get("HOROVOD_GLOO_TIMEOUT_SECONDS", GLOO_TIMEOUT_SECONDS)}
-    return run_bounded(command, timeout, env={**full_env, **(env or {})}, cwd=cwd)
+
+
+def elastic_env(env: Mapping[str, str] | None = None) -> dict[str, str]:
+    """What ``elastic_horovodrun`` adds to this process's environment: Gloo's start-up timeout, then ``env``."""
+    timeout = os.environ.get("HOROVOD_GLOO_TIMEOUT_SECONDS", GLOO_TIMEOUT_SECONDS)
+    return {"HOROVOD_GLOO_TIMEOUT_SECONDS": timeout, **(env or {})}
 
 
 MPI_RANKS_SHARE_CORES = {"OMPI_MCA_mpi_yield_when_idle": "1"}

@@ -11,6 +11,7 @@ snapshot in host memory, handed to new workers by a broadcast from rank 0.
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
@@ -18,6 +19,9 @@ from typing import Any, TypeVar
 import torch
 
 from hvd_plugins.core.backend.module import horovod_torch
+from hvd_plugins.core.backend.reset_wait import WaitPlan, wait_saying_so
+
+log = logging.getLogger(__name__)
 
 ELASTIC_ENV = "HOROVOD_ELASTIC"
 """Set to ``1`` by horovodrun for every worker of an elastic job (``--host-discovery-script``)."""
@@ -66,10 +70,35 @@ def _broadcast(value: Any, root_rank: int = 0) -> Any:
     return hvd.broadcast_object(value, root_rank, name="hvd_plugins.elastic.commit")
 
 
-def run_elastic(attempt: Callable[[], T], commits: ElasticCommits, on_reset: Callable[[], None]) -> T:
+def run_elastic(
+    attempt: Callable[[], T],
+    commits: ElasticCommits,
+    on_reset: Callable[[], None],
+    reset_number: Callable[[], int] | None = None,
+) -> T:
     """Run ``attempt()`` until it returns, starting Horovod again and calling ``on_reset`` after each failure
-    of a peer or change of hosts (Horovod's own elastic loop, with its shutdown-and-init reset)."""
-    import horovod.torch.elastic as hvd_elastic
+    of a peer or change of hosts (Horovod's own elastic loop, with its shutdown-and-init reset).
+
+    While Horovod starts again the worker says that it waits, for how many workers and how long
+    (``reset_wait``); ``reset_number()`` numbers the reset as ``on_reset`` will (1, 2... by default).
+    """
+    from horovod.common.elastic import run_fn
+
+    hvd = horovod_torch()
+    plan = WaitPlan.from_env()  # a malformed variable fails the fit before it starts, not at its first reset
+    resets = 0
+
+    def start_again() -> None:
+        nonlocal resets
+        resets += 1
+        old_size = hvd.size() if hvd.is_initialized() else 0
+
+        def restart() -> None:
+            hvd.shutdown()
+            hvd.init()
+
+        number = reset_number() if reset_number is not None else resets
+        wait_saying_so(restart, number, old_size, plan, log)
 
     commits.state.register_reset_callbacks([on_reset])
-    return hvd_elastic.run(lambda _state: attempt())(commits.state)
+    return run_fn(lambda _state: attempt(), start_again)(commits.state)

@@ -62,7 +62,9 @@ class HorovodElasticLauncher(TrainerLauncher):
                 return function(*resumed_args, **resumed_kwargs)
             return function(*args, **kwargs)
 
-        return run_attempts(attempt, commits, lambda: self._after_reset(trainer))
+        return run_attempts(
+            attempt, commits, lambda: self._after_reset(trainer), reset_number=lambda: self.elastic.resets + 1
+        )
 
     def _after_reset(self, trainer: pl.Trainer) -> None:
         """Horovod runs again, with new ranks: drop what the old world shaped, tell user code."""

@@ -49,7 +49,7 @@ def job(fake_horovod: Callable[..., Any], monkeypatch: pytest.MonkeyPatch) -> Si
     hvd = fake_horovod(elastic, launcher_module, size=4, rank=3)
     monkeypatch.setattr(elastic, "ElasticCommits", FakeCommits)
 
-    def run_attempts(attempt: Callable[[], Any], commits: FakeCommits, on_reset: Callable[[], None]) -> Any:
+    def run_attempts(attempt: Callable[[], Any], commits: FakeCommits, on_reset: Callable[[], None], **_: Any) -> Any:
         attempt()
         commits.snapshot = {"global_step": 5}  # the first attempt committed, then a peer was lost
         hvd._size, hvd._rank = 2, 1
