@@ -17,8 +17,10 @@ from daso_checks import (
     check_merge_weight,
     daso_adam_fp16,
     daso_adam_per_node_state,
+    daso_keeps_cycling_where_it_pays,
     daso_sgd_fp16,
     daso_sgd_fp32,
+    daso_stops_cycling_where_it_is_slower,
     daso_two_optimizers,
     daso_unfreeze,
     daso_with_a_layer_one_node_never_uses,
@@ -271,3 +273,16 @@ def test_resume_mid_cycling_continues_like_an_uninterrupted_run(two_by_one: dict
         assert resume["resumed_history"] == whole
         assert resume["interrupted_vs_whole_diff"] > 1e-3  # the comparison below can fail
         assert resume["max_parameter_diff"] < 1e-6
+
+
+def test_auto_cycling_stops_where_cycling_steps_are_slower_and_goes_on_where_they_pay(
+    two_by_one: dict[int, dict],
+) -> None:
+    for rank in (0, 1):
+        declined = check(two_by_one, daso_stops_cycling_where_it_is_slower, rank)
+        assert [epoch["phase"] for epoch in declined["history"]] == ["warmup", "cycling", "synchronous", "cooldown"]
+        # the synchronous epoch averages every step over all workers: identical parameters and state
+        assert declined["epoch_ends"]["checked"] == declined["epoch_ends"]["params_equal"] == 4
+        assert declined["epoch_ends"]["state_equal"] == 4
+        kept = check(two_by_one, daso_keeps_cycling_where_it_pays, rank)
+        assert [epoch["phase"] for epoch in kept["history"]] == ["warmup", "cycling", "cycling", "cooldown"]

@@ -184,7 +184,10 @@ def sync_modes() -> dict[str, dict[str, Any]]:
     if hvd.size() > hvd.local_size():  # several nodes
         modes["hierarchical"] = {"sync": "hierarchical"}
         modes["hierarchical_shard_gradients"] = {"sync": "hierarchical", "shard": "gradients"}
-        modes["daso"] = {"sync": "daso", "daso": DasoConfig(warmup_epochs=1, cooldown_epochs=1, downcast="bf16")}
+        modes["daso"] = {
+            "sync": "daso",
+            "daso": DasoConfig(warmup_epochs=1, cooldown_epochs=1, downcast="bf16", cycling="always"),
+        }
     return modes
 
 
@@ -276,7 +279,7 @@ def check_daso_bf16_halves_bytes() -> dict[str, Any]:
         return {"skipped": "one node"}
     found = {}
     for downcast in ("fp32", "fp16", "bf16"):
-        daso = DasoConfig(warmup_epochs=1, cooldown_epochs=1, downcast=downcast)  # type: ignore[arg-type]
+        daso = DasoConfig(warmup_epochs=1, cooldown_epochs=1, downcast=downcast, cycling="always")  # type: ignore[arg-type]
         found[downcast] = training_report(
             *fit("32-true", epochs=4, optimizer="sgd", batchnorm=False, sync="daso", daso=daso)
         )

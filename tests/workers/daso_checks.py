@@ -12,6 +12,7 @@ that start (DASO reaches its partners through global alltoalls, no process sets)
 from __future__ import annotations
 
 import argparse
+import time
 from typing import Any
 
 import horovod.torch as hvd
@@ -24,9 +25,10 @@ from daso_training import (
     refuses_iterable_without_length,
 )
 from finetuning import UnfreezeExtra
+from lightning.pytorch import Callback, LightningModule, Trainer
 from models import MlpClassifier, TwoOptimizerClassifier
 
-CYCLING = {"warmup_epochs": 1, "cooldown_epochs": 1, "stable_epochs": 2}
+CYCLING = {"warmup_epochs": 1, "cooldown_epochs": 1, "stable_epochs": 2, "cycling": "always"}
 SGD_BYTES = {"optimizer": "sgd", "batchnorm": False, "epochs": 2}
 
 two_by_two = Checks()
@@ -62,12 +64,14 @@ def allreduce_adam() -> dict[str, Any]:
 
 @two_by_two.register
 def daso_sgd_fp16() -> dict[str, Any]:
-    return fit("daso", daso={"cooldown_epochs": 0, "warmup_epochs": 1}, **SGD_BYTES)
+    return fit("daso", daso={"cooldown_epochs": 0, "warmup_epochs": 1, "cycling": "always"}, **SGD_BYTES)
 
 
 @two_by_two.register
 def daso_sgd_fp32() -> dict[str, Any]:
-    return fit("daso", daso={"cooldown_epochs": 0, "warmup_epochs": 1, "downcast": "fp32"}, **SGD_BYTES)
+    return fit(
+        "daso", daso={"cooldown_epochs": 0, "warmup_epochs": 1, "downcast": "fp32", "cycling": "always"}, **SGD_BYTES
+    )
 
 
 @two_by_two.register
@@ -92,7 +96,7 @@ def daso_unfreeze() -> dict[str, Any]:
     return fit(
         "daso",
         epochs=4,
-        daso={"warmup_epochs": 1, "cooldown_epochs": 1},
+        daso={"warmup_epochs": 1, "cooldown_epochs": 1, "cycling": "always"},
         model=MlpClassifier("adam", True, frozen_extra=True),
         callbacks=[UnfreezeExtra(new_group=True, epoch=2)],
     )
@@ -110,6 +114,33 @@ def main() -> None:
     topology, _ = parser.parse_known_args()
     hvd.init()  # plain, as users start; the strategy keeps it
     write_result(out, hvd.rank(), TOPOLOGIES[topology.topology].selected(args.case).run())
+
+
+class SlowPhase(Callback):
+    """Sleeps 40 ms before every batch of the phases named: a link on which those steps cost more."""
+
+    def __init__(self, *phases: str) -> None:
+        self.phases = phases
+
+    def on_train_batch_start(self, trainer: Trainer, module: LightningModule, batch: Any, index: int) -> None:
+        schedule = trainer.strategy.daso_sync.schedule
+        if schedule.phase.value in self.phases:
+            time.sleep(0.04)
+
+
+AUTO = {"warmup_epochs": 1, "cooldown_epochs": 1, "stable_epochs": 2, "cycling": "auto"}
+
+
+@two_by_one.register
+def daso_stops_cycling_where_it_is_slower() -> dict[str, Any]:
+    """cycling="auto" with cycling steps 40 ms slower: the third epoch averages over all workers instead."""
+    return fit("daso", epochs=4, daso=AUTO, callbacks=[SlowPhase("cycling")])
+
+
+@two_by_one.register
+def daso_keeps_cycling_where_it_pays() -> dict[str, Any]:
+    """cycling="auto" with synchronous steps 40 ms slower: cycling goes on."""
+    return fit("daso", epochs=4, daso=AUTO, callbacks=[SlowPhase("warmup", "cooldown")])
 
 
 if __name__ == "__main__":

@@ -26,7 +26,7 @@ EPOCHS = 7
 STOP_AFTER_EPOCH = 3  # 0-based: epochs 1-5 cycle, so the interrupted run stops in the middle of cycling
 # A plateau on every 2nd non-improving epoch: the run stops with one bad epoch counted, which the
 # resumed run must remember for epoch 4 to shrink the skips as the uninterrupted run does.
-DASO = {"warmup_epochs": 1, "cooldown_epochs": 1, "stable_epochs": 1, "stability_level": 0.5}
+DASO = {"warmup_epochs": 1, "cooldown_epochs": 1, "stable_epochs": 1, "stability_level": 0.5, "cycling": "always"}
 
 
 class StopAfterEpoch(Callback):

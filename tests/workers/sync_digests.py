@@ -140,7 +140,13 @@ def check_hierarchical_training() -> dict[str, str]:
 @checks.register
 def check_daso_training() -> dict[str, str]:
     """``sync="daso"`` through warmup, cycling (merges in flight) and cooldown, per wire type and optimizer."""
-    schedule = {"warmup_epochs": 1, "cooldown_epochs": 1, "max_global_skips": 2, "stable_epochs": 1}
+    schedule = {
+        "warmup_epochs": 1,
+        "cooldown_epochs": 1,
+        "max_global_skips": 2,
+        "stable_epochs": 1,
+        "cycling": "always",
+    }
     return {
         "adam_fp16": fit_digest(HorovodStrategy(sync="daso", daso={**schedule, "downcast": "fp16"}), "adam", 5),
         "sgd_bf16_per_node_state": fit_digest(

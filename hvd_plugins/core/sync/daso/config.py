@@ -13,6 +13,8 @@ from typing import Any, Literal, get_args
 
 Downcast = Literal["fp16", "bf16", "fp32"]
 DOWNCAST_TYPES: tuple[str, ...] = get_args(Downcast)
+Cycling = Literal["auto", "always"]
+CYCLING_CHOICES: tuple[str, ...] = get_args(Cycling)
 
 
 @dataclass(frozen=True)
@@ -52,6 +54,12 @@ class DasoConfig:
     parameters. False keeps each node's own state between cycling epochs (the reference
     implementation never averages it); it is still averaged before a warmup or cooldown epoch, so
     their steps stay bit-identical on every worker. A checkpoint then holds rank 0's node's state."""
+    cycling: Cycling = "auto"
+    """``"auto"``: at the end of the first cycling epoch, compare its steps (the closing sync included)
+    with the synchronous epochs' steps, mean over workers; when cycling was more than 5 % slower (a
+    fast link, where its extra collective rounds cost more than the bytes they save), every later
+    epoch averages the gradients over all workers, as warmup does, and rank 0 says so. Needs a warmup
+    epoch to compare with. ``"always"``: cycle whenever the schedule says (the reference's DASO)."""
     verbose: bool = False
     """Print schedule changes on rank 0."""
 
@@ -74,6 +82,10 @@ class DasoConfig:
             raise ValueError(f"DasoConfig.skip_reduction_factor={self.skip_reduction_factor!r} must be >= 2")
         if not 0 <= self.stability_level < 1:
             raise ValueError(f"DasoConfig.stability_level={self.stability_level!r} must be in [0, 1)")
+        if self.cycling not in CYCLING_CHOICES:
+            raise ValueError(
+                f"DasoConfig.cycling={self.cycling!r} is not supported; choose one of {list(CYCLING_CHOICES)}"
+            )
         if self.downcast not in DOWNCAST_TYPES:
             raise ValueError(
                 f"DasoConfig.downcast={self.downcast!r} is not supported; choose one of {list(DOWNCAST_TYPES)}"

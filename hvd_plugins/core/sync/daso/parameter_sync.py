@@ -57,6 +57,7 @@ rank at the same epoch start.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Iterable, Sequence
 
 import torch
@@ -73,7 +74,8 @@ from hvd_plugins.core.comm.shards import ShardLayout
 from hvd_plugins.core.comm.topology import NodeGroups
 from hvd_plugins.core.comm.wire import nbytes
 from hvd_plugins.core.sync.daso.config import DasoConfig
-from hvd_plugins.core.sync.daso.schedule import DasoSchedule, StepPlan
+from hvd_plugins.core.sync.daso.cycling_probe import CyclingProbe
+from hvd_plugins.core.sync.daso.schedule import DasoSchedule, Phase, StepPlan
 
 log = logging.getLogger(__name__)
 
@@ -112,6 +114,8 @@ class DasoParameterSync:
         self._layout = ShardLayout(0, 1, 0)
         self._reference = torch.empty(0)  # the full flat parameters of the last cross-node average
         self._in_flight: ChunkedSum | None = None
+        self.probe = CyclingProbe(_average_over_workers) if config.cycling == "auto" else None
+        """Times cycling against synchronous steps (``DasoConfig.cycling="auto"``); None once it has judged."""
 
     @property
     def across_nodes(self) -> bool:
@@ -149,6 +153,8 @@ class DasoParameterSync:
         Every epoch starts with all workers holding the same parameters, so the reference is
         refreshed here too (after a synchronous epoch it was not kept up to date).
         """
+        if self.probe is not None:
+            self.probe.epoch_started()
         if self._model is None:
             return
         added = self._collect_parameters()
@@ -168,6 +174,8 @@ class DasoParameterSync:
 
     def after_optimizer_step(self, last_batch_of_epoch: bool) -> None:
         self._carry_out(self.schedule.on_optimizer_step(last_batch_of_epoch))
+        if self.probe is not None:
+            self.probe.step_ended(self.schedule.phase.synchronous, time.perf_counter())
 
     def on_train_epoch_end(self, epoch_loss: Callable[[], float | None]) -> None:
         """Settle what the epoch still owes, then let the schedule pick the next epoch's settings.
@@ -178,7 +186,10 @@ class DasoParameterSync:
         loss = epoch_loss()
         if self.schedule.phase.synchronous:
             finish_buffer_average(self._start_buffer_average())
+        declined = self._judge_cycling()
         self._carry_out(self.schedule.finish_epoch())
+        if declined and not self.config.average_optimizer_state and self.across_nodes:
+            self._average_over_nodes(with_state=True)  # the closing sync kept each node's state: one for all now
         before = (self.schedule.phase, *self.schedule.settings)
         self.schedule.end_epoch(loss)
         after = (self.schedule.phase, *self.schedule.settings)
@@ -187,6 +198,24 @@ class DasoParameterSync:
                 f"DASO epoch {self.schedule.epoch}: phase={after[0].value} global_skips={after[1]} "
                 f"local_skips={after[2]} batches_to_wait={after[3]} (loss {loss})"
             )
+
+    def _judge_cycling(self) -> bool:
+        """After the first cycling epoch that another would follow: keep cycling only where it paid. Returns
+        whether it was declined now (every later epoch that would cycle then runs synchronous)."""
+        probe = self.probe
+        next_epoch_cycles = self.schedule.phase_of(self.schedule.epoch + 1) is Phase.CYCLING
+        if probe is None or self.schedule.phase is not Phase.CYCLING or not next_epoch_cycles:
+            return False
+        self.probe = None  # one verdict a fit
+        if probe.cycling_pays():
+            return False
+        self.schedule.decline_cycling()
+        if horovod_torch().rank() == 0:
+            log.info(
+                f"DASO: {probe.measured()}; later epochs average gradients over all workers, as warmup does "
+                "(DasoConfig(cycling='always') keeps cycling)"
+            )
+        return True
 
     def _carry_out(self, plan: StepPlan) -> None:
         if plan.receive:
@@ -271,6 +300,11 @@ class DasoParameterSync:
         with torch.no_grad():
             unflatten_into(self._reference, self._parameters)
             unflatten_into(state_average, state_tensors)
+
+
+def _average_over_workers(values: torch.Tensor) -> torch.Tensor:
+    hvd = horovod_torch()
+    return hvd.allreduce(values, op=hvd.Average, name="daso.cycling_probe")
 
 
 def move_towards(parameters: Sequence[torch.Tensor], target: torch.Tensor, share: float) -> None:

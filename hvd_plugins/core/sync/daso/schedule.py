@@ -55,10 +55,12 @@ class Phase(str, Enum):
     WARMUP = "warmup"
     CYCLING = "cycling"
     COOLDOWN = "cooldown"
+    SYNCHRONOUS = "synchronous"
+    """An epoch that would cycle, after cycling proved slower than synchronous steps (``decline_cycling``)."""
 
     @property
     def code(self) -> int:
-        """A number for loggers that only take numbers: 0 warmup, 1 cycling, 2 cooldown."""
+        """A number for loggers that only take numbers: 0 warmup, 1 cycling, 2 cooldown, 3 synchronous."""
         return list(Phase).index(self)
 
     @property
@@ -121,6 +123,8 @@ class DasoSchedule:
     global_skips: int = field(default=1, init=False)
     local_skips: int = field(default=1, init=False)
     batches_to_wait: int = field(default=0, init=False)
+    cycling_declined: bool = field(default=False, init=False)
+    """Set by ``decline_cycling``: epochs that would cycle run synchronous instead."""
     best_loss: float = field(default=math.inf, init=False)
     epochs_without_improvement: int = field(default=0, init=False)
     last_plan: StepPlan = field(default_factory=StepPlan, init=False)
@@ -141,7 +145,13 @@ class DasoSchedule:
             return Phase.WARMUP
         if self.total_epochs is not None and epoch >= self.total_epochs - self.config.cooldown_epochs:
             return Phase.COOLDOWN
-        return Phase.CYCLING
+        return Phase.SYNCHRONOUS if self.cycling_declined else Phase.CYCLING
+
+    def decline_cycling(self) -> None:
+        """From the next epoch on, epochs that would cycle run synchronous (cycling did not pay on this link).
+
+        Call between an epoch's last step and ``end_epoch``; the epoch running now keeps its phase."""
+        self.cycling_declined = True
 
     @property
     def settings(self) -> tuple[int, int, int]:
@@ -267,11 +277,13 @@ class DasoSchedule:
             "batches_to_wait": self.batches_to_wait,
             "best_loss": None if math.isinf(self.best_loss) else self.best_loss,
             "epochs_without_improvement": self.epochs_without_improvement,
+            "cycling_declined": self.cycling_declined,
             "history": [{**asdict(record), "phase": record.phase.value} for record in self.history],
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.epoch = int(state["epoch"])
+        self.cycling_declined = bool(state.get("cycling_declined", False))
         self._enter(Phase(state["phase"]), previous=None)
         if not self.phase.synchronous:
             self._set(int(state["global_skips"]), int(state.get("local_skips", 1)), int(state["batches_to_wait"]))

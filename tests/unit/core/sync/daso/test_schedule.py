@@ -217,4 +217,25 @@ def test_a_fresh_schedule_state_dict_has_no_best_loss_yet() -> None:
 
 
 def test_phase_codes_for_loggers() -> None:
-    assert [phase.code for phase in Phase] == [0, 1, 2]
+    assert [phase.code for phase in Phase] == [0, 1, 2, 3]
+
+
+def test_declined_cycling_runs_later_cycling_epochs_synchronous_and_survives_a_checkpoint() -> None:
+    config = DasoConfig(warmup_epochs=1, cooldown_epochs=1)
+    schedule = DasoSchedule(config, total_epochs=5)
+    seen = settings_sequence(schedule, [1.0])  # warmup
+    run_epoch(schedule, 8)  # the first cycling epoch runs as it was
+    assert schedule.phase is Phase.CYCLING
+    schedule.decline_cycling()
+    schedule.end_epoch(0.9)
+    assert not any(plan.communicates for plan in run_epoch(schedule, 8))  # nothing crosses nodes on its own
+    schedule.end_epoch(0.8)
+    seen += settings_sequence(schedule, [0.7, 0.6])
+    assert seen == [("warmup", 1, 1, 0), ("synchronous", 1, 1, 0), ("cooldown", 1, 1, 0)]
+    resumed = DasoSchedule(config, total_epochs=6)
+    resumed.load_state_dict(schedule.state_dict())
+    assert resumed.cycling_declined and resumed.phase_of(4) is Phase.SYNCHRONOUS
+    assert resumed.phase_of(5) is Phase.COOLDOWN and resumed.phase_of(0) is Phase.WARMUP
+    fresh = DasoSchedule(config, total_epochs=6)
+    fresh.load_state_dict({key: value for key, value in schedule.state_dict().items() if key != "cycling_declined"})
+    assert not fresh.cycling_declined  # a checkpoint written before the verdict existed
