@@ -15,6 +15,7 @@ which hold the compilation, are left out of the step time and reported as the co
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import sys
 import tempfile
@@ -35,7 +36,7 @@ HOSTS = "localhost:1,127.0.0.1:1"
 """Two emulated nodes of one worker each (2x1), unshaped."""
 SETTINGS: dict[str, dict[str, Any]] = {"flat": {}, "fp16": {"compression": "fp16"}, "zero2": {"shard": "gradients"}}
 VARIANTS = ("eager", "compiled", "compiled_whole")
-DIGITS = Path(__file__).resolve().parents[1] / "examples"
+DIGITS = Path(__file__).resolve().parents[1] / "examples" / "digits.py"
 
 
 @dataclass(frozen=True)
@@ -63,9 +64,10 @@ SMOKE = {
 # ------------------------------------------------------------------------------------------ worker
 def _module_and_data(setup: Setup, world: int) -> tuple[Any, torch.utils.data.DataLoader]:
     if setup.model == "digits":
-        sys.path.insert(0, str(DIGITS))
-        import digits  # examples/digits.py: the classifier and data of the demo
-
+        spec = importlib.util.spec_from_file_location("digits", DIGITS)  # the demo's classifier and data
+        assert spec is not None and spec.loader is not None
+        digits = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(digits)
         data = digits.DigitsData(setup.batch_size)
         return digits.DigitsClassifier(), torch.utils.data.DataLoader(data.train_set, batch_size=setup.batch_size)
     sizes = dict(setup.size)

@@ -205,6 +205,8 @@ class Run:
     data_path: str
     daso_average_state: bool = True
     """``DasoConfig.average_optimizer_state``: False keeps each node's optimizer state while cycling."""
+    daso_cycling: str = "auto"
+    """``DasoConfig.cycling``: "always" cycles even where cycling steps are slower than synchronous ones."""
 
     @property
     def per_worker_batch(self) -> int:
@@ -324,6 +326,7 @@ def worker_main(spec: Path, out: Path) -> None:
     daso = bench.daso_settings(compression, run.daso_warmup, run.daso_cooldown) if sync == "daso" else None
     if daso is not None:
         daso["average_optimizer_state"] = run.daso_average_state
+        daso["cycling"] = run.daso_cycling
         daso["downcast_optimizer_state"] = tag == DASO_STATE_TAG
     shard = SHARD_TAGS[tag] if tag in SHARD_TAGS else "none"
     strategy = HorovodStrategy(sync=sync, compression=compression, daso=daso, shard=shard)
@@ -476,6 +479,7 @@ class Grid:
     repeats: int = 1
     """Runs per row; the row is the run with the median time to target (``median_attempt``)."""
     daso_average_state: bool = True
+    daso_cycling: str = "auto"
 
     def modes_for(self, topology: Topology, model: Model) -> list[str]:
         """Flat fp32 first (it is the baseline); the two-level allreduce only where a node has >= 2 workers;
@@ -527,7 +531,8 @@ def _run_group(
                 label = f"{model.name}_{topology.label}_{link_label(link)}_{mode.replace('/', '_')}"
                 run = Run(model, topology, link, mode, grid.epochs or model.epochs, grid.daso_warmup,
                           grid.daso_cooldown, target_loss=target, budget_s=grid.budget_s,
-                          data_path=str(data_path), daso_average_state=grid.daso_average_state)  # fmt: skip
+                          data_path=str(data_path), daso_average_state=grid.daso_average_state,
+                          daso_cycling=grid.daso_cycling)  # fmt: skip
                 out = workdir / (label if grid.repeats == 1 else f"{label}_r{repeat + 1}")
                 try:
                     launch_on_cluster(cluster, run, out)
@@ -580,6 +585,7 @@ def report(rows: list[dict[str, Any]], grid: Grid) -> str:
         f"(Mbit/s per node, each direction), workers inside a node on loopback. {models}; the global batch is "
         f"split over the workers; DASO: {grid.daso_warmup} warmup and "
         f"{grid.daso_cooldown} cooldown epochs, cycling in between{'' if grid.daso_average_state else PER_NODE_NOTE}"
+        f" (cycling={grid.daso_cycling!r})"
         f". Target per model and topology: the training "
         f"loss (rank 0, mean of last {LOSS_WINDOW} steps) flat fp32 allreduce had after {TARGET_FRACTION:.0%} of its "
         f"steps on the first link ({link_label(grid.links[0])}); a run stops at the end of the epoch in which it "
@@ -720,6 +726,7 @@ def build_grid(args: argparse.Namespace) -> Grid:
         daso_warmup=args.daso_warmup,
         daso_cooldown=args.daso_cooldown,
         daso_average_state=not args.daso_per_node_state,
+        daso_cycling=args.daso_cycling,
         budget_s=args.run_budget,
         repeats=args.repeats,
     )
@@ -758,6 +765,20 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="DASO with average_optimizer_state=False (each node keeps its optimizer state while cycling); "
         "the files are named daso_per_node_state_<models>.*",
+    )
+    parser.add_argument(
+        "--max-step-ratio",
+        type=float,
+        help="exit 1 when a node-aware mode's mean step on an unshaped link exceeds flat fp32's by more than this "
+        "factor (the CI smoke uses 1.5: on a fast link they must not cost more than flat; the margin absorbs a "
+        "2-core machine's noise and the tiny model's cycling epoch, which it keeps)",
+    )
+    parser.add_argument(
+        "--daso-cycling",
+        choices=("auto", "always"),
+        default="auto",
+        help="DasoConfig.cycling: 'auto' (default) stops cycling where its steps are slower than synchronous "
+        "ones; 'always' cycles whatever the link",
     )
     parser.add_argument(
         "--modes", help=f"comma-separated from {list(MODES)}; flat fp32 always runs (default: {','.join(SWEEP_MODES)})"
@@ -839,7 +860,31 @@ def main(argv: Sequence[str] | None = None) -> int:
         write_records(rows, measured, results_dir / f"{stem}.json", results_dir / f"{stem}.csv")
         plot(rows, results_dir / f"{stem}.png")
         print(f"written: {results_dir}/{stem}.{{txt,json,csv,png}}")
-    return 0
+    slow = steps_over_margin(rows, args.max_step_ratio) if args.max_step_ratio else []
+    for line in slow:
+        print(f"too slow: {line}")
+    return 1 if slow else 0
+
+
+NODE_AWARE = ("hierarchical", "daso")
+
+
+def steps_over_margin(rows: Sequence[dict[str, Any]], ratio: float) -> list[str]:
+    """The node-aware rows on an unshaped link whose mean step exceeds flat fp32's of the same model and
+    topology by more than ``ratio`` (``--max-step-ratio``): where the link is fast they must not cost more."""
+    where = ("model", "topology", "link_mbit")
+    flat = {tuple(r[k] for k in where): r["mean_step_s"] for r in rows if r["mode"] == "allreduce/none"}
+    found = []
+    for row in rows:
+        baseline = flat.get(tuple(row[k] for k in where))
+        node_aware = row["mode"].split("/")[0].split("+")[0] in NODE_AWARE
+        step = row["mean_step_s"]
+        if node_aware and row["link_mbit"] == "unshaped" and baseline and step and step > ratio * baseline:
+            found.append(
+                f"{row['model']} {row['topology']} {row['mode']}: mean step {1e3 * step:.1f} ms, "
+                f"{step / baseline:.2f}x flat fp32's {1e3 * baseline:.1f} ms (margin {ratio:g}x)"
+            )
+    return found
 
 
 if __name__ == "__main__":

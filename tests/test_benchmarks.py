@@ -301,6 +301,19 @@ def test_comm_volume_smoke_counts_equal_the_analytic_expectation(
 # ------------------------------------------------------------------------------------------ emulated_cluster
 
 
+def test_emulated_cluster_smoke_on_an_unshaped_link_keeps_node_aware_steps_within_the_margin(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The benchmark itself holds the margin (--max-step-ratio) and exits 1 past it; this runs it."""
+    argv = ["--smoke", "--link-mbit", "unshaped", "--max-step-ratio", "1.5", "--results-dir", str(tmp_path)]
+    code, printed = run_main(emulated_cluster, argv, capsys)
+    skip_without_namespaces(code, printed)
+    assert code == 0, printed[-3000:]
+    assert "too slow" not in printed
+    modes = {run["mode"] for run in json.loads((tmp_path / "emulated_sweep.json").read_text())["runs"]}
+    assert modes == {"allreduce/none", "daso/fp16"}  # 2x1: no node-local legs for the two-level allreduce
+
+
 def test_emulated_cluster_smoke_runs_flat_and_daso_and_writes_records(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -98,3 +98,24 @@ def test_the_driver_writes_the_data_the_workers_split_into_train_and_validation(
 
 def emulated_cluster_args(*argv: str) -> argparse.Namespace:
     return emulated_cluster.build_parser().parse_args(list(argv))
+
+
+def test_node_aware_steps_over_the_margin_on_an_unshaped_link_are_named() -> None:
+    def row(mode: str, step_ms: float, link: str = "unshaped", topology: str = "2x2") -> dict[str, Any]:
+        return {"model": "large", "topology": topology, "link_mbit": link, "mode": mode, "mean_step_s": step_ms / 1e3}
+
+    rows = [
+        row("allreduce/none", 36.0),
+        row("hierarchical/none", 53.0),  # within 1.5x
+        row("daso/fp16", 55.0),  # over
+        row("allreduce/fp16", 90.0),  # not node-aware
+        row("allreduce/none", 800.0, link="50"),
+        row("daso/fp16", 1500.0, link="50"),  # a shaped link: not judged here
+        row("allreduce/none", 20.0, topology="2x1"),
+        row("daso+state16/fp16", 31.0, topology="2x1"),
+    ]
+    assert emulated_cluster.steps_over_margin(rows, 1.5) == [
+        "large 2x2 daso/fp16: mean step 55.0 ms, 1.53x flat fp32's 36.0 ms (margin 1.5x)",
+        "large 2x1 daso+state16/fp16: mean step 31.0 ms, 1.55x flat fp32's 20.0 ms (margin 1.5x)",
+    ]
+    assert emulated_cluster.steps_over_margin(rows, 2.0) == []
