@@ -17,6 +17,7 @@ import lightning.pytorch as pl
 import torch
 from _common import Checks
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from models import MseEvaluation
 from strategy_common import all_equal, digest, trainer
 from torch import nn
 from torch._dynamo.utils import counters
@@ -41,7 +42,7 @@ MODES: dict[str, dict[str, Any]] = {
 """Every sync and shard value (DASO shards nothing), each trained compiled and eager."""
 
 
-class DeepMlp(pl.LightningModule):
+class DeepMlp(MseEvaluation):
     """A few wide tanh layers (and a BatchNorm), AdamW; no ``self.log`` in the training step: one graph."""
 
     def __init__(self, batchnorm: bool = False) -> None:
@@ -61,17 +62,6 @@ class DeepMlp(pl.LightningModule):
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         x, y = batch
         return nn.functional.mse_loss(self(x), y)
-
-    def validation_step(self, batch: Any, batch_idx: int) -> None:
-        x, y = batch
-        self.log("val_loss", nn.functional.mse_loss(self(x), y), sync_dist=True)
-
-    def test_step(self, batch: Any, batch_idx: int) -> None:
-        x, y = batch
-        self.log("test_loss", nn.functional.mse_loss(self(x), y), sync_dist=True)
-
-    def predict_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        return self(batch[0])
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.AdamW(self.parameters(), lr=1e-3)

@@ -41,7 +41,22 @@ def noiseless_regression(n: int = 128, batch_size: int = 8) -> DataLoader:
     return DataLoader(TensorDataset(x, y), batch_size=batch_size)
 
 
-class Regression(pl.LightningModule):
+class MseEvaluation(pl.LightningModule):
+    """Validation and test log the mean squared error over all ranks; predict returns the outputs."""
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        self.log("val_loss", nn.functional.mse_loss(self(x), y), sync_dist=True)
+
+    def test_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        self.log("test_loss", nn.functional.mse_loss(self(x), y), sync_dist=True)
+
+    def predict_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self(batch[0])
+
+
+class Regression(MseEvaluation):
     """One linear layer; the training loss is logged as ``loss_name`` over all ranks."""
 
     def __init__(self, lr: float = 0.05, optimizer: str = "sgd", loss_name: str = "train_loss") -> None:
@@ -60,17 +75,6 @@ class Regression(pl.LightningModule):
         loss = nn.functional.mse_loss(self(x), y)
         self.log(self.loss_name, loss, sync_dist=True)
         return loss
-
-    def validation_step(self, batch: Any, batch_idx: int) -> None:
-        x, y = batch
-        self.log("val_loss", nn.functional.mse_loss(self(x), y), sync_dist=True)
-
-    def test_step(self, batch: Any, batch_idx: int) -> None:
-        x, y = batch
-        self.log("test_loss", nn.functional.mse_loss(self(x), y), sync_dist=True)
-
-    def predict_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        return self(batch[0])
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         if self.optimizer_name == "adam":
