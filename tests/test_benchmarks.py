@@ -39,6 +39,7 @@ from benchmarks import (  # noqa: E402
     small_collectives,
     sparse_gradients,
     transport,
+    versus_torch,
     wire_dtypes,
 )
 from hvd_plugins.core.backend.bfloat16 import horovod_takes_bfloat16  # noqa: E402
@@ -378,3 +379,31 @@ def test_duplex_times_every_collective_on_two_emulated_nodes(
     body = assert_dated_report(tmp_path / "duplex.txt", "duplex.py", argv)
     assert body.startswith("duplex: 2 nodes x 2 workers, 0.1 MB")
     assert_no_namespaces_left(before)
+
+
+# ------------------------------------------------------------------------------------------ versus_torch
+def test_versus_torch_smoke_runs_torchs_tools_and_ours_side_by_side(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["--smoke", "--workers", "2", "--report", str(tmp_path / "versus_torch.txt")]
+    code, printed = run_main(versus_torch, argv, capsys)
+    assert code == 0, printed[-3000:]
+    rows = {}
+    for line in printed.splitlines():
+        cells = line.split()
+        if cells[:1] == ["2"] and len(cells) > 1 and cells[1] in versus_torch.ALL:
+            rows[cells[1]] = cells[4:] if cells[2] == "vs" else cells[2:]
+    assert sorted(rows) == sorted(versus_torch.ALL), printed
+    for variant, (ms, speed, peak, idle, memory, _sent) in rows.items():
+        assert float(ms) > 0 and float(peak) >= float(idle) > 0, (variant, rows[variant])
+        paired = variant in versus_torch.COUNTERPART
+        assert speed.endswith("x") == paired and memory.endswith("x") == paired, (variant, rows[variant])
+    # Loopback bytes: the workers that never talk send next to nothing; DDP and the flat sync both ring-allreduce
+    # every gradient, 2 (N-1)/N of the model's bytes per step and worker, plus what their launchers exchange.
+    parameters = sum(p.numel() for p in versus_torch._model(versus_torch.SMOKE_MODELS[0].sizes).parameters())
+    ring_mib = parameters * 4 / 2**20
+    assert float(rows["no_comm"][5]) < 0.5 * ring_mib, rows["no_comm"]
+    for variant in ("ddp", "flat"):
+        assert float(rows[variant][5]) >= 0.9 * ring_mib, (variant, rows[variant], ring_mib)
+    body = assert_dated_report(tmp_path / "versus_torch.txt", "versus_torch.py", argv)
+    assert body.startswith("tiny: TransformerLM") and "speed: torch's step time / ours" in body

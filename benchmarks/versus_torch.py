@@ -1,0 +1,307 @@
+"""HorovodStrategy against torch's own tools, on the same model, data and machine, in one invocation.
+
+Every variant is a plain training loop (forward, backward, step) on a decoder-only Transformer, one
+thread per worker, all workers on this host over Gloo:
+
+=================  ===================================================  ==========================
+torch              launched with ``python -m torch.distributed.run``     ours (``horovodrun``, Fabric)
+=================  ===================================================  ==========================
+``ddp``            ``DistributedDataParallel``                            ``flat``: ``HorovodStrategy()``
+``ddp_zero``       DDP with ``ZeroRedundancyOptimizer``                  ``zero1``: ``shard="optimizer"``
+``fsdp2_keep``     ``fully_shard`` per block, ``reshard_after_forward=False``  ``zero2``: ``shard="gradients"``
+``fsdp2_reshard``  ``fully_shard`` per block, ``reshard_after_forward=True``   ``zero3``: ``shard="parameters"``
+=================  ===================================================  ==========================
+
+``no_comm`` runs the same loop in N processes that never talk: the compute limit on this machine.
+Each variant reports the median over repeats of its step time, its peak resident memory (the
+largest worker's), and the bytes this host's loopback carried per step and worker (every byte the
+workers sent each other, the launcher's and Horovod's negotiation included). Ours are given as
+ratios to their torch counterpart: speed = torch's step time / ours (>= 1.0 is as fast or faster),
+memory = ours / torch's (<= 1.0 is as little or less). Launch order rotates between repeats.
+
+    python benchmarks/versus_torch.py            # full run: writes docs/benchmarks/versus_torch.txt
+    python benchmarks/versus_torch.py --smoke    # tiny and fast: checks that every variant runs
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from hvd_plugins.core.tables import format_table
+from hvd_plugins.testing import benchmarking as bench
+from hvd_plugins.testing.launch import write_rank_file
+from hvd_plugins.testing.reports import publish_report
+
+TORCH_VARIANTS = ("ddp", "ddp_zero", "fsdp2_keep", "fsdp2_reshard")
+OUR_VARIANTS: dict[str, dict[str, Any]] = {"flat": {}, "zero1": {"shard": "optimizer"}, "zero2": {"shard": "gradients"}}
+COUNTERPART = {"flat": "ddp", "zero1": "ddp_zero", "zero2": "fsdp2_keep"}
+"""Each of our variants and the torch variant it is weighed against."""
+NO_COMM = "no_comm"
+
+
+@dataclass(frozen=True)
+class Model:
+    """A ``TransformerLM`` shape, the sequences each worker trains on per step, and which variants run on it."""
+
+    name: str
+    size: tuple[tuple[str, int], ...]
+    batch_size: int
+    variants: tuple[str, ...]
+
+    @property
+    def sizes(self) -> dict[str, int]:
+        return dict(self.size)
+
+
+ALL = (*TORCH_VARIANTS, *OUR_VARIANTS, NO_COMM)
+FULL_MODELS = (
+    # GPT-like: 6 blocks of width 384, 4096 tokens, context 128 (12.3 M parameters, tied head).
+    Model("gpt", (("vocab", 4096), ("d_model", 384), ("layers", 6), ("heads", 6), ("context", 128)), 8, ALL),
+    # The benchmarks' Transformer: 2.7 M parameters in 260 tensors (many small gradients).
+    Model("transformer", (("vocab", 2048), ("d_model", 112), ("layers", 16), ("heads", 4), ("context", 64)), 16,
+          ("ddp", "flat", NO_COMM)),
+)  # fmt: skip
+SMOKE_MODELS = (Model("tiny", (("vocab", 128), ("d_model", 32), ("layers", 2), ("heads", 2), ("context", 16)), 4, ALL),)
+
+
+# ------------------------------------------------------------------------------------------ worker
+def _loopback_bytes() -> int:
+    """Bytes this host's loopback interface has sent so far (0 where Linux does not tell)."""
+    try:
+        for line in Path("/proc/net/dev").read_text().splitlines():
+            name, _, counters = line.partition(":")
+            if name.strip() == "lo":
+                return int(counters.split()[8])
+    except (OSError, IndexError, ValueError):
+        pass
+    return 0
+
+
+def _peak_rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def _batches(sizes: dict[str, int], batch_size: int, rank: int) -> list[torch.Tensor]:
+    """A few fixed batches of random tokens, different on every rank (context + 1 tokens: inputs and targets)."""
+    generator = torch.Generator().manual_seed(1000 + rank)
+    return [torch.randint(0, sizes["vocab"], (batch_size, sizes["context"] + 1), generator=generator) for _ in range(4)]
+
+
+def _model(sizes: dict[str, int]) -> bench.TransformerLM:
+    return bench.TransformerLM(**sizes)
+
+
+def _torch_setup(variant: str, sizes: dict[str, int]) -> tuple[torch.nn.Module, torch.optim.Optimizer, int, int]:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = _model(sizes)
+    if variant in ("ddp", "ddp_zero"):
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+        from torch.nn.parallel import DistributedDataParallel
+
+        wrapped: torch.nn.Module = DistributedDataParallel(model)
+        if variant == "ddp_zero":
+            optimizer: torch.optim.Optimizer = ZeroRedundancyOptimizer(
+                wrapped.parameters(), optimizer_class=torch.optim.AdamW, lr=model.lr, weight_decay=0.01
+            )
+        else:
+            optimizer = model.configure_optimizers()
+        return wrapped, optimizer, rank, world
+    from torch.distributed.fsdp import fully_shard
+
+    reshard = variant == "fsdp2_reshard"
+    for block in model.blocks:
+        fully_shard(block, reshard_after_forward=reshard)
+    fully_shard(model, reshard_after_forward=reshard)
+    return model, model.configure_optimizers(), rank, world
+
+
+def _our_setup(variant: str, sizes: dict[str, int]) -> tuple[Any, Any, Any, int, int]:
+    from lightning.fabric import Fabric
+
+    from hvd_plugins.fabric import HorovodStrategy
+
+    fabric = Fabric(accelerator="cpu", strategy=HorovodStrategy(**OUR_VARIANTS[variant]))
+    fabric.launch()
+    model = _model(sizes)
+    wrapped, optimizer = fabric.setup(model, model.configure_optimizers())
+    return fabric, wrapped, optimizer, fabric.global_rank, fabric.world_size
+
+
+def run_worker(args: argparse.Namespace) -> None:
+    bench.one_thread_per_worker()
+    sizes: dict[str, int] = json.loads(args.size)
+    idle_rss = _peak_rss_mib()
+    fabric = None
+    if args.worker in TORCH_VARIANTS:
+        model, optimizer, rank, world = _torch_setup(args.worker, sizes)
+    elif args.worker in OUR_VARIANTS:
+        fabric, model, optimizer, rank, world = _our_setup(args.worker, sizes)
+    else:  # no_comm: the same work, no process group
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        model = _model(sizes)
+        optimizer = model.configure_optimizers()
+    init_rss = _peak_rss_mib()
+    batches = _batches(sizes, args.batch_size, rank)
+    step_ends: list[float] = []
+    sent_at_warmup = 0
+    for step in range(args.steps):
+        tokens = batches[step % len(batches)]
+        logits = model(tokens[:, :-1])
+        loss = F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
+        if fabric is not None:
+            fabric.backward(loss)
+        else:
+            loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        step_ends.append(time.perf_counter())
+        if step + 1 == args.warmup_steps:
+            sent_at_warmup = _loopback_bytes()
+    timed_steps = args.steps - args.warmup_steps
+    sent = (_loopback_bytes() - sent_at_warmup) / timed_steps / world if rank == 0 else 0.0
+    write_rank_file(
+        Path(args.out),
+        rank,
+        {
+            "step_s": 1 / bench.steps_per_second(step_ends, args.warmup_steps - 1),
+            "peak_rss_mib": _peak_rss_mib(),
+            "idle_rss_mib": idle_rss,
+            "init_rss_mib": init_rss,
+            "sent_per_step": sent,
+            "parameters": sum(p.numel() for p in _model(sizes).parameters()),
+            "world": world,
+        },
+    )
+
+
+# ------------------------------------------------------------------------------------------ driver
+def _launch(variant: str, model: Model, world: int, steps: int, warmup: int, out: Path) -> dict[str, Any]:
+    script = [str(Path(__file__).resolve()), f"--worker={variant}", f"--size={json.dumps(model.sizes)}",
+              f"--batch-size={model.batch_size}", f"--steps={steps}", f"--warmup-steps={warmup}"]  # fmt: skip
+    if variant in OUR_VARIANTS:
+        job = bench.horovodrun(script, out, np=world, timeout=900)
+    else:
+        job = bench.torchrun(script, out, nproc=world, timeout=900)
+    job.check(f"{variant} on {model.name}, {world} workers")
+    ranks = job.results
+    if len(ranks) != world:
+        raise RuntimeError(f"{variant} on {model.name}: {len(ranks)} of {world} workers reported\n{job.output[-3000:]}")
+    return {
+        "step_s": max(r["step_s"] for r in ranks.values()),
+        "peak_rss_mib": max(r["peak_rss_mib"] for r in ranks.values()),
+        "init_rss_mib": max(r["init_rss_mib"] for r in ranks.values()),
+        "sent_per_step": ranks[0]["sent_per_step"],
+        "parameters": ranks[0]["parameters"],
+    }
+
+
+def measure(models: Sequence[Model], worlds: Sequence[int], repeats: int, steps: int, warmup: int) -> dict:
+    """``{(model, world, variant): [one result per repeat]}``; the launch order rotates between repeats."""
+    results: dict[tuple[str, int, str], list[dict[str, Any]]] = {}
+    with tempfile.TemporaryDirectory() as scratch:
+        for repeat in range(repeats):
+            for model in models:
+                for world in worlds:
+                    order = list(model.variants)
+                    shift = repeat % len(order)
+                    for variant in order[shift:] + order[:shift]:
+                        out = Path(scratch) / f"{model.name}-{world}-{variant}-{repeat}"
+                        result = _launch(variant, model, world, steps, warmup, out)
+                        results.setdefault((model.name, world, variant), []).append(result)
+                        step_ms, peak = result["step_s"] * 1000, result["peak_rss_mib"]
+                        print(f"  {model.name} N={world} {variant:14s} repeat {repeat + 1}: {step_ms:7.1f} ms/step, "
+                              f"{peak:6.0f} MiB", flush=True)  # fmt: skip
+    return results
+
+
+def _median(runs: list[dict[str, Any]], key: str) -> float:
+    return bench.median([run[key] for run in runs])
+
+
+def report(models: Sequence[Model], worlds: Sequence[int], results: dict, repeats: int) -> str:
+    sections = []
+    for model in models:
+        parameters = next(runs for (name, _, _), runs in results.items() if name == model.name)[0]["parameters"]
+        rows = []
+        for world in worlds:
+            for variant in model.variants:
+                runs = results[(model.name, world, variant)]
+                step, rss = _median(runs, "step_s"), _median(runs, "peak_rss_mib")
+                torch_variant = COUNTERPART.get(variant)
+                speed = memory = "-"
+                if torch_variant is not None and (model.name, world, torch_variant) in results:
+                    theirs = results[(model.name, world, torch_variant)]
+                    speed = f"{_median(theirs, 'step_s') / step:.2f}x"
+                    memory = f"{rss / _median(theirs, 'peak_rss_mib'):.2f}x"
+                vs = f"vs {torch_variant}" if torch_variant else ""
+                rows.append([str(world), variant, vs, f"{step * 1000:.0f}", speed, f"{rss:.0f}",
+                             f"{_median(runs, 'init_rss_mib'):.0f}", memory,
+                             f"{_median(runs, 'sent_per_step') / 2**20:.1f}"])  # fmt: skip
+        headers = ["N", "variant", "against", "ms/step", "speed", "peak MiB", "idle MiB", "memory", "MiB sent/step"]
+        sections.append(
+            f"{model.name}: TransformerLM {model.sizes}, {parameters / 1e6:.1f} M parameters, "
+            f"{model.batch_size} sequences per worker and step; medians of {repeats}\n" + format_table(headers, rows)
+        )
+    legend = (
+        "speed: torch's step time / ours (>= 1.00x: as fast or faster); memory: our peak / torch's (<= 1.00x: as "
+        "little or less).\npeak MiB: the largest worker's peak resident memory; idle MiB: the same after import and "
+        "setup, before the first step;\nMiB sent/step: loopback bytes per step and worker (all traffic between the "
+        "workers)."
+    )
+    return "\n\n".join([*sections, legend])
+
+
+def main(argv: Sequence[str]) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--worker", choices=ALL, help=argparse.SUPPRESS)
+    parser.add_argument("--size", help=argparse.SUPPRESS)
+    parser.add_argument("--batch-size", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--steps", type=int, default=14, help="steps per run (default 14)")
+    parser.add_argument("--warmup-steps", type=int, default=4, help="untimed first steps (default 4)")
+    parser.add_argument("--out", help=argparse.SUPPRESS)
+    parser.add_argument("--smoke", action="store_true", help="a tiny model, one repeat: checks that every variant runs")
+    parser.add_argument("--workers", type=int, nargs="+", default=[2, 4], help="world sizes (default 2 4)")
+    parser.add_argument("--repeats", type=int, default=3, help="runs of every variant (default 3; medians)")
+    parser.add_argument("--models", nargs="+", help="only these models (default: all)")
+    parser.add_argument("--variants", nargs="+", choices=ALL, help="only these variants (default: each model's)")
+    parser.add_argument("--report", type=Path, help="write the report here (default docs/benchmarks/versus_torch.txt)")
+    args = parser.parse_args(argv)
+    if args.worker:
+        run_worker(args)
+        return
+    models: tuple[Model, ...] = SMOKE_MODELS if args.smoke else FULL_MODELS
+    if args.models:
+        models = tuple(model for model in models if model.name in args.models)
+    if args.variants:
+        models = tuple(
+            Model(m.name, m.size, m.batch_size, tuple(v for v in m.variants if v in args.variants)) for m in models
+        )
+    repeats = 1 if args.smoke else args.repeats
+    steps, warmup = (4, 2) if args.smoke else (args.steps, args.warmup_steps)
+    results = measure(models, args.workers, repeats, steps, warmup)
+    text = report(models, args.workers, results, repeats)
+    partial = args.smoke or args.models or args.variants
+    publish_report(text, __file__, argv, args.report, None if partial else "versus_torch.txt")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
