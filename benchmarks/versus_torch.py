@@ -40,9 +40,6 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 from hvd_plugins.core.tables import format_table
 from hvd_plugins.testing import benchmarking as bench
 from hvd_plugins.testing.launch import write_rank_file
@@ -255,7 +252,7 @@ def report(models: Sequence[Model], worlds: Sequence[int], results: dict, repeat
                 vs = f"vs {torch_variant}" if torch_variant else ""
                 rows.append([str(world), variant, vs, f"{step * 1000:.0f}", speed, f"{rss:.0f}",
                              f"{_median(runs, 'init_rss_mib'):.0f}", memory,
-                             f"{_median(runs, 'sent_per_step') / 2**20:.1f}"])  # fmt: skip
+                             f"{_median(runs, 'sent_per_step') / 2**20:.2f}"])  # fmt: skip
         headers = ["N", "variant", "against", "ms/step", "speed", "peak MiB", "idle MiB", "memory", "MiB sent/step"]
         sections.append(
             f"{model.name}: TransformerLM {model.sizes}, {parameters / 1e6:.1f} M parameters, "
@@ -270,7 +267,8 @@ def report(models: Sequence[Model], worlds: Sequence[int], results: dict, repeat
     return "\n\n".join([*sections, legend])
 
 
-def main(argv: Sequence[str]) -> None:
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--worker", choices=ALL, help=argparse.SUPPRESS)
     parser.add_argument("--size", help=argparse.SUPPRESS)
@@ -287,7 +285,7 @@ def main(argv: Sequence[str]) -> None:
     args = parser.parse_args(argv)
     if args.worker:
         run_worker(args)
-        return
+        return 0
     models: tuple[Model, ...] = SMOKE_MODELS if args.smoke else FULL_MODELS
     if args.models:
         models = tuple(model for model in models if model.name in args.models)
@@ -301,7 +299,8 @@ def main(argv: Sequence[str]) -> None:
     text = report(models, args.workers, results, repeats)
     partial = args.smoke or args.models or args.variants
     publish_report(text, __file__, argv, args.report, None if partial else "versus_torch.txt")
+    return 0
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    sys.exit(main())

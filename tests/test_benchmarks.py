@@ -404,6 +404,6 @@ def test_versus_torch_smoke_runs_torchs_tools_and_ours_side_by_side(
     ring_mib = parameters * 4 / 2**20
     assert float(rows["no_comm"][5]) < 0.5 * ring_mib, rows["no_comm"]
     for variant in ("ddp", "flat"):
-        assert float(rows[variant][5]) >= 0.9 * ring_mib, (variant, rows[variant], ring_mib)
+        assert float(rows[variant][5]) >= 0.9 * ring_mib - 0.005, (variant, rows[variant], ring_mib)  # 2 decimals
     body = assert_dated_report(tmp_path / "versus_torch.txt", "versus_torch.py", argv)
     assert body.startswith("tiny: TransformerLM") and "speed: torch's step time / ours" in body

@@ -21,7 +21,7 @@ COVERS = (
 )
 
 WORKER = "callbacks_run.py"
-PARAMETERS, PARAMETER_TENSORS = 8 * 4 + 4, 2  # the worker's Linear(8, 4)
+PARAMETERS, BUCKETS = 8 * 4 + 4, 1  # the worker's Linear(8, 4): its two gradients make one bucket
 
 
 def _csv_rows(out: Path) -> list[dict[str, str]]:
@@ -72,7 +72,7 @@ def test_callbacks_two_workers_fp16_with_accumulation(tmp_path: Path, lightning:
         assert result["parameters"] == PARAMETERS
         # One node: the flat allreduce counts as node-local; fp16 sends 2 bytes per element.
         _check_comm(
-            result, {"node_local": PARAMETERS * 2, "cross_node": 0}, {"node_local": PARAMETER_TENSORS, "cross_node": 0}
+            result, {"node_local": PARAMETERS * 2, "cross_node": 0}, {"node_local": BUCKETS, "cross_node": 0}
         )
         _check_memory(result)
         assert result["steps_per_epoch"] == [2, 2]  # 32 samples per worker, batches of 8, 2 per step

@@ -13,6 +13,7 @@ from hvd_plugins.core.comm.counters import CommCounters, Scope
 from hvd_plugins.core.comm.topology import build_node_groups, discover_topology
 from hvd_plugins.core.config import HIERARCHICAL_IMPLS, SYNC_MODES, HorovodConfig
 from hvd_plugins.core.sync.base import GradientSync
+from hvd_plugins.core.sync.bucketed import BucketedAllreduceSync, uses_buckets
 from hvd_plugins.core.sync.daso.mode import DasoGradientSync
 from hvd_plugins.core.sync.flat import AdasumOptimizerSync, HorovodOptimizerSync
 from hvd_plugins.core.sync.hierarchical.mode import HierarchicalGradientSync
@@ -44,6 +45,10 @@ def make_gradient_sync(config: HorovodConfig, counters: CommCounters) -> Gradien
             )
         case ("allreduce", _) | ("hierarchical", "native"):  # native: Horovod's own two-level allreduce
             scope = Scope.CROSS_NODE if horovod_torch().cross_size() > 1 else Scope.NODE_LOCAL
+            if config.sync == "allreduce" and uses_buckets(
+                config.op, config.gradient_predivide_factor, config.sparse_as_dense
+            ):
+                return BucketedAllreduceSync(compressor, config.op, counters, scope, config.bucket_bytes)
             flat = AdasumOptimizerSync if config.op == "adasum" else HorovodOptimizerSync
             return flat(
                 compressor,

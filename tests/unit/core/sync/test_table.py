@@ -13,6 +13,7 @@ from hvd_plugins.core.comm.counters import CommCounters, Scope
 from hvd_plugins.core.comm.topology import Topology
 from hvd_plugins.core.config import HorovodConfig
 from hvd_plugins.core.sync import table as sync_modes
+from hvd_plugins.core.sync.bucketed import BucketedAllreduceSync
 from hvd_plugins.core.sync.daso.config import DasoConfig
 from hvd_plugins.core.sync.daso.mode import DasoGradientSync
 from hvd_plugins.core.sync.flat import AdasumOptimizerSync, HorovodOptimizerSync
@@ -34,15 +35,27 @@ def layouts_gathered(fake_horovod, monkeypatch: pytest.MonkeyPatch) -> list[Topo
 @pytest.mark.parametrize(
     ("settings", "expected", "op"),
     [
-        ({}, HorovodOptimizerSync, "average"),
-        ({"op": "sum"}, HorovodOptimizerSync, "sum"),
+        ({}, BucketedAllreduceSync, "average"),
+        ({"op": "sum"}, BucketedAllreduceSync, "sum"),
+        ({"gradient_predivide_factor": 2.0}, HorovodOptimizerSync, "average"),
+        ({"sparse_as_dense": True}, HorovodOptimizerSync, "average"),
         ({"op": "adasum"}, AdasumOptimizerSync, "adasum"),
         ({"sync": "hierarchical"}, HierarchicalGradientSync, "average"),
         ({"sync": "hierarchical", "op": "sum"}, HierarchicalGradientSync, "sum"),
         ({"sync": "hierarchical", "hierarchical_impl": "native"}, HorovodOptimizerSync, "average"),
         ({"sync": "daso"}, DasoGradientSync, "average"),
     ],
-    ids=["allreduce", "allreduce-sum", "allreduce-adasum", "hierarchical", "hierarchical-sum", "native", "daso"],
+    ids=[
+        "allreduce",
+        "allreduce-sum",
+        "predivide",
+        "sparse-as-dense",
+        "allreduce-adasum",
+        "hierarchical",
+        "hierarchical-sum",
+        "native",
+        "daso",
+    ],
 )
 def test_each_setting_gets_its_sync(layouts_gathered: list[Topology], settings: dict, expected: type, op: str) -> None:
     sync = make_gradient_sync(HorovodConfig(**settings), CommCounters())
