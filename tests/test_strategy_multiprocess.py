@@ -28,6 +28,7 @@ from strategy_batchnorm import check_average_buffers, check_sync_batchnorm, chec
 from strategy_gradients import (
     check_accumulation,
     check_clipping,
+    check_large_gradients_summed_in_place,
     check_manual_accumulation,
     check_reduce_ops,
     check_scale_lr,
@@ -75,6 +76,7 @@ COVERS = (
     "hvd_plugins.core.comm.reducer",
     "hvd_plugins.core.comm.topology",
     "hvd_plugins.core.comm.two_level",
+    "hvd_plugins.core.comm.world_sum",
     "hvd_plugins.core.cpu_threads",
     "hvd_plugins.core.epoch_end",
     "hvd_plugins.core.metrics_sync",
@@ -105,6 +107,14 @@ def test_accumulation_allreduces_once_per_k_and_matches_large_batch(features: di
         # 64 samples / 2 ranks / micro-batches of 4 = 8 micro-batches, k=2: 4 steps per epoch
         assert result["steps"] == 8
         assert result["allreduce_calls"] == result["steps"]  # one bucket: the whole model is under bucket_mb
+        assert result["max_diff_vs_large_batch"] < 1e-10
+        assert result["ranks_identical"]
+
+
+def test_a_large_gradient_summed_where_it_lies_trains_as_the_large_batch(features: dict[int, dict]) -> None:
+    for result in both(features, check_large_gradients_summed_in_place):
+        assert result["steps"] == 4  # 32 samples / 2 ranks / micro-batches of 4, k=2: 2 steps per epoch
+        assert result["allreduce_calls"] == 2 * result["steps"]  # the large weight alone, the rest in one bucket
         assert result["max_diff_vs_large_batch"] < 1e-10
         assert result["ranks_identical"]
 

@@ -40,6 +40,50 @@ def check_accumulation() -> dict[str, Any]:
     }
 
 
+WIDE = 32768
+"""Hidden width of ``WideRegression``: its first weight (5 x 32768 float64, 1.25 MiB) is a bucket of its own."""
+
+
+class WideRegression(Regression):
+    """A hidden layer whose weight is large enough to be summed where it lies (``VIEW_ALONE_BYTES``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(2)
+        self.layer = nn.Sequential(nn.Linear(REGRESSION_FEATURES, WIDE), nn.Tanh(), nn.Linear(WIDE, 1))
+        self.lr = 1e-4  # the 32768 hidden units add up: a larger step diverges
+
+
+def reference_wide(x: torch.Tensor, y: torch.Tensor, block: int, epochs: int) -> nn.Module:
+    """``WideRegression`` trained by one process on one large batch per step."""
+    model = WideRegression().double()
+    optimizer = torch.optim.SGD(model.parameters(), lr=model.lr)
+    for _ in range(epochs):
+        for start in range(0, len(x), block):
+            optimizer.zero_grad()
+            nn.functional.mse_loss(model(x[start : start + block]), y[start : start + block]).backward()
+            optimizer.step()
+    return model
+
+
+@checks.register
+def check_large_gradients_summed_in_place() -> dict[str, Any]:
+    """A gradient of a MiB or more goes alone and is summed in place, the rest in a bucket of copies: with
+    accumulation, the update of one process on the k*W batch, and two sums a step."""
+    world, micro, k, epochs = hvd.size(), 4, 2, 2
+    x, y = regression_data(32)
+    model = WideRegression()
+    t = trainer(max_epochs=epochs, accumulate_grad_batches=k, use_distributed_sampler=False)
+    t.fit(model, rank_loader(x, y, micro))
+    counters = t.strategy.comm_counters
+    return {
+        "steps": t.global_step,
+        "allreduce_calls": counters.node_local_calls + counters.cross_node_calls,
+        "max_diff_vs_large_batch": max_difference(model, reference_wide(x, y, world * micro * k, epochs)),
+        "ranks_identical": all_equal(digest(model)),
+    }
+
+
 @checks.register
 def check_manual_accumulation() -> dict[str, Any]:
     """Several ``manual_backward`` calls before a step: the update of one process on the k*W batch, op average

@@ -37,11 +37,14 @@ class BackwardBuckets:
         passes: int = 1,
         backward_order: bool = True,
         buckets: Sequence[Sequence[Parameter]] | None = None,
+        alone_from_bytes: int | None = None,
     ) -> None:
         self.parameters: tuple[torch.Tensor, ...] = tuple(parameters)
         order = reversed(self.parameters) if backward_order else self.parameters
         self.buckets: list[list[torch.Tensor]] = (
-            bucket_tensors(order, bucket_bytes) if buckets is None else [list(bucket) for bucket in buckets]
+            bucket_tensors(order, bucket_bytes, alone_from_bytes)
+            if buckets is None
+            else [list(bucket) for bucket in buckets]
         )
         self._bucket_of = {parameter: index for index, bucket in enumerate(self.buckets) for parameter in bucket}
         self._on_ready = on_ready

@@ -24,14 +24,14 @@ from torch.optim import Optimizer
 
 from hvd_plugins.core.backend.module import horovod_torch
 from hvd_plugins.core.backend.optimizer import forget_held_gradients, hold_gradient_hooks, set_backward_passes
-from hvd_plugins.core.comm.compression import Compressor
+from hvd_plugins.core.comm.compression import Compressor, NoCompression
 from hvd_plugins.core.comm.counters import CommCounters, Scope
 from hvd_plugins.core.comm.gradients import divide_gradients_
 from hvd_plugins.core.comm.in_flight import InFlight, Then
-from hvd_plugins.core.comm.parameters import optimizer_parameters
 from hvd_plugins.core.comm.partners import PartnerGroup
 from hvd_plugins.core.comm.reducer import BucketReducer, OptimizerReducers
 from hvd_plugins.core.comm.two_level import OneLevelSum, write_total
+from hvd_plugins.core.comm.world_sum import WorldSumInPlace
 from hvd_plugins.core.sync.flat import HorovodOptimizerSync
 
 SPARSE_MODULES = (torch.nn.Embedding, torch.nn.EmbeddingBag)
@@ -70,7 +70,7 @@ class BucketedAllreduceSync(HorovodOptimizerSync):
         self.bucketed = True
         """False once ``setup`` found sparse gradients: Horovod's own hooks average every gradient."""
         self._names: dict[int, str] = {}  # by optimizer, in wrap order: equal on every rank
-        self._reducers = OptimizerReducers(bucket_bytes, self._sum_bucket)
+        self._reducers = OptimizerReducers(bucket_bytes, self._sum_bucket, views=True)
 
     # ------------------------------------------------------------------ wrapping and arming
     def wrap(self, optimizer: Optimizer, named_parameters: list[tuple[str, torch.nn.Parameter]]) -> Optimizer:
@@ -102,9 +102,11 @@ class BucketedAllreduceSync(HorovodOptimizerSync):
         size = hvd.size()
         if size == 1:
             return None
+        divide_by = size if self.op == "average" else None
+        if isinstance(self.codec, NoCompression):  # the bucket is sent as it is: summed where it lies
+            return WorldSumInPlace(flat, f"{name}.ar", self.counters, self.scope, divide_by)
         world = PartnerGroup(tuple(range(size)), hvd.rank(), size)
         pending = OneLevelSum(flat, world, self.codec, self.counters, self.scope, f"{name}.ar")
-        divide_by = size if self.op == "average" else None
 
         def written(total: torch.Tensor) -> torch.Tensor:
             write_total(flat, total, divide_by)
@@ -120,21 +122,8 @@ class BucketedAllreduceSync(HorovodOptimizerSync):
         forget_held_gradients(optimizer)
         reducer = self._reducer_for(optimizer)
         reducer.finish()
-        self._average_late_parameters(optimizer, reducer)
+        self._reducers.reduce_late(optimizer, reducer)
         self._arm(optimizer)
-
-    def _average_late_parameters(self, optimizer: Optimizer, reducer: BucketReducer) -> None:
-        """Average the trainable parameters the buckets do not hold (made trainable while their sums ran)."""
-        trainable = optimizer_parameters(optimizer, trainable_only=True)
-        if reducer.matches(trainable):
-            return
-        planned = set(reducer.buckets.parameters)
-        late = [p for p in trainable if p not in planned]
-        if late:
-            name = f"{self._names[id(optimizer)]}.late"
-            late_reducer = BucketReducer(late, self.bucket_bytes, self._sum_bucket, name, backward_order=False)
-            late_reducer.finish()
-            late_reducer.remove()
 
     def set_backward_passes(self, optimizer: Optimizer, passes: int) -> None:
         if not self.bucketed:

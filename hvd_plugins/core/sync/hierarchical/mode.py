@@ -25,7 +25,6 @@ from hvd_plugins.core.comm.compression import Compressor
 from hvd_plugins.core.comm.counters import CommCounters, Scope
 from hvd_plugins.core.comm.gradients import divide_gradients_
 from hvd_plugins.core.comm.in_flight import InFlight, Then
-from hvd_plugins.core.comm.parameters import optimizer_parameters
 from hvd_plugins.core.comm.reducer import BucketReducer, OptimizerReducers
 from hvd_plugins.core.comm.topology import NodeGroups
 from hvd_plugins.core.comm.two_level import start_bucket_sum, write_total
@@ -124,7 +123,7 @@ class HierarchicalGradientSync(GradientSync):
         """
         reducer = self._reducer_for(optimizer)
         reducer.finish()
-        self._average_late_parameters(optimizer, reducer)
+        self._reducers.reduce_late(optimizer, reducer)
         return self._tuner_for(reducer.bucket_nbytes())
 
     def _sum_bucket(self, index: int, flat: torch.Tensor, name: str) -> InFlight[torch.Tensor | None] | None:
@@ -147,20 +146,6 @@ class HierarchicalGradientSync(GradientSync):
             return flat
 
         return Then(pending, written)
-
-    def _average_late_parameters(self, optimizer: Optimizer, reducer: BucketReducer) -> None:
-        """Average the trainable parameters the buckets do not hold (made trainable while their sums ran)."""
-        trainable = optimizer_parameters(optimizer, trainable_only=True)
-        if reducer.matches(trainable):
-            return
-        planned = set(reducer.buckets.parameters)
-        late = [p for p in trainable if p not in planned]
-        if not late:
-            return
-        name = f"{self._names[id(optimizer)]}.late"
-        late_reducer = BucketReducer(late, self.bucket_bytes, self._sum_bucket, name, backward_order=False)
-        late_reducer.finish()
-        late_reducer.remove()
 
     def _reducer_for(self, optimizer: Optimizer) -> BucketReducer:
         return self._reducers.for_optimizer(optimizer, self._names[id(optimizer)], self.backward_passes)

@@ -17,3 +17,11 @@ def test_buckets_split_by_dtype_and_size_and_round_trip() -> None:
     flat = flatten([tensors[0], tensors[3]]) * 2
     unflatten_into(flat, [tensors[0], tensors[3]])
     assert float(tensors[0].sum()) == 20 and float(tensors[3].sum()) == 40
+
+
+def test_a_tensor_from_the_alone_size_up_gets_a_bucket_of_its_own_where_it_comes() -> None:
+    small_a, large, small_b, larger = torch.ones(10), torch.ones(256), torch.ones(20), torch.ones(1000)
+    buckets = bucket_tensors([small_a, large, small_b, larger], bucket_bytes=10_000, alone_from_bytes=256 * 4)
+    # the small ones go on filling their bucket across the large ones, each large one alone in its place
+    assert [[t.numel() for t in bucket] for bucket in buckets] == [[256], [1000], [10, 20]]
+    assert len(bucket_tensors([small_a, large, small_b, larger], bucket_bytes=10_000)) == 1  # no alone size

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from hvd_plugins.core.comm.in_flight import InFlight, Meanwhile
-from hvd_plugins.core.comm.reducer import BucketReducer, OptimizerReducers
+from hvd_plugins.core.comm.reducer import VIEW_ALONE_BYTES, BucketReducer, OptimizerReducers
 
 
 class Doubling(InFlight[torch.Tensor | None]):
@@ -155,3 +155,47 @@ def test_optimizer_reducers_are_built_again_when_trainable_parameters_change_but
     assert sorted(operations.started) == ["grad.opt0.0", "grad.opt0.1", "grad.opt0.2", "grad.opt0.3"]
     reducers.remove_all()
     assert reducers.existing(optimizer) is None
+
+
+class DoublingInPlace(InFlight[torch.Tensor]):
+    """An in-place operation: doubles the bucket where it lies and returns it."""
+
+    def __init__(self, flat: torch.Tensor) -> None:
+        self.flat = flat
+
+    def progress(self) -> None:
+        pass
+
+    def ready(self) -> bool:
+        return True
+
+    def wait(self, meanwhile: Meanwhile = None) -> torch.Tensor:
+        return self.flat.mul_(2)
+
+
+def test_with_views_a_large_gradient_is_a_bucket_of_its_own_summed_where_it_lies() -> None:
+    torch.manual_seed(0)
+    side = int((VIEW_ALONE_BYTES // 4) ** 0.5)
+    model = nn.Sequential(nn.Linear(side, side), nn.Tanh(), nn.Linear(side, 2))  # one weight of VIEW_ALONE_BYTES
+    handed: list[torch.Tensor] = []
+
+    def operation(index: int, flat: torch.Tensor, name: str) -> InFlight[torch.Tensor]:
+        handed.append(flat)
+        return DoublingInPlace(flat)
+
+    reducer = BucketReducer(list(model.parameters()), 64 * VIEW_ALONE_BYTES, operation, "grad", views=True)
+    assert [len(bucket) for bucket in reducer.buckets.buckets] == [1, 3]  # the large weight alone, then the rest
+    reducer.armed = True
+    model(torch.randn(4, side)).sum().backward()
+    first = model[0]
+    assert isinstance(first, nn.Linear) and first.weight.grad is not None
+    (alone,) = [flat for flat in handed if flat.numel() == first.weight.numel()]
+    assert alone.data_ptr() == first.weight.grad.data_ptr()  # the gradient itself, not a copy
+    (shared,) = [flat for flat in handed if flat is not alone]
+    held = [p.grad for p in model.parameters() if p.grad is not None]
+    assert all(shared.data_ptr() != g.data_ptr() for g in held)  # a bucket of copies
+    doubled = [2 * g for g in gradients(model)]
+    reducer.finish()
+    assert all(torch.equal(got, want) for got, want in zip(gradients(model), doubled, strict=True))
+    copied = BucketReducer(list(model.parameters()), 64 * VIEW_ALONE_BYTES, Operations(), "grad")
+    assert [len(bucket) for bucket in copied.buckets.buckets] == [4]  # without views: one bucket of copies
