@@ -37,7 +37,7 @@ VIEW_ALONE_BYTES = 2**20
 """With ``views``, a gradient of at least this many bytes is a bucket of its own, summed where it lies: no copy in
 or out, and its sum starts the moment backward has it. One more collective to negotiate costs less than two
 passes over a MiB (on a 2-core machine, a model of a few large tensors ran at 0.66x of a hand-written Horovod
-loop with every gradient copied into 32 MiB buckets, and at 1.07x this way); smaller ones share buckets."""
+loop with every gradient copied into 32 MiB buckets, and at 1.05x this way); smaller ones share buckets."""
 
 
 class BucketReducer:
