@@ -9,6 +9,11 @@ another processor, compute some steps with other roundings: an AMD EPYC and an I
 different float16 and Adam digests from the same code), so the file keeps one record per torch and
 processor; for a pair it has none, the test says so and skips. ``HVD_WRITE_SYNC_DIGESTS=1`` writes this
 pair's record anew (only where a change of the sums is intended, and said so, or for a new machine).
+
+The job runs with Horovod's tensor fusion off (``HOROVOD_FUSION_THRESHOLD=0``). Two allreduces
+started together are fused or not depending on when Horovod's background cycle ticks, and over more
+than two workers the ring adds an element in another order when it sits elsewhere in a fused buffer:
+the digests would then change with the machine's timing, not with the sums.
 """
 
 from __future__ import annotations
@@ -44,7 +49,14 @@ CHECKS = (check_two_level_sums, check_hierarchical_training, check_daso_training
 
 @pytest.fixture(scope="module")
 def digests(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, str]]:
-    job = run_job("sync_digests.py", np=4, hosts=TWO_NODES, out_dir=tmp_path_factory.mktemp("digests"), timeout=600)
+    job = run_job(
+        "sync_digests.py",
+        np=4,
+        hosts=TWO_NODES,
+        out_dir=tmp_path_factory.mktemp("digests"),
+        timeout=600,
+        env={"HOROVOD_FUSION_THRESHOLD": "0"},  # fusion depends on timing (see above)
+    )
     job.check()
     assert sorted(job.results) == [0, 1, 2, 3], job.output[-3000:]
     found = {}
