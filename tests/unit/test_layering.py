@@ -2,7 +2,8 @@
 
 - ``hvd_plugins.core`` imports no Lightning and no face; inside it ``backend`` (the only code that knows
   Horovod) imports nothing else of the core, ``comm`` (mechanism) only the backend, ``sync`` (the modes,
-  policy) only those two, the config and the fault guards.
+  policy) only those two, the config and the fault guards, and of the backend not Horovod's module: its bytes
+  move through ``comm``.
 - ``hvd_plugins.fabric`` (Fabric-level plugins) imports no Trainer code; ``hvd_plugins.pytorch`` may
   import it, and of its callbacks only the progress bar it installs by default.
 - Faces name Lightning only as ``lightning.pytorch...``/``lightning.fabric...``, which the mirror rewrites.
@@ -125,6 +126,12 @@ def test_the_core_is_layered_backend_then_comm_then_sync() -> None:
     assert not _offenders(f"{core}.comm", (core,), allowed=(f"{core}.backend", f"{core}.comm"))
     below_sync = (f"{core}.backend", f"{core}.comm", f"{core}.sync", f"{core}.config", f"{core}.faults")
     assert not _offenders(f"{core}.sync", (core,), allowed=below_sync)
+
+
+def test_sync_modes_move_bytes_through_comm() -> None:
+    """A mode is policy: it reaches Horovod only through ``comm`` (its sums, ``comm.world``) and the backend's
+    optimizer functions, never through Horovod's module itself."""
+    assert not _offenders("hvd_plugins.core.sync", ("hvd_plugins.core.backend.module",))
 
 
 def test_a_sync_mode_knows_no_other_mode() -> None:

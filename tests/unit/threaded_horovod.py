@@ -25,13 +25,12 @@ import torch
 
 from hvd_plugins.core.backend import module as backend_module
 from hvd_plugins.core.backend import waits
-from hvd_plugins.core.comm import partners, topology, wire
-from hvd_plugins.core.sync.hierarchical import mode as hierarchical_mode
+from hvd_plugins.core.comm import partners, topology, wire, world
 
 T = TypeVar("T")
 
-MECHANISM_MODULES: tuple[ModuleType, ...] = (backend_module, waits, partners, topology, wire, hierarchical_mode)
-"""The modules whose ``horovod_torch()`` the two-level path calls (each imported the function by name)."""
+MECHANISM_MODULES: tuple[ModuleType, ...] = (backend_module, waits, partners, topology, wire, world)
+"""The modules whose ``horovod_torch()`` the two-level path and the sync modes reach (each imported it by name)."""
 
 
 class JobAborted(RuntimeError):

@@ -90,6 +90,14 @@ _SHARED_CLASSES: dict[tuple[type, Any], type] = {}
 """One DistributedOptimizer class per (wrapped optimizer class, Horovod flavour), see ``share_class``."""
 
 
+def distributed_optimizer(optimizer: torch.optim.Optimizer, **options: Any) -> HorovodOptimizer:
+    """Horovod's ``DistributedOptimizer`` around ``optimizer`` (``options`` are its own), of the class every
+    wrap of this optimizer class shares (``share_class``)."""
+    wrapped = horovod_torch().DistributedOptimizer(optimizer, **options)
+    share_class(wrapped)
+    return wrapped
+
+
 def share_class(optimizer: HorovodOptimizer) -> None:
     """Give every DistributedOptimizer that wraps one optimizer class the same class object.
 

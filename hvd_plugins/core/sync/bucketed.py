@@ -22,15 +22,14 @@ import torch
 from torch.nn import Module
 from torch.optim import Optimizer
 
-from hvd_plugins.core.backend.module import horovod_torch
 from hvd_plugins.core.backend.optimizer import forget_held_gradients, hold_gradient_hooks, set_backward_passes
 from hvd_plugins.core.comm.compression import Compressor, NoCompression
 from hvd_plugins.core.comm.counters import CommCounters, Scope
 from hvd_plugins.core.comm.gradients import divide_gradients_
 from hvd_plugins.core.comm.in_flight import InFlight, Then
-from hvd_plugins.core.comm.partners import PartnerGroup
 from hvd_plugins.core.comm.reducer import BucketReducer, OptimizerReducers
 from hvd_plugins.core.comm.two_level import OneLevelSum, write_total
+from hvd_plugins.core.comm.world import world_group, world_size
 from hvd_plugins.core.comm.world_sum import WorldSumInPlace
 from hvd_plugins.core.sync.flat import HorovodOptimizerSync
 
@@ -91,22 +90,20 @@ class BucketedAllreduceSync(HorovodOptimizerSync):
         if not self.bucketed:
             return
         hold_gradient_hooks(optimizer)
-        self._reducer_for(optimizer).armed = horovod_torch().size() > 1
+        self._reducer_for(optimizer).armed = world_size() > 1
 
     def _reducer_for(self, optimizer: Optimizer) -> BucketReducer:
         return self._reducers.for_optimizer(optimizer, self._names[id(optimizer)], self.backward_passes)
 
     def _sum_bucket(self, index: int, flat: torch.Tensor, name: str) -> InFlight[torch.Tensor | None] | None:
         """Start one bucket's allreduce over every worker; it lands, averaged or summed, in ``flat``."""
-        hvd = horovod_torch()
-        size = hvd.size()
+        size = world_size()
         if size == 1:
             return None
         divide_by = size if self.op == "average" else None
         if isinstance(self.codec, NoCompression):  # the bucket is sent as it is: summed where it lies
             return WorldSumInPlace(flat, f"{name}.ar", self.counters, self.scope, divide_by)
-        world = PartnerGroup(tuple(range(size)), hvd.rank(), size)
-        pending = OneLevelSum(flat, world, self.codec, self.counters, self.scope, f"{name}.ar")
+        pending = OneLevelSum(flat, world_group(), self.codec, self.counters, self.scope, f"{name}.ar")
 
         def written(total: torch.Tensor) -> torch.Tensor:
             write_total(flat, total, divide_by)
@@ -155,7 +152,7 @@ class BucketedAllreduceSync(HorovodOptimizerSync):
         if reducer is not None and reducer.in_flight:
             self.synchronize(optimizer)
             if self.op == "sum":
-                divide_gradients_(optimizer, horovod_torch().size())
+                divide_gradients_(optimizer, world_size())
         elif id(optimizer) in self._names:
             self._arm(optimizer)  # buckets built again if the trainable parameters changed
 

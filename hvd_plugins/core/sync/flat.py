@@ -9,13 +9,12 @@ from collections.abc import Iterator, Sequence
 import torch
 from torch.optim import Optimizer
 
-from hvd_plugins.core.backend.module import horovod_torch
 from hvd_plugins.core.backend.optimizer import (
     delay_next_allreduce,
+    distributed_optimizer,
     drop_gradient_hooks,
     follow_trainable_parameters,
     set_backward_passes,
-    share_class,
     skip_synchronize,
     started_allreduces,
     synchronize,
@@ -25,6 +24,7 @@ from hvd_plugins.core.comm.compression import Compressor, CountingCompressor
 from hvd_plugins.core.comm.counters import CommCounters, Scope
 from hvd_plugins.core.comm.gradients import divide_gradients_
 from hvd_plugins.core.comm.wire import horovod_op
+from hvd_plugins.core.comm.world import world_size
 from hvd_plugins.core.sync.base import GradientSync
 
 
@@ -53,7 +53,7 @@ class HorovodOptimizerSync(GradientSync):
         """Name prefix, per wrapped optimizer, for parameters that become trainable after the wrap."""
 
     def wrap(self, optimizer: Optimizer, named_parameters: list[tuple[str, torch.nn.Parameter]]) -> Optimizer:
-        wrapped = horovod_torch().DistributedOptimizer(
+        wrapped = distributed_optimizer(
             optimizer,
             named_parameters=named_parameters,
             compression=self.compressor,
@@ -62,7 +62,6 @@ class HorovodOptimizerSync(GradientSync):
             gradient_predivide_factor=self.gradient_predivide_factor,
             sparse_as_dense=self.sparse_as_dense,
         )
-        share_class(wrapped)
         self._late_names[id(wrapped)] = f"late{len(self._late_names)}"  # wrap order: equal on every rank
         return wrapped
 
@@ -102,7 +101,7 @@ class HorovodOptimizerSync(GradientSync):
             return
         self.synchronize(optimizer)
         if self.op == "sum":
-            divide_gradients_(optimizer, horovod_torch().size())
+            divide_gradients_(optimizer, world_size())
 
     def teardown(self, optimizers: Sequence[Optimizer]) -> None:
         for optimizer in optimizers:

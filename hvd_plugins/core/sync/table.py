@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import logging
 
-from hvd_plugins.core.backend.module import horovod_torch
 from hvd_plugins.core.comm.compression import compressor_by_name
 from hvd_plugins.core.comm.counters import CommCounters, Scope
 from hvd_plugins.core.comm.topology import build_node_groups, discover_topology
+from hvd_plugins.core.comm.world import spans_nodes
 from hvd_plugins.core.config import HIERARCHICAL_IMPLS, SYNC_MODES, HorovodConfig
 from hvd_plugins.core.sync.base import GradientSync
 from hvd_plugins.core.sync.bucketed import BucketedAllreduceSync, uses_buckets
@@ -44,7 +44,7 @@ def make_gradient_sync(config: HorovodConfig, counters: CommCounters) -> Gradien
                 compress_node_local=config.compress_node_local,
             )
         case ("allreduce", _) | ("hierarchical", "native"):  # native: Horovod's own two-level allreduce
-            scope = Scope.CROSS_NODE if horovod_torch().cross_size() > 1 else Scope.NODE_LOCAL
+            scope = Scope.CROSS_NODE if spans_nodes() else Scope.NODE_LOCAL
             if config.sync == "allreduce" and uses_buckets(
                 config.op, config.gradient_predivide_factor, config.sparse_as_dense
             ):

@@ -14,7 +14,6 @@ import torch
 from torch.nn import Module
 from torch.optim import Optimizer
 
-from hvd_plugins.core.backend.module import horovod_torch
 from hvd_plugins.core.comm.compression import Compressor, compressor_by_name
 from hvd_plugins.core.comm.counters import CommCounters, Scope
 from hvd_plugins.core.comm.gradients import divide_gradients_
@@ -22,6 +21,7 @@ from hvd_plugins.core.comm.in_flight import InFlight, Then
 from hvd_plugins.core.comm.partners import GroupSum, PartnerGroup
 from hvd_plugins.core.comm.reducer import BucketReducer, OptimizerReducers
 from hvd_plugins.core.comm.topology import NodeGroups
+from hvd_plugins.core.comm.world import world_size
 from hvd_plugins.core.sync.base import GradientSync
 from hvd_plugins.core.sync.daso.config import DasoConfig
 from hvd_plugins.core.sync.daso.parameter_sync import DasoParameterSync
@@ -82,7 +82,7 @@ class DasoGradientSync(GradientSync):
     def _group(self) -> tuple[PartnerGroup, Compressor, Scope] | None:
         """The group this step's gradients are averaged over, their wire compression and scope; None: alone."""
         everywhere = self.over_all_workers()
-        if horovod_torch().size() == 1 or (self.groups.local is None and not everywhere):
+        if world_size() == 1 or (self.groups.local is None and not everywhere):
             return None  # alone in its group: nothing to average (the gradients are zero-filled all the same)
         if everywhere:  # over every worker, on the global wire type
             scope = Scope.CROSS_NODE if self.groups.topology.num_nodes > 1 else Scope.NODE_LOCAL
@@ -106,7 +106,7 @@ class DasoGradientSync(GradientSync):
 
     def _arm(self, optimizer: Optimizer) -> None:
         """Let backward start the buckets (the trainable parameters may have changed: the reducer follows)."""
-        self._reducer_for(optimizer).armed = horovod_torch().size() > 1
+        self._reducer_for(optimizer).armed = world_size() > 1
 
     def set_backward_passes(self, optimizer: Optimizer, passes: int) -> None:
         self.backward_passes = passes

@@ -64,7 +64,6 @@ import torch
 from torch.nn import Module
 from torch.optim import Optimizer
 
-from hvd_plugins.core.backend.module import horovod_torch
 from hvd_plugins.core.comm.buckets import flatten, unflatten_into
 from hvd_plugins.core.comm.buffers import BufferAverage, finish_buffer_average, start_buffer_average
 from hvd_plugins.core.comm.counters import CommCounters, Scope
@@ -73,6 +72,7 @@ from hvd_plugins.core.comm.parameters import optimizer_parameters
 from hvd_plugins.core.comm.shards import ShardLayout
 from hvd_plugins.core.comm.topology import NodeGroups
 from hvd_plugins.core.comm.wire import nbytes
+from hvd_plugins.core.comm.world import average_over_world, world_rank, world_size
 from hvd_plugins.core.sync.daso.config import DasoConfig
 from hvd_plugins.core.sync.daso.cycling_probe import CyclingProbe
 from hvd_plugins.core.sync.daso.schedule import DasoSchedule, Phase, StepPlan
@@ -158,11 +158,11 @@ class DasoParameterSync:
         if self._model is None:
             return
         added = self._collect_parameters()
-        if added and horovod_torch().size() > 1:
+        if added and world_size() > 1:
             flat = _flatten_as(added, self._work_dtype)
             self.counters.record(self._global_scope, nbytes(flat))
             with self.counters.waiting():
-                averaged = horovod_torch().allreduce(flat, op=horovod_torch().Average, name="daso.unfrozen")
+                averaged = average_over_world(flat, "daso.unfrozen")
             with torch.no_grad():
                 unflatten_into(averaged, added)
             self._reference = self._flat_parameters()
@@ -193,7 +193,7 @@ class DasoParameterSync:
         before = (self.schedule.phase, *self.schedule.settings)
         self.schedule.end_epoch(loss)
         after = (self.schedule.phase, *self.schedule.settings)
-        if self.config.verbose and after != before and horovod_torch().rank() == 0:
+        if self.config.verbose and after != before and world_rank() == 0:
             log.info(
                 f"DASO epoch {self.schedule.epoch}: phase={after[0].value} global_skips={after[1]} "
                 f"local_skips={after[2]} batches_to_wait={after[3]} (loss {loss})"
@@ -210,7 +210,7 @@ class DasoParameterSync:
         if probe.cycling_pays():
             return False
         self.schedule.decline_cycling()
-        if horovod_torch().rank() == 0:
+        if world_rank() == 0:
             log.info(
                 f"DASO: {probe.measured()}; later epochs average gradients over all workers, as warmup does "
                 "(DasoConfig(cycling='always') keeps cycling)"
@@ -269,7 +269,7 @@ class DasoParameterSync:
         type. Buffers follow each worker's own batches and are averaged over all workers.
         """
         self.blocking_syncs += 1
-        if horovod_torch().size() == 1:
+        if world_size() == 1:
             return
         buffers = self._start_buffer_average()
         if self.across_nodes:
@@ -303,8 +303,7 @@ class DasoParameterSync:
 
 
 def _average_over_workers(values: torch.Tensor) -> torch.Tensor:
-    hvd = horovod_torch()
-    return hvd.allreduce(values, op=hvd.Average, name="daso.cycling_probe")
+    return average_over_world(values, "daso.cycling_probe")
 
 
 def move_towards(parameters: Sequence[torch.Tensor], target: torch.Tensor, share: float) -> None:

@@ -19,7 +19,6 @@ from typing import Any
 import torch
 from torch.optim import Optimizer
 
-from hvd_plugins.core.backend.module import horovod_torch
 from hvd_plugins.core.backend.optimizer import forget_held_gradients, hold_gradient_hooks, set_backward_passes
 from hvd_plugins.core.comm.compression import Compressor
 from hvd_plugins.core.comm.counters import CommCounters, Scope
@@ -28,6 +27,7 @@ from hvd_plugins.core.comm.in_flight import InFlight, Then
 from hvd_plugins.core.comm.reducer import BucketReducer, OptimizerReducers
 from hvd_plugins.core.comm.topology import NodeGroups
 from hvd_plugins.core.comm.two_level import start_bucket_sum, write_total
+from hvd_plugins.core.comm.world import average_over_world
 from hvd_plugins.core.sync.base import GradientSync
 from hvd_plugins.core.sync.flat import HorovodOptimizerSync
 from hvd_plugins.core.sync.hierarchical.route_tuning import FLAT, RouteTuner
@@ -226,6 +226,5 @@ class HierarchicalGradientSync(GradientSync):
             return self.route_tuner
         if not any(size >= self.flat_below_bytes for size in bucket_nbytes):
             return None
-        hvd = horovod_torch()
-        self.route_tuner = RouteTuner(lambda t: hvd.allreduce(t, op=hvd.Average, name="hvd_plugins.route"))
+        self.route_tuner = RouteTuner(lambda t: average_over_world(t, "hvd_plugins.route"))
         return self.route_tuner

@@ -32,14 +32,14 @@ import torch
 from torch.nn import Module
 from torch.optim import Optimizer
 
-from hvd_plugins.core.backend.module import horovod_torch
 from hvd_plugins.core.comm.compression import Compressor, NoCompression
 from hvd_plugins.core.comm.counters import CommCounters, Scope
 from hvd_plugins.core.comm.in_flight import InFlight, Then
-from hvd_plugins.core.comm.partners import GroupSum, PartnerGroup, add_in_order, start_reduce_scatter
+from hvd_plugins.core.comm.partners import GroupSum, add_in_order, start_reduce_scatter
 from hvd_plugins.core.comm.reducer import BucketOperation, BucketReducer
 from hvd_plugins.core.comm.topology import NodeGroups, discover_topology
 from hvd_plugins.core.comm.two_level import TwoLevelSum
+from hvd_plugins.core.comm.world import max_over_world, spans_nodes, sum_over_world, world_group, world_size
 from hvd_plugins.core.sync.base import GradientSync
 from hvd_plugins.core.sync.sharded.checkpoint import is_part
 from hvd_plugins.core.sync.sharded.optimizer import ShardedOptimizer, refuse_whole_tensor_optimizer
@@ -91,8 +91,7 @@ class ShardedGradientSync(GradientSync):
         self.bucket_bytes = bucket_bytes
         self.checkpoint = checkpoint
         self.compress_node_local = compress_node_local
-        hvd = horovod_torch()
-        size, rank = hvd.size(), hvd.rank()
+        size = world_size()
         self.workers = size
         self.nodes: NodeGroups | None = None
         """With sharding inside the node: the node groups (each node holds all of the state, split over its workers)."""
@@ -101,8 +100,8 @@ class ShardedGradientSync(GradientSync):
             self.world = node_groups.local  # the workers a bucket is split over
             self.scope = Scope.NODE_LOCAL
         else:
-            self.world = PartnerGroup(tuple(range(size)), rank, size)
-            self.scope = Scope.CROSS_NODE if hvd.cross_size() > 1 else Scope.NODE_LOCAL
+            self.world = world_group()
+            self.scope = Scope.CROSS_NODE if spans_nodes() else Scope.NODE_LOCAL
         self.copies = size // self.world.size
         """How many workers hold each slice (the number of nodes when sharded inside the node, else 1)."""
         self._committing = False
@@ -356,18 +355,17 @@ def global_norm(gradients: Sequence[torch.Tensor], norm_type: float, workers: in
     """The ``norm_type`` norm of the gradients of every worker together, from this worker's ``gradients``:
     the local sum of powers (or maximum) combined across workers in one allreduce. Each slice is held by
     ``copies`` workers (one per node when sharded inside the node): its powers count once."""
-    hvd = horovod_torch()
     device = gradients[0].device if gradients else torch.device("cpu")
     if norm_type == float("inf"):
         local = max((g.detach().abs().max() for g in gradients), default=torch.zeros((), device=device))
         local = local.float().reshape(1).cpu()
-        combined = hvd.allreduce(local, op=hvd.Max, name="shard.grad_norm") if workers > 1 else local
+        combined = max_over_world(local, "shard.grad_norm") if workers > 1 else local
         return combined[0].to(device)
     powers = torch.zeros((), dtype=torch.float64)
     for gradient in gradients:
         powers += gradient.detach().double().abs().pow(norm_type).sum().cpu()
     local = powers.reshape(1)
-    combined = hvd.allreduce(local, op=hvd.Sum, name="shard.grad_norm") if workers > 1 else local
+    combined = sum_over_world(local, "shard.grad_norm") if workers > 1 else local
     return (combined[0] / copies).pow(1.0 / norm_type).float().to(device)
 
 

@@ -26,9 +26,8 @@ from typing import Any, TypeGuard
 
 import torch
 
-from hvd_plugins.core.backend.module import horovod_torch
-from hvd_plugins.core.backend.waits import wait_for
 from hvd_plugins.core.comm.topology import Topology
+from hvd_plugins.core.comm.world import gather_over_world, send_one_way, sum_over_world, world_rank, world_size
 from hvd_plugins.core.sync.sharded.checkpoint import consolidate
 
 COMMIT_FORMAT = "hvd_plugins.sharded_commit/1"
@@ -94,15 +93,11 @@ def replicate(part: Mapping[str, Any], ring: Sequence[int], name: str) -> dict[i
 
     The parts of a flat sharded layout, whose shard ranks are the global ranks ``ring`` orders.
     """
-    hvd = horovod_torch()
-    own, rank, size = to_bytes(part), hvd.rank(), hvd.size()
-    if size == 1:
+    own, rank = to_bytes(part), world_rank()
+    if world_size() == 1:
         return {rank: own}
-    keeper, giver = keeper_of(rank, ring), kept_by(rank, ring)
-    splits = torch.zeros(size, dtype=torch.int32)
-    splits[keeper] = own.numel()
-    received = wait_for(hvd.alltoall_async(own, splits=splits, name=f"{name}.replica"))[0]
-    return {rank: own, giver: received.clone()}
+    received = send_one_way(own, keeper_of(rank, ring), f"{name}.replica")
+    return {rank: own, kept_by(rank, ring): received.clone()}
 
 
 # ---------------------------------------------------------------------- reset
@@ -112,12 +107,11 @@ def rebuild(held: Mapping[int, torch.Tensor], workers: int, name: str) -> list[d
     A collective of the new world. Raises ``LostShardsError`` on every worker alike when some part
     has no survivor holding it.
     """
-    hvd = horovod_torch()
-    rank = hvd.rank()
+    rank, size = world_rank(), world_size()
     holds = torch.zeros(1, workers, dtype=torch.int64)
     for shard in held:
         holds[0, shard] = 1
-    holders = hvd.allgather(holds, name=f"{name}.holders") if hvd.size() > 1 else holds
+    holders = gather_over_world(holds, f"{name}.holders")
     missing = [shard for shard in range(workers) if not bool(holders[:, shard].any())]
     if missing:
         raise LostShardsError(
@@ -126,19 +120,19 @@ def rebuild(held: Mapping[int, torch.Tensor], workers: int, name: str) -> list[d
             "and training on would leave a hole in the optimizer state. Restart from the last checkpoint on disk "
             "(trainer.fit(..., ckpt_path=...)); keep hosts alive in pairs, or commit to disk more often."
         )
-    if hvd.size() == 1:
+    if size == 1:
         return [from_bytes(held[shard]) for shard in range(workers)]
     provider = [int(torch.nonzero(holders[:, shard])[0, 0]) for shard in range(workers)]
     mine = [shard for shard in range(workers) if provider[shard] == rank]
     lengths = torch.zeros(workers, dtype=torch.int64)
     for shard in mine:
         lengths[shard] = held[shard].numel()
-    lengths = hvd.allreduce(lengths, op=hvd.Sum, name=f"{name}.lengths")
+    lengths = sum_over_world(lengths, f"{name}.lengths")
     payload = torch.cat([held[shard] for shard in mine]) if mine else torch.zeros(0, dtype=torch.uint8)
-    everything = hvd.allgather(payload, name=f"{name}.parts")
+    everything = gather_over_world(payload, f"{name}.parts")
     parts: dict[int, dict[str, Any]] = {}
     offset = 0
-    for source in range(hvd.size()):  # allgather concatenates by rank; each rank sent its parts in shard order
+    for source in range(size):  # allgather concatenates by rank; each rank sent its parts in shard order
         for shard in (s for s in range(workers) if provider[s] == source):
             count = int(lengths[shard])
             parts[shard] = from_bytes(everything[offset : offset + count])

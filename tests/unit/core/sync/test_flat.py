@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from hvd_plugins.core.backend import optimizer as backend_optimizer
-from hvd_plugins.core.comm import wire
+from hvd_plugins.core.comm import wire, world
 from hvd_plugins.core.comm.compression import CountingCompressor, FP16Compression, NoCompression
 from hvd_plugins.core.comm.counters import CommCounters, Scope
 from hvd_plugins.core.comm.gradients import gradients_of
@@ -21,7 +21,7 @@ from hvd_plugins.core.sync.flat import AdasumOptimizerSync, HorovodOptimizerSync
 @pytest.fixture
 def hvd(fake_horovod, monkeypatch: pytest.MonkeyPatch):
     """A four-worker job; waiting for started allreduces is recorded instead of polled."""
-    fake = fake_horovod(gradient_sync, wire, backend_optimizer, size=4)
+    fake = fake_horovod(world, wire, backend_optimizer, size=4)
     fake.waited_for = []
 
     def wait_for_pending_allreduces(optimizer) -> None:

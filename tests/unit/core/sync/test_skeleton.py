@@ -13,6 +13,9 @@ import pytest
 import torch
 from doc_pages import DOCS, code_blocks
 
+from hvd_plugins.core.backend import waits
+from hvd_plugins.core.comm import world, world_sum
+
 SKELETON_CLASS = "class BucketAverageSync(GradientSync)"
 
 
@@ -20,7 +23,7 @@ class AsyncFakeHorovod:
     """One of two workers, the other of which always holds three times this worker's tensor; records whether
     each allreduce started inside backward."""
 
-    Average = "Average"
+    Sum = "Sum"
 
     def __init__(self) -> None:
         self.started_in_backward: list[bool] = []
@@ -28,10 +31,10 @@ class AsyncFakeHorovod:
     def size(self) -> int:
         return 2
 
-    def allreduce_async(self, tensor: torch.Tensor, op: str | None = None, name: str | None = None) -> Any:
-        assert op == self.Average and name is not None
+    def allreduce_async_(self, tensor: torch.Tensor, op: str | None = None, name: str | None = None) -> Any:
+        assert op == self.Sum and name is not None
         self.started_in_backward.append(torch._C._current_autograd_node() is not None)
-        return (tensor + 3 * tensor) / 2
+        return tensor.mul_(4)  # this worker's and the other's, summed in place
 
     def poll(self, handle: Any) -> bool:
         return True
@@ -48,7 +51,9 @@ def skeleton(monkeypatch: pytest.MonkeyPatch) -> tuple[Callable[..., Any], Async
     namespace: dict[str, Any] = {}
     exec(compile(source, "docs/internals.rst", "exec"), namespace)
     hvd = AsyncFakeHorovod()
-    monkeypatch.setitem(namespace, "horovod_torch", lambda: hvd)
+    for module in (world, world_sum, waits):
+        monkeypatch.setattr(module, "horovod_torch", lambda: hvd)
+    monkeypatch.setattr(waits, "synchronize_sleeps", lambda marker=None: True)
     return namespace["BucketAverageSync"], hvd
 
 

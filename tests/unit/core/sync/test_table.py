@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 
+from hvd_plugins.core.comm import world
 from hvd_plugins.core.comm.compression import FP16Compression, NoCompression
 from hvd_plugins.core.comm.counters import CommCounters, Scope
 from hvd_plugins.core.comm.topology import Topology
@@ -26,7 +27,7 @@ TWO_BY_TWO = Topology(rank=1, nodes=((0, 1), (2, 3)))
 @pytest.fixture
 def layouts_gathered(fake_horovod, monkeypatch: pytest.MonkeyPatch) -> list[Topology]:
     """Each node layout make_gradient_sync gathered; a job of two nodes (cross_size 2)."""
-    fake_horovod(sync_modes, size=4, rank=1, cross_size=2)
+    fake_horovod(world, size=4, rank=1, cross_size=2)
     gathered: list[Topology] = []
     monkeypatch.setattr(sync_modes, "discover_topology", lambda: gathered.append(TWO_BY_TWO) or TWO_BY_TWO)
     return gathered
@@ -71,7 +72,7 @@ def test_the_flat_sync_counts_its_bytes_as_crossing_nodes_only_when_there_are_se
 ) -> None:
     counters = CommCounters()
     for cross_size, scope in ((2, Scope.CROSS_NODE), (1, Scope.NODE_LOCAL)):
-        fake_horovod(sync_modes, size=2, cross_size=cross_size)
+        fake_horovod(world, size=2, cross_size=cross_size)
         sync = make_gradient_sync(HorovodConfig(compression="fp16", gradient_predivide_factor=2.0), counters)
         assert sync.compressor.scope is scope and sync.compressor.counters is counters
         assert isinstance(sync.compressor.inner, FP16Compression)

@@ -18,7 +18,6 @@ from hvd_plugins.core.comm.compression import NoCompression
 from hvd_plugins.core.comm.counters import CommCounters
 from hvd_plugins.core.comm.topology import build_node_groups, discover_topology
 from hvd_plugins.core.sync.hierarchical.mode import HierarchicalGradientSync
-from hvd_plugins.core.sync.sharded import mode as sharded_mode
 from hvd_plugins.core.sync.sharded.mode import ShardedGradientSync
 from unit.integer_training import integer_inputs, integer_model
 from unit.threaded_horovod import RankHorovod, ThreadedJob
@@ -47,7 +46,7 @@ def unsharded(model: nn.Module, size: int) -> list[torch.Tensor]:
 def test_sharded_inside_the_node_trains_as_over_every_worker_with_half_the_state(
     monkeypatch: pytest.MonkeyPatch, shard: str
 ) -> None:
-    job = ThreadedJob(nodes=2, workers_per_node=2).install(monkeypatch, sharded_mode)
+    job = ThreadedJob(nodes=2, workers_per_node=2).install(monkeypatch)
     model = integer_model(3, 5, 2)
     expected = unsharded(model, job.size)
 

@@ -88,10 +88,11 @@ def test_optimizers_that_need_whole_tensors_are_refused_by_name(optimizer: type)
 
 
 def test_zero2_refuses_a_grad_scaler_and_zero1_takes_one(fake_horovod) -> None:  # type: ignore[no-untyped-def]
+    from hvd_plugins.core.comm import world
     from hvd_plugins.core.comm.compression import NoCompression
     from hvd_plugins.core.sync.sharded import mode
 
-    fake_horovod(mode, size=2)
+    fake_horovod(world, size=2)
     gradients = mode.ShardedGradientSync("gradients", NoCompression(), "average", CommCounters(), 2**20)
     optimizer = mode.ShardedGradientSync("optimizer", NoCompression(), "average", CommCounters(), 2**20)
     with pytest.raises(ValueError, match="shard='gradients' cannot train with a GradScaler"):

@@ -45,7 +45,7 @@ def test_every_copy_is_kept_on_another_host(round_robin: bool) -> None:
 
 
 def test_one_host_of_two_lost_leaves_every_part_and_a_new_world_rebuilds_them(monkeypatch: pytest.MonkeyPatch) -> None:
-    old = ThreadedJob(nodes=2, workers_per_node=2).install(monkeypatch, replicas)
+    old = ThreadedJob(nodes=2, workers_per_node=2).install(monkeypatch)
 
     def commit(hvd: RankHorovod) -> dict[int, torch.Tensor]:
         return replicate(part_of(hvd.rank()), holder_ring(discover_topology()), "opt0.commit")
@@ -56,7 +56,7 @@ def test_one_host_of_two_lost_leaves_every_part_and_a_new_world_rebuilds_them(mo
         replicas.to_bytes(part_of(rank)).numel() for rank in range(4)
     ), "each part is kept twice, no more"
     survivors = [held[rank] for rank in (0, 1)]  # node 1 (ranks 2 and 3) left
-    new = ThreadedJob(nodes=1, workers_per_node=2).install(monkeypatch, replicas)
+    new = ThreadedJob(nodes=1, workers_per_node=2).install(monkeypatch)
     rebuilt = new.run(lambda hvd: rebuild(survivors[hvd.rank()], 4, "opt0.rebuild"))
     for parts in rebuilt:
         assert [part["rank"] for part in parts] == [0, 1, 2, 3]
@@ -66,11 +66,11 @@ def test_one_host_of_two_lost_leaves_every_part_and_a_new_world_rebuilds_them(mo
 def test_two_workers_keeping_the_same_part_lost_together_end_every_worker_alike(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    old = ThreadedJob(nodes=2, workers_per_node=2).install(monkeypatch, replicas)
+    old = ThreadedJob(nodes=2, workers_per_node=2).install(monkeypatch)
     held = old.run(lambda hvd: replicate(part_of(hvd.rank()), holder_ring(discover_topology()), "c"))
     keeper = next(rank for rank in range(4) if 0 in held[rank] and rank != 0)
     survivors = [held[rank] for rank in range(4) if rank not in (0, keeper)]
-    new = ThreadedJob(nodes=1, workers_per_node=2).install(monkeypatch, replicas)
+    new = ThreadedJob(nodes=1, workers_per_node=2).install(monkeypatch)
 
     def reset(hvd: RankHorovod) -> str:
         with pytest.raises(LostShardsError, match=r"slices of worker\(s\) \[0\] of 4") as error:
@@ -83,7 +83,7 @@ def test_two_workers_keeping_the_same_part_lost_together_end_every_worker_alike(
 
 def test_a_worker_that_joined_holds_nothing_and_still_gets_every_part(monkeypatch: pytest.MonkeyPatch) -> None:
     held = {0: replicas.to_bytes(part_of(0)), 1: replicas.to_bytes(part_of(1))}
-    job = ThreadedJob(nodes=1, workers_per_node=3).install(monkeypatch, replicas)
+    job = ThreadedJob(nodes=1, workers_per_node=3).install(monkeypatch)
     rebuilt = job.run(lambda hvd: rebuild(held if hvd.rank() == 2 else {}, 2, "r"))
     assert all(same_part(parts[0], 0) and same_part(parts[1], 1) for parts in rebuilt)
 
