@@ -18,6 +18,9 @@ two-level allreduce's first two legs), the shard is stepped and the parameters a
 inside the node: 1/L of the state per worker, and the cross-node bytes of the two-level allreduce.
 ZeRO-1 takes the two-level allreduce's three legs and steps its slices of the whole averaged gradients.
 
+What the stages do differently with a bucket, and what a worker owns of the gradients afterwards, is one
+object per stage (``stages``); this mode lays out the slices, runs the reducers, checkpoints and commits.
+
 In an elastic commit each worker keeps its own part and a copy of another's (``replicas``), or its
 own part only where other nodes hold copies of it.
 """
@@ -32,14 +35,11 @@ import torch
 from torch.nn import Module
 from torch.optim import Optimizer
 
-from hvd_plugins.core.comm.compression import Compressor, NoCompression
+from hvd_plugins.core.comm.compression import Compressor
 from hvd_plugins.core.comm.counters import CommCounters, Scope
-from hvd_plugins.core.comm.in_flight import InFlight, Then
-from hvd_plugins.core.comm.partners import GroupSum, add_in_order, start_reduce_scatter
-from hvd_plugins.core.comm.reducer import BucketOperation, BucketReducer
+from hvd_plugins.core.comm.reducer import BucketReducer
 from hvd_plugins.core.comm.topology import NodeGroups, discover_topology
-from hvd_plugins.core.comm.two_level import TwoLevelSum
-from hvd_plugins.core.comm.world import max_over_world, spans_nodes, sum_over_world, world_group, world_size
+from hvd_plugins.core.comm.world import spans_nodes, world_group, world_size
 from hvd_plugins.core.sync.base import GradientSync
 from hvd_plugins.core.sync.sharded.checkpoint import is_part
 from hvd_plugins.core.sync.sharded.optimizer import ShardedOptimizer, refuse_whole_tensor_optimizer
@@ -53,13 +53,7 @@ from hvd_plugins.core.sync.sharded.replicas import (
     to_bytes,
     whole_state,
 )
-
-SHARD_STAGES = {"optimizer": 1, "gradients": 2}
-BUCKETS_IN_FLIGHT = 2
-"""ZeRO-2: buckets reduce-scattered at once; a third lands the oldest first. Each bucket in flight holds about
-2.5 copies of itself (its flat gradients, the pieces it sends, the pieces it receives), so an unbounded backward
-would hold them for the whole model and spend what the freed gradients saved."""
-"""``shard=`` names and the ZeRO stage each stands for."""
+from hvd_plugins.core.sync.sharded.stages import SHARD_STAGES, ShardRoute, ShardStage
 
 
 class ShardedGradientSync(GradientSync):
@@ -84,13 +78,9 @@ class ShardedGradientSync(GradientSync):
         if op not in ("average", "sum"):
             raise ValueError(f"op={op!r} is not supported with shard={shard!r}; choose 'average' or 'sum'")
         self.shard = shard
-        self.stage = SHARD_STAGES[shard]
-        self.compressor = compressor
-        self.op = op
         self.counters = counters
         self.bucket_bytes = bucket_bytes
         self.checkpoint = checkpoint
-        self.compress_node_local = compress_node_local
         size = world_size()
         self.workers = size
         self.nodes: NodeGroups | None = None
@@ -98,10 +88,12 @@ class ShardedGradientSync(GradientSync):
         if node_groups is not None and node_groups.local is not None and node_groups.cross is not None:
             self.nodes, self.topology = node_groups, node_groups.topology
             self.world = node_groups.local  # the workers a bucket is split over
-            self.scope = Scope.NODE_LOCAL
+            scope = Scope.NODE_LOCAL
         else:
             self.world = world_group()
-            self.scope = Scope.CROSS_NODE if spans_nodes() else Scope.NODE_LOCAL
+            scope = Scope.CROSS_NODE if spans_nodes() else Scope.NODE_LOCAL
+        route = ShardRoute(self.world, self.nodes, compressor, compress_node_local, counters, scope, op, size)
+        self.stage: ShardStage = SHARD_STAGES[shard](route)
         self.copies = size // self.world.size
         """How many workers hold each slice (the number of nodes when sharded inside the node, else 1)."""
         self._committing = False
@@ -118,7 +110,13 @@ class ShardedGradientSync(GradientSync):
         name = f"shard.opt{len(self._optimizers)}"
         buckets = partition(optimizer, self.world.size, self.world.index, self.bucket_bytes)
         sharded = ShardedOptimizer(
-            optimizer, buckets, self.world, self.counters, self.scope, name, gradients_from_parameters=self.stage == 1
+            optimizer,
+            buckets,
+            self.world,
+            self.counters,
+            self.stage.route.scope,
+            name,
+            gradients_from_parameters=self.stage.gradients_from_parameters,
         )
         self._optimizers[id(sharded)] = sharded
         self._build_reducer(sharded)
@@ -132,14 +130,14 @@ class ShardedGradientSync(GradientSync):
         reducer = BucketReducer(
             [p for bucket in buckets for p in bucket.parameters],
             self.bucket_bytes,
-            self._scatter_to(sharded) if self.stage == 2 else self._sum_bucket,
+            self.stage.bucket_operation(sharded),
             f"{sharded.name}.grad",
             self.backward_passes,
             buckets=[bucket.parameters for bucket in buckets],
-            land_early=self.stage == 2,  # its results go to the slices, which nothing reads before the step
-            max_in_flight=BUCKETS_IN_FLIGHT if self.stage == 2 else None,
+            land_early=self.stage.land_early,
+            max_in_flight=self.stage.max_in_flight,
         )
-        reducer.armed = self.workers > 1 or self.stage == 2
+        reducer.armed = self.stage.armed()
         self._reducers[id(sharded)] = reducer
 
     def _follow_trainable(self, sharded: ShardedOptimizer) -> None:
@@ -165,53 +163,7 @@ class ShardedGradientSync(GradientSync):
     def synchronize(self, optimizer: Optimizer) -> None:
         reducer = self._reducer(optimizer)
         reducer.finish(waiting=self.counters.waiting())
-        reducer.armed = self.workers > 1 or self.stage == 2
-
-    def _sum_bucket(self, index: int, flat: torch.Tensor, name: str) -> InFlight[torch.Tensor | None] | None:
-        """ZeRO-1: one bucket summed over every worker (Horovod's allreduce, or the two-level allreduce when sharded
-        inside the node), averaged, written back."""
-        if self.workers == 1:
-            return None
-        if self.nodes is not None:
-            sum_: InFlight[torch.Tensor] = self._two_level(flat, name, keep_shard=False)
-        else:
-            sum_ = GroupSum(flat, self.world, self.compressor, name)
-            if sum_.nbytes:
-                self.counters.record(self.scope, sum_.nbytes)
-        count = flat.numel()
-        return Then(sum_, lambda total: total[:count] if self.op == "sum" else total[:count].div_(self.workers))
-
-    def _scatter_to(self, sharded: ShardedOptimizer) -> BucketOperation:
-        """ZeRO-2: each bucket reduce-scattered; this worker's slice of the average becomes its slice's gradient
-        and the whole gradients of the bucket are freed."""
-
-        def scatter(index: int, flat: torch.Tensor, name: str) -> InFlight[torch.Tensor | None] | None:
-            bucket, piece = sharded.buckets[index], sharded.slices[index]
-            padded = bucket.layout.padded(flat)
-            for parameter in bucket.parameters:
-                parameter.grad = None  # the flat copy travels; the whole gradients go at once
-
-            def land(total: torch.Tensor) -> None:
-                if self.op == "average" and self.workers > 1:
-                    total = total.div_(self.workers)
-                piece.grad = total.to(piece.dtype) if piece.grad is None else piece.grad.copy_(total)
-                return None
-
-            if self.workers == 1:
-                return Then(_Done(padded), land)
-            if self.nodes is not None:  # inside the node, then this shard across nodes
-                return Then(self._two_level(padded, name, keep_shard=True), land)
-            pending = start_reduce_scatter(padded, self.world, self.compressor, name)
-            self.counters.record(self.scope, pending.piece_nbytes * self.world.size)
-            return Then(pending, lambda pieces: land(add_in_order(pieces)))
-
-        return scatter
-
-    def _two_level(self, flat: torch.Tensor, name: str, keep_shard: bool) -> TwoLevelSum:
-        """The two-level allreduce's legs over the node groups (its first two only, with ``keep_shard``)."""
-        assert self.nodes is not None
-        local_codec = self.compressor if self.compress_node_local else NoCompression()
-        return TwoLevelSum(flat, self.nodes, local_codec, self.compressor, self.counters, name, keep_shard)
+        reducer.armed = self.stage.armed()
 
     def set_backward_passes(self, optimizer: Optimizer, passes: int) -> None:
         self.backward_passes = passes
@@ -236,44 +188,18 @@ class ShardedGradientSync(GradientSync):
 
     # ------------------------------------------------------------------ what this worker owns
     def owned_gradients(self, optimizer: Optimizer) -> list[torch.Tensor]:
-        if self.stage == 1:
-            return super().owned_gradients(optimizer)
-        return self._sharded(optimizer).owned_gradients()
+        return self.stage.owned_gradients(self._sharded(optimizer))
 
     def clip_grad_norm_(
         self, optimizer: Optimizer, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False
     ) -> torch.Tensor:
-        """ZeRO-2: the norm of the whole averaged gradient from this worker's slices, in one collective."""
-        if self.stage == 1:
-            return super().clip_grad_norm_(optimizer, max_norm, norm_type, error_if_nonfinite)
-        gradients = self._sharded(optimizer).owned_gradients()
-        total = global_norm(gradients, float(norm_type), self.workers, self.copies)
-        if error_if_nonfinite and not torch.isfinite(total):
-            raise RuntimeError(
-                f"The total norm of order {float(norm_type)} for gradients from `parameters` is non-finite, so it "
-                "cannot be clipped. To disable this error and scale the gradients by the non-finite norm anyway, "
-                "set `error_if_nonfinite=False`"
-            )
-        scale = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        for gradient in gradients:
-            gradient.mul_(scale.to(gradient.device, gradient.dtype))
-        return total
+        return self.stage.clip_grad_norm_(self._sharded(optimizer), max_norm, norm_type, error_if_nonfinite)
 
     def clip_grad_value_(self, optimizer: Optimizer, clip_value: float) -> None:
-        if self.stage == 1:
-            return super().clip_grad_value_(optimizer, clip_value)
-        for gradient in self._sharded(optimizer).owned_gradients():
-            gradient.clamp_(-clip_value, clip_value)
-        return None
+        self.stage.clip_grad_value_(self._sharded(optimizer), clip_value)
 
     def refuse_grad_scaler(self, grad_scaler: object | None) -> None:
-        """ZeRO-2 frees the whole gradients a GradScaler unscales and checks for inf/NaN: refuse it, before training."""
-        if grad_scaler is not None and self.stage == 2:
-            raise ValueError(
-                "shard='gradients' cannot train with a GradScaler (precision='16-mixed'): the scaler unscales and "
-                "checks the whole gradients, which ZeRO-2 frees once their slices are reduce-scattered. Use "
-                "precision='bf16-mixed' (no scaler), or shard='optimizer', which keeps the whole averaged gradients."
-            )
+        self.stage.refuse_grad_scaler(grad_scaler)
 
     def _sharded(self, optimizer: Optimizer) -> ShardedOptimizer:
         """The sharded optimizer ``optimizer`` is (also after a fit, when a checkpoint is saved from it)."""
@@ -333,40 +259,6 @@ class ShardedGradientSync(GradientSync):
             reducer.remove()
         self._reducers.clear()
         self._optimizers.clear()
-
-
-class _Done(InFlight[torch.Tensor]):
-    """A result that needs no collective (a job of one worker)."""
-
-    def __init__(self, value: torch.Tensor) -> None:
-        self.value = value
-
-    def progress(self) -> None:
-        """Nothing in flight."""
-
-    def ready(self) -> bool:
-        return True
-
-    def wait(self, meanwhile: object = None) -> torch.Tensor:
-        return self.value
-
-
-def global_norm(gradients: Sequence[torch.Tensor], norm_type: float, workers: int, copies: int = 1) -> torch.Tensor:
-    """The ``norm_type`` norm of the gradients of every worker together, from this worker's ``gradients``:
-    the local sum of powers (or maximum) combined across workers in one allreduce. Each slice is held by
-    ``copies`` workers (one per node when sharded inside the node): its powers count once."""
-    device = gradients[0].device if gradients else torch.device("cpu")
-    if norm_type == float("inf"):
-        local = max((g.detach().abs().max() for g in gradients), default=torch.zeros((), device=device))
-        local = local.float().reshape(1).cpu()
-        combined = max_over_world(local, "shard.grad_norm") if workers > 1 else local
-        return combined[0].to(device)
-    powers = torch.zeros((), dtype=torch.float64)
-    for gradient in gradients:
-        powers += gradient.detach().double().abs().pow(norm_type).sum().cpu()
-    local = powers.reshape(1)
-    combined = sum_over_world(local, "shard.grad_norm") if workers > 1 else local
-    return (combined[0] / copies).pow(1.0 / norm_type).float().to(device)
 
 
 def refuse_sparse_gradients(model: Module, shard: str) -> None:

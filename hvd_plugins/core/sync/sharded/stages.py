@@ -1,0 +1,238 @@
+"""What each ZeRO stage does with a bucket of gradients, and what a worker owns of them afterwards.
+
+One object per stage, so that the sharded mode never asks which stage runs: it lays out the slices, keeps
+the reducers, checkpoints and commits, and hands each bucket to its stage.
+
+- ``OptimizerStage`` (``shard="optimizer"``, ZeRO-1): every bucket summed over every worker as a flat
+  allreduce would; every worker holds the whole averaged gradients and steps its slices of them.
+- ``GradientStage`` (``shard="gradients"``, ZeRO-2): every bucket reduce-scattered from backward's hooks;
+  a worker receives its slice of the average and the whole gradients are freed.
+
+Both move their bytes along a ``ShardRoute``: over every worker, or inside the node and then across
+nodes among the workers of one local rank (sharded inside the node).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from hvd_plugins.core.comm.compression import Compressor, NoCompression
+from hvd_plugins.core.comm.counters import CommCounters, Scope
+from hvd_plugins.core.comm.in_flight import InFlight, Meanwhile, Then
+from hvd_plugins.core.comm.parameters import optimizer_parameters
+from hvd_plugins.core.comm.partners import GroupSum, PartnerGroup, add_in_order, start_reduce_scatter
+from hvd_plugins.core.comm.reducer import BucketOperation
+from hvd_plugins.core.comm.topology import NodeGroups
+from hvd_plugins.core.comm.two_level import TwoLevelSum
+from hvd_plugins.core.comm.world import max_over_world, sum_over_world
+from hvd_plugins.core.sync.sharded.optimizer import ShardedOptimizer
+
+BUCKETS_IN_FLIGHT = 2
+"""ZeRO-2: buckets reduce-scattered at once; a third lands the oldest first. Each bucket in flight holds about
+2.5 copies of itself (its flat gradients, the pieces it sends, the pieces it receives), so an unbounded backward
+would hold them for the whole model and spend what the freed gradients saved."""
+
+
+@dataclass(frozen=True)
+class ShardRoute:
+    """Where a sharded mode's buckets travel: over ``world`` (every worker; or, with ``nodes``, the workers of
+    this node, each slice then summed across nodes), compressed by ``compressor``, counted under ``scope``."""
+
+    world: PartnerGroup
+    nodes: NodeGroups | None
+    compressor: Compressor
+    compress_node_local: bool
+    counters: CommCounters
+    scope: Scope
+    op: str  # "average" or "sum"
+    workers: int  # every worker of the job
+
+    def two_level(self, flat: torch.Tensor, name: str, keep_shard: bool) -> TwoLevelSum:
+        """The two-level allreduce's legs over the node groups (its first two only, with ``keep_shard``)."""
+        assert self.nodes is not None
+        local_codec = self.compressor if self.compress_node_local else NoCompression()
+        return TwoLevelSum(flat, self.nodes, local_codec, self.compressor, self.counters, name, keep_shard)
+
+    def averaged(self, total: torch.Tensor) -> torch.Tensor:
+        """A sum over every worker made what ``op`` asks for, in place."""
+        return total.div_(self.workers) if self.op == "average" and self.workers > 1 else total
+
+
+class ShardStage(ABC):
+    """One ZeRO stage: the operation that runs on each bucket from backward's hooks, and what this worker owns."""
+
+    shard: str
+    """The ``shard=`` value this stage stands for."""
+    land_early = False
+    """Whether a bucket's result may land while backward runs (its results go where nothing reads before the step)."""
+    max_in_flight: int | None = None
+    """How many buckets may travel at once (None: all of them)."""
+    gradients_from_parameters = True
+    """Whether each slice's gradient is taken from the whole averaged gradients (else the stage writes it)."""
+
+    def __init__(self, route: ShardRoute) -> None:
+        self.route = route
+
+    @abstractmethod
+    def bucket_operation(self, sharded: ShardedOptimizer) -> BucketOperation:
+        """What runs on each of ``sharded``'s buckets once backward has filled it."""
+
+    def armed(self) -> bool:
+        """Whether backward's hooks start the buckets (no collective is needed in a job of one worker)."""
+        return self.route.workers > 1
+
+    def owned_gradients(self, sharded: ShardedOptimizer) -> list[torch.Tensor]:
+        """The averaged gradients this worker owns after the sync: every parameter's whole gradient."""
+        return [p.grad for p in optimizer_parameters(sharded) if p.grad is not None]
+
+    def clip_grad_norm_(
+        self, sharded: ShardedOptimizer, max_norm: float, norm_type: float, error_if_nonfinite: bool
+    ) -> torch.Tensor:
+        """Clip by the norm over the whole model; every worker holds every averaged gradient: no collective."""
+        return torch.nn.utils.clip_grad_norm_(
+            optimizer_parameters(sharded), max_norm, norm_type, error_if_nonfinite=error_if_nonfinite
+        )
+
+    def clip_grad_value_(self, sharded: ShardedOptimizer, clip_value: float) -> None:
+        torch.nn.utils.clip_grad_value_(optimizer_parameters(sharded), clip_value)
+
+    def refuse_grad_scaler(self, grad_scaler: object | None) -> None:
+        """Before the first step: raise if this stage cannot train under a ``16-mixed`` GradScaler (a stage that
+        keeps the whole averaged gradients can: the scaler unscales and checks them)."""
+        return None
+
+
+class OptimizerStage(ShardStage):
+    """ZeRO-1: each bucket summed over every worker (Horovod's allreduce, or the two-level allreduce when sharded
+    inside the node), averaged and written back into the whole gradients."""
+
+    shard = "optimizer"
+
+    def bucket_operation(self, sharded: ShardedOptimizer) -> BucketOperation:
+        return self._sum_bucket
+
+    def _sum_bucket(self, index: int, flat: torch.Tensor, name: str) -> InFlight[torch.Tensor | None] | None:
+        route = self.route
+        if route.workers == 1:
+            return None
+        if route.nodes is not None:
+            sum_: InFlight[torch.Tensor] = route.two_level(flat, name, keep_shard=False)
+        else:
+            sum_ = GroupSum(flat, route.world, route.compressor, name)
+            if sum_.nbytes:
+                route.counters.record(route.scope, sum_.nbytes)
+        count = flat.numel()
+        return Then(sum_, lambda total: route.averaged(total[:count]))
+
+
+class GradientStage(ShardStage):
+    """ZeRO-2: each bucket reduce-scattered; this worker's slice of the average becomes its slice's gradient and
+    the whole gradients of the bucket are freed."""
+
+    shard = "gradients"
+    land_early = True
+    max_in_flight = BUCKETS_IN_FLIGHT
+    gradients_from_parameters = False
+
+    def armed(self) -> bool:
+        return True  # even alone: the slice's gradient is written by the bucket's operation
+
+    def bucket_operation(self, sharded: ShardedOptimizer) -> BucketOperation:
+        route = self.route
+
+        def scatter(index: int, flat: torch.Tensor, name: str) -> InFlight[torch.Tensor | None] | None:
+            bucket, piece = sharded.buckets[index], sharded.slices[index]
+            padded = bucket.layout.padded(flat)
+            for parameter in bucket.parameters:
+                parameter.grad = None  # the flat copy travels; the whole gradients go at once
+
+            def land(total: torch.Tensor) -> None:
+                total = route.averaged(total)
+                piece.grad = total.to(piece.dtype) if piece.grad is None else piece.grad.copy_(total)
+                return None
+
+            if route.workers == 1:
+                return Then(_Done(padded), land)
+            if route.nodes is not None:  # inside the node, then this shard across nodes
+                return Then(route.two_level(padded, name, keep_shard=True), land)
+            pending = start_reduce_scatter(padded, route.world, route.compressor, name)
+            route.counters.record(route.scope, pending.piece_nbytes * route.world.size)
+            return Then(pending, lambda pieces: land(add_in_order(pieces)))
+
+        return scatter
+
+    def owned_gradients(self, sharded: ShardedOptimizer) -> list[torch.Tensor]:
+        return sharded.owned_gradients()
+
+    def clip_grad_norm_(
+        self, sharded: ShardedOptimizer, max_norm: float, norm_type: float, error_if_nonfinite: bool
+    ) -> torch.Tensor:
+        """The norm of the whole averaged gradient from this worker's slices, in one collective."""
+        gradients = sharded.owned_gradients()
+        copies = self.route.workers // self.route.world.size
+        total = global_norm(gradients, float(norm_type), self.route.workers, copies)
+        if error_if_nonfinite and not torch.isfinite(total):
+            raise RuntimeError(
+                f"The total norm of order {float(norm_type)} for gradients from `parameters` is non-finite, so it "
+                "cannot be clipped. To disable this error and scale the gradients by the non-finite norm anyway, "
+                "set `error_if_nonfinite=False`"
+            )
+        scale = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for gradient in gradients:
+            gradient.mul_(scale.to(gradient.device, gradient.dtype))
+        return total
+
+    def clip_grad_value_(self, sharded: ShardedOptimizer, clip_value: float) -> None:
+        for gradient in sharded.owned_gradients():
+            gradient.clamp_(-clip_value, clip_value)
+
+    def refuse_grad_scaler(self, grad_scaler: object | None) -> None:
+        """The whole gradients a GradScaler unscales and checks for inf/NaN are freed here: refuse it."""
+        if grad_scaler is not None:
+            raise ValueError(
+                "shard='gradients' cannot train with a GradScaler (precision='16-mixed'): the scaler unscales and "
+                "checks the whole gradients, which ZeRO-2 frees once their slices are reduce-scattered. Use "
+                "precision='bf16-mixed' (no scaler), or shard='optimizer', which keeps the whole averaged gradients."
+            )
+
+
+SHARD_STAGES: dict[str, type[ShardStage]] = {stage.shard: stage for stage in (OptimizerStage, GradientStage)}
+"""``shard=`` names and the stage each stands for."""
+
+
+class _Done(InFlight[torch.Tensor]):
+    """A result that needs no collective (a job of one worker)."""
+
+    def __init__(self, value: torch.Tensor) -> None:
+        self.value = value
+
+    def progress(self) -> None:
+        """Nothing in flight."""
+
+    def ready(self) -> bool:
+        return True
+
+    def wait(self, meanwhile: Meanwhile = None) -> torch.Tensor:
+        return self.value
+
+
+def global_norm(gradients: Sequence[torch.Tensor], norm_type: float, workers: int, copies: int = 1) -> torch.Tensor:
+    """The ``norm_type`` norm of the gradients of every worker together, from this worker's ``gradients``:
+    the local sum of powers (or maximum) combined across workers in one allreduce. Each slice is held by
+    ``copies`` workers (one per node when sharded inside the node): its powers count once."""
+    device = gradients[0].device if gradients else torch.device("cpu")
+    if norm_type == float("inf"):
+        local = max((g.detach().abs().max() for g in gradients), default=torch.zeros((), device=device))
+        local = local.float().reshape(1).cpu()
+        combined = max_over_world(local, "shard.grad_norm") if workers > 1 else local
+        return combined[0].to(device)
+    powers = torch.zeros((), dtype=torch.float64)
+    for gradient in gradients:
+        powers += gradient.detach().double().abs().pow(norm_type).sum().cpu()
+    local = powers.reshape(1)
+    combined = sum_over_world(local, "shard.grad_norm") if workers > 1 else local
+    return (combined[0] / copies).pow(1.0 / norm_type).float().to(device)
