@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from hvd_plugins.core.sync.sharded.checkpoint import consolidate_checkpoint
+from hvd_plugins.core.sync.parts import consolidate_checkpoint
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -31,8 +31,7 @@ from hvd_plugins.core.backend.elastic import ElasticCommits
 from hvd_plugins.core.backend.module import horovod_torch
 from hvd_plugins.core.elastic.cursor import EpochCursor, committed_world_size
 from hvd_plugins.core.elastic.epoch_split import ElasticDistributedSampler
-from hvd_plugins.core.elastic.snapshot import host_copy, rescale_learning_rates
-from hvd_plugins.core.sync.sharded.replicas import give_held, take_held
+from hvd_plugins.core.elastic.snapshot import give_own_parts, host_copy, rescale_learning_rates, take_own_parts
 from hvd_plugins.fabric.lightning_internals import forget_training_loader, set_logger_version
 from hvd_plugins.pytorch.loop_events import is_last_batch
 from hvd_plugins.pytorch.utilities.callbacks import StepAwareCallback, replace_callback
@@ -100,7 +99,7 @@ class ElasticFit:
             **self.cursor.commit_state(self.world_size),
             "logger_versions": [getattr(logger, "version", None) for logger in trainer.loggers],
         }
-        held = take_held(snapshot)
+        held = take_own_parts(snapshot)
         snapshot = host_copy(snapshot)
         self.copy_seconds.append(time.perf_counter() - start)
         self.held = (snapshot.get("global_step", -1), held)  # bytes on the CPU already
@@ -118,7 +117,7 @@ class ElasticFit:
             raise RuntimeError("ElasticFit.restore without a commit: the launcher resumes only from one")
         checkpoint = host_copy(self.commits.snapshot)
         step, held = self.held if self.held is not None else (None, None)
-        give_held(checkpoint, held if step == checkpoint.get("global_step") else None)  # parts of this commit only
+        give_own_parts(checkpoint, held if step == checkpoint.get("global_step") else None)  # parts of this commit only
         elastic = checkpoint.get(ELASTIC_KEY, {})
         committed_size, size = committed_world_size(elastic), horovod_torch().size()
         if scale_lr and committed_size and committed_size != size:

@@ -134,6 +134,22 @@ def test_sync_modes_move_bytes_through_comm() -> None:
     assert not _offenders("hvd_plugins.core.sync", ("hvd_plugins.core.backend.module",))
 
 
+def test_the_faces_know_no_sync_mode() -> None:
+    """A strategy, its elastic fit and its checkpoints reach a mode only through ``GradientSync``'s hooks, the table
+    that builds it, the guards around it, the parts format any mode may save, and the modes' settings; a callback
+    made for one mode (``DasoScheduleCallback``) may read its records."""
+    sync = "hvd_plugins.core.sync"
+    shared = tuple(f"{sync}.{name}" for name in ("base", "guards", "table", "parts"))
+    settings = tuple(name for name in MODULES if _within(name, sync) and name.endswith(".config"))
+    for face in ("hvd_plugins.pytorch", "hvd_plugins.fabric"):
+        offenders = {
+            name: targets
+            for name, targets in _offenders(face, (sync,), allowed=(*shared, *settings)).items()
+            if not _within(name, f"{face}.callbacks")
+        }
+        assert not offenders, offenders
+
+
 def test_a_sync_mode_knows_no_other_mode() -> None:
     """Only the table (config -> mode) names every mode; a mode may build on ``flat`` (Horovod's own route)."""
     modes = ("hvd_plugins.core.sync.flat", "hvd_plugins.core.sync.hierarchical", "hvd_plugins.core.sync.daso")

@@ -1,10 +1,14 @@
-"""Copies of training state in host memory: what an elastic commit keeps while training goes on."""
+"""Copies of training state in host memory: what an elastic commit keeps while training goes on, and the parts of
+it each worker keeps of its own."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
+
+from hvd_plugins.core.sync.base import OWN_PARTS_KEY
 
 
 def host_copy(value: Any) -> Any:
@@ -41,3 +45,24 @@ def rescale_learning_rates(checkpoint: dict[str, Any], factor: float) -> None:
         for key in ("base_lrs", "_last_lr"):
             if isinstance(scheduler_state.get(key), list):
                 scheduler_state[key] = [lr * factor for lr in scheduler_state[key]]
+
+
+def take_own_parts(checkpoint: dict[str, Any]) -> list[Any]:
+    """Take this worker's own parts (``OWN_PARTS_KEY``) out of a commit's optimizer states, leaving an empty place:
+    the rest of the commit is rank 0's for every worker. One entry per optimizer, None where it keeps none."""
+    taken: list[Any] = []
+    for state in checkpoint.get("optimizer_states", []):
+        own = isinstance(state, dict) and OWN_PARTS_KEY in state
+        taken.append(state[OWN_PARTS_KEY] if own else None)
+        if own:
+            state[OWN_PARTS_KEY] = None
+    return taken
+
+
+def give_own_parts(checkpoint: dict[str, Any], taken: Sequence[Any] | None) -> None:
+    """Put this worker's own parts back into the places ``take_own_parts`` left (an empty mapping where it holds
+    none: a worker that joined, or one whose parts belong to another commit)."""
+    for index, state in enumerate(checkpoint.get("optimizer_states", [])):
+        if isinstance(state, dict) and OWN_PARTS_KEY in state:
+            mine = taken[index] if taken is not None and index < len(taken) else None
+            state[OWN_PARTS_KEY] = dict(mine) if mine is not None else {}

@@ -35,6 +35,10 @@ from torch.optim import Optimizer
 from hvd_plugins.core.comm.parameters import optimizer_parameters
 from hvd_plugins.core.comm.topology import Topology
 
+OWN_PARTS_KEY = "held"
+"""In an elastic commit, what an optimizer state keeps under this key is this worker's own (a sharded mode's parts):
+every worker restores the snapshot rank 0 shares, but keeps these of its own (``core.elastic.snapshot``)."""
+
 
 class TrainingLoopHooks:
     """What a sync mode may do at the training loop's events; each hook does nothing unless overridden."""
@@ -144,5 +148,6 @@ class GradientSync(TrainingLoopHooks, ABC):
     @contextlib.contextmanager
     def committing(self) -> Iterator[None]:
         """Inside, ``optimizer_state_dict`` gives what an elastic commit keeps in host memory. Here the whole state,
-        which every worker holds; a sharded mode keeps its own part and a copy of another worker's instead."""
+        which every worker holds; a sharded mode keeps its own part and a copy of another worker's instead, under
+        ``OWN_PARTS_KEY``."""
         yield

@@ -29,14 +29,7 @@ from hvd_plugins.core.config import HorovodConfig
 from hvd_plugins.core.elastic.reset import sync_after_reset
 from hvd_plugins.core.sync.base import GradientSync
 from hvd_plugins.core.sync.guards import SyncGuards
-from hvd_plugins.core.sync.sharded.checkpoint import (
-    consolidate,
-    is_part,
-    is_parts_marker,
-    part_path,
-    parts_marker,
-    read_parts,
-)
+from hvd_plugins.core.sync.parts import read_parts_beside, write_parts_beside
 from hvd_plugins.core.training_state import broadcast_optimizer_state_
 from hvd_plugins.core.worker import prepare_worker
 from hvd_plugins.fabric.lightning_internals import given_checkpoint_io, optimizers_to_device, set_checkpoint_io
@@ -135,30 +128,14 @@ class HorovodStrategyShared(ABC):
         self._share_loaded_optimizer_states(optimizers)
 
     def _write_optimizer_parts(self, checkpoint: dict[str, Any], filepath: Any) -> None:
-        """``shard_checkpoint="parts"``: every worker writes its optimizer parts beside ``filepath``; the checkpoint
-        (written by rank 0) keeps a marker in their place."""
-        states = checkpoint.get("optimizer_states", [])
-        if not states or not all(is_part(state) for state in states):
-            return
-        rank, workers = states[0]["rank"], states[0]["workers"]
-        if not states[0].get("copy", 0):  # sharded inside the node: every node holds the same parts; node 0 writes
-            self.checkpoint_io.save_checkpoint({"optimizer_parts": states}, part_path(filepath, rank, workers))
-        checkpoint["optimizer_states"] = parts_marker(workers, len(states))
+        """Optimizer states a sharded mode gave as this worker's parts (``shard_checkpoint="parts"``): every worker
+        writes its own beside ``filepath``; the checkpoint (written by rank 0) keeps a marker in their place."""
+        write_parts_beside(checkpoint, filepath, self.checkpoint_io.save_checkpoint)
 
     def _read_optimizer_parts(self, checkpoint: dict[str, Any], filepath: Any) -> None:
         """The optimizer states of a checkpoint saved in parts: this worker's own part where the workers are as
         many as when it was saved, else the whole states, consolidated from every part."""
-        marker = checkpoint.get("optimizer_states")
-        if not is_parts_marker(marker):
-            return
-        workers, rank = marker["workers"], self.global_rank
-        if workers == self.world_size:
-            checkpoint["optimizer_states"] = read_parts(filepath, workers, rank)[0]["optimizer_parts"]
-            return
-        per_worker = [parts["optimizer_parts"] for parts in read_parts(filepath, workers)]
-        checkpoint["optimizer_states"] = [
-            consolidate([parts[index] for parts in per_worker]) for index in range(marker["optimizers"])
-        ]
+        read_parts_beside(checkpoint, filepath, self.world_size, self.global_rank)
 
     @property
     def daso_sync(self) -> Any:

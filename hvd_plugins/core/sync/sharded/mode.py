@@ -40,8 +40,8 @@ from hvd_plugins.core.comm.counters import CommCounters, Scope
 from hvd_plugins.core.comm.reducer import BucketReducer
 from hvd_plugins.core.comm.topology import NodeGroups, discover_topology
 from hvd_plugins.core.comm.world import spans_nodes, world_group, world_size
-from hvd_plugins.core.sync.base import GradientSync
-from hvd_plugins.core.sync.sharded.checkpoint import is_part
+from hvd_plugins.core.sync.base import OWN_PARTS_KEY, GradientSync
+from hvd_plugins.core.sync.parts import is_part
 from hvd_plugins.core.sync.sharded.optimizer import ShardedOptimizer, refuse_whole_tensor_optimizer
 from hvd_plugins.core.sync.sharded.partition import partition
 from hvd_plugins.core.sync.sharded.replicas import (
@@ -243,7 +243,7 @@ class ShardedGradientSync(GradientSync):
         collective: the survivors' parts are laid out again over this world)."""
         sharded = self._sharded(optimizer)
         if is_commit(state):
-            parts = rebuild(state["held"], state["workers"], f"{sharded.name}.rebuild")
+            parts = rebuild(state[OWN_PARTS_KEY], state["workers"], f"{sharded.name}.rebuild")
             sharded.load_state_dict(whole_state(state, parts))
         elif is_part(state):
             sharded.load_part(state)

@@ -29,7 +29,7 @@ from hvd_plugins.core.comm.counters import CommCounters, Scope
 from hvd_plugins.core.comm.in_flight import InFlight, finish_all
 from hvd_plugins.core.comm.partners import PartnerAlltoall, PartnerGroup, finish_allgather, start_allgather
 from hvd_plugins.core.comm.wire import nbytes
-from hvd_plugins.core.sync.sharded.checkpoint import PART_FORMAT
+from hvd_plugins.core.sync.parts import PART_FORMAT
 from hvd_plugins.core.sync.sharded.partition import ShardedBucket, Signature
 
 WHOLE_TENSOR_OPTIMIZERS: tuple[type[Optimizer], ...] = (torch.optim.LBFGS, torch.optim.SparseAdam)

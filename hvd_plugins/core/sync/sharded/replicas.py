@@ -28,7 +28,8 @@ import torch
 
 from hvd_plugins.core.comm.topology import Topology
 from hvd_plugins.core.comm.world import gather_over_world, send_one_way, sum_over_world, world_rank, world_size
-from hvd_plugins.core.sync.sharded.checkpoint import consolidate
+from hvd_plugins.core.sync.base import OWN_PARTS_KEY
+from hvd_plugins.core.sync.parts import consolidate
 
 COMMIT_FORMAT = "hvd_plugins.sharded_commit/1"
 """Marks what an elastic commit keeps of one sharded optimizer: the parts this worker holds."""
@@ -47,7 +48,12 @@ def commit_state(
 ) -> dict[str, Any]:
     """What a commit keeps of one optimizer: ``held`` parts (by shard rank) of a layout over ``workers``, and the
     hyper-parameters, alike on every worker, where a resize rescales learning rates as in any optimizer state."""
-    return {"format": COMMIT_FORMAT, "workers": workers, "held": held, "param_groups": [dict(g) for g in param_groups]}
+    return {
+        "format": COMMIT_FORMAT,
+        "workers": workers,
+        OWN_PARTS_KEY: held,
+        "param_groups": [dict(g) for g in param_groups],
+    }
 
 
 def whole_state(state: Mapping[str, Any], parts: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
@@ -138,25 +144,3 @@ def rebuild(held: Mapping[int, torch.Tensor], workers: int, name: str) -> list[d
             parts[shard] = from_bytes(everything[offset : offset + count])
             offset += count
     return [parts[shard] for shard in range(workers)]
-
-
-# ---------------------------------------------------------------------- outside the shared snapshot
-HELD_KEY = "held"
-
-
-def take_held(checkpoint: dict[str, Any]) -> list[dict[int, torch.Tensor] | None]:
-    """Take the held parts out of a commit's optimizer states (they stay on this worker; the rest of the commit is
-    rank 0's for every worker): one entry per optimizer, None where it is not sharded."""
-    taken: list[dict[int, torch.Tensor] | None] = []
-    for state in checkpoint.get("optimizer_states", []):
-        taken.append(state.pop(HELD_KEY) if is_commit(state) else None)
-    return taken
-
-
-def give_held(checkpoint: dict[str, Any], held: Sequence[dict[int, torch.Tensor] | None] | None) -> None:
-    """Put this worker's held parts back into a commit's optimizer states (none, where it holds none: a worker that
-    joined, or one whose parts belong to another commit)."""
-    for index, state in enumerate(checkpoint.get("optimizer_states", [])):
-        if is_commit(state):
-            mine = held[index] if held is not None and index < len(held) else None
-            state[HELD_KEY] = dict(mine) if mine is not None else {}

@@ -1,11 +1,14 @@
-"""Elastic commits: a host copy training does not change, learning rates rescaled for a new world size."""
+"""Elastic commits: a host copy training does not change, learning rates rescaled for a new world size, and the
+parts each worker keeps of its own."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from hvd_plugins.core.elastic.snapshot import host_copy, rescale_learning_rates
+from hvd_plugins.core.elastic.snapshot import give_own_parts, host_copy, rescale_learning_rates, take_own_parts
+from hvd_plugins.core.sync.base import OWN_PARTS_KEY
+from hvd_plugins.core.sync.sharded.replicas import commit_state
 
 
 def test_a_commit_is_a_copy_that_training_does_not_change() -> None:
@@ -26,3 +29,16 @@ def test_learning_rates_in_a_checkpoint_are_rescaled() -> None:
     assert checkpoint["optimizer_states"][0]["param_groups"][0]["lr"] == pytest.approx(0.2)
     assert checkpoint["optimizer_states"][0]["param_groups"][0]["initial_lr"] == pytest.approx(0.4)
     assert checkpoint["lr_schedulers"][0] == {"base_lrs": [0.4], "_last_lr": [0.2]}
+
+
+def test_own_parts_stay_out_of_the_shared_snapshot_and_come_back_only_to_their_worker() -> None:
+    parts = {3: torch.zeros(4, dtype=torch.uint8)}
+    checkpoint = {"optimizer_states": [commit_state(parts, 4, [{"lr": 0.1}]), {"state": {}, "param_groups": []}]}
+    taken = take_own_parts(checkpoint)
+    assert taken == [parts, None]
+    assert checkpoint["optimizer_states"][0][OWN_PARTS_KEY] is None  # the place stays, empty, in rank 0's snapshot
+    give_own_parts(checkpoint, None)  # a worker that joined
+    assert checkpoint["optimizer_states"][0][OWN_PARTS_KEY] == {}
+    give_own_parts(checkpoint, taken)
+    assert checkpoint["optimizer_states"][0][OWN_PARTS_KEY] == parts
+    assert OWN_PARTS_KEY not in checkpoint["optimizer_states"][1]

@@ -13,13 +13,10 @@ from hvd_plugins.core.comm.topology import Topology, discover_topology
 from hvd_plugins.core.sync.sharded import replicas
 from hvd_plugins.core.sync.sharded.replicas import (
     LostShardsError,
-    commit_state,
-    give_held,
     holder_ring,
     keeper_of,
     rebuild,
     replicate,
-    take_held,
 )
 from unit.threaded_horovod import RankHorovod, ThreadedJob
 
@@ -86,16 +83,3 @@ def test_a_worker_that_joined_holds_nothing_and_still_gets_every_part(monkeypatc
     job = ThreadedJob(nodes=1, workers_per_node=3).install(monkeypatch)
     rebuilt = job.run(lambda hvd: rebuild(held if hvd.rank() == 2 else {}, 2, "r"))
     assert all(same_part(parts[0], 0) and same_part(parts[1], 1) for parts in rebuilt)
-
-
-def test_held_parts_stay_out_of_the_shared_snapshot_and_come_back_only_to_their_worker() -> None:
-    parts = {3: torch.zeros(4, dtype=torch.uint8)}
-    checkpoint = {"optimizer_states": [commit_state(parts, 4, [{"lr": 0.1}]), {"state": {}, "param_groups": []}]}
-    taken = take_held(checkpoint)
-    assert taken == [parts, None]
-    assert "held" not in checkpoint["optimizer_states"][0]
-    give_held(checkpoint, None)  # a worker that joined
-    assert checkpoint["optimizer_states"][0]["held"] == {}
-    give_held(checkpoint, taken)
-    assert checkpoint["optimizer_states"][0]["held"] == parts
-    assert "held" not in checkpoint["optimizer_states"][1]

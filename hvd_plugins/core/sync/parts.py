@@ -1,15 +1,19 @@
-"""A sharded optimizer's state saved in parts, one file per worker, and the parts made whole again.
+"""Optimizer state saved in parts, one file per worker, and the parts made whole again.
 
 ``shard_checkpoint="parts"`` is for models whose whole optimizer state does not fit one worker:
 each worker writes its slices (``optimizer_part``) beside the checkpoint, named by ``part_path``,
 and the checkpoint itself holds a marker instead of the state. A job of the same number of workers
 and buckets loads its own part; any other (another number of workers, one process) needs the whole
 state, which ``consolidate`` makes from every part: ``python -m hvd_plugins.consolidate CKPT``.
+
+The format belongs to no one mode: a mode whose ``optimizer_state_dict`` gives parts has them written
+(``write_parts_beside``), and a checkpoint saved in parts loads under any mode (``read_parts_beside``),
+so the strategies save and load without asking which mode runs.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeGuard
 
@@ -92,3 +96,36 @@ def consolidate_checkpoint(path: str | Path) -> dict[str, Any]:
         consolidate([parts[index] for parts in per_worker]) for index in range(marker["optimizers"])
     ]
     return checkpoint
+
+
+def write_parts_beside(
+    checkpoint: dict[str, Any], filepath: str | Path, save: Callable[[dict[str, Any], Path], None]
+) -> None:
+    """Where ``checkpoint``'s optimizer states are this worker's parts: ``save`` them beside ``filepath`` (every
+    worker calls this) and leave a marker in their place in ``checkpoint`` (which rank 0 then writes).
+
+    Where the parts have copies on other nodes (sharded inside the node, ``copy`` > 0), node 0's are written.
+    """
+    states = checkpoint.get("optimizer_states", [])
+    if not states or not all(is_part(state) for state in states):
+        return
+    rank, workers = states[0]["rank"], states[0]["workers"]
+    if not states[0].get("copy", 0):
+        save({"optimizer_parts": states}, part_path(filepath, rank, workers))
+    checkpoint["optimizer_states"] = parts_marker(workers, len(states))
+
+
+def read_parts_beside(checkpoint: dict[str, Any], filepath: str | Path, world_size: int, rank: int) -> None:
+    """Where ``checkpoint`` was saved in parts: put back this worker's own parts where the workers are as many as
+    when it was saved, else the whole states, consolidated from every part."""
+    marker = checkpoint.get("optimizer_states")
+    if not is_parts_marker(marker):
+        return
+    workers = marker["workers"]
+    if workers == world_size:
+        checkpoint["optimizer_states"] = read_parts(filepath, workers, rank)[0]["optimizer_parts"]
+        return
+    per_worker = [parts["optimizer_parts"] for parts in read_parts(filepath, workers)]
+    checkpoint["optimizer_states"] = [
+        consolidate([parts[index] for parts in per_worker]) for index in range(marker["optimizers"])
+    ]

@@ -9,7 +9,7 @@ import torch
 
 from hvd_plugins.core.comm.counters import CommCounters, Scope
 from hvd_plugins.core.comm.partners import PartnerGroup
-from hvd_plugins.core.sync.sharded.checkpoint import consolidate, consolidate_checkpoint, part_path, parts_marker
+from hvd_plugins.core.sync.parts import consolidate, consolidate_checkpoint, part_path, parts_marker
 from hvd_plugins.core.sync.sharded.optimizer import ShardedOptimizer
 from hvd_plugins.core.sync.sharded.partition import partition
 
