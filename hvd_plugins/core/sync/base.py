@@ -12,7 +12,9 @@ and never reads every gradient or the whole optimizer state itself:
 - the training loop's events (``setup``, epoch and batch events, ``state_dict``/``load_state_dict``);
 - the gradients this worker owns once averaged (``owned_gradients``: the finite check reads them);
 - clipping by the global norm or by value (``clip_grad_norm_``, ``clip_grad_value_``);
-- the optimizer state to save or commit and to load (``optimizer_state_dict``, ``load_optimizer_state_dict``);
+- the optimizer state to save or commit and to load (``optimizer_state_dict``, ``load_optimizer_state_dict``),
+  and the model's (``model_state_dict``, ``load_model_state_dict``: the faces save and load the model through
+  them, so a mode that splits parameters can gather and split them);
 - whether an elastic reset must build the mode again (``world_shaped``), whether every worker holds
   the whole optimizer state (``replicates_optimizer_state``), and what an elastic commit keeps of it
   (``committing``).
@@ -144,6 +146,14 @@ class GradientSync(TrainingLoopHooks, ABC):
     def load_optimizer_state_dict(self, optimizer: Optimizer, state: Mapping[str, Any]) -> None:
         """Take back what ``optimizer_state_dict`` returned, saved at any world size."""
         optimizer.load_state_dict(dict(state))
+
+    def model_state_dict(self, model: Module) -> dict[str, Any]:
+        """The model's whole state, as a checkpoint keeps it: here every worker holds every parameter."""
+        return model.state_dict()
+
+    def load_model_state_dict(self, model: Module, state: Mapping[str, Any], strict: bool = True) -> None:
+        """Take back a whole model state, saved at any world size or by one process."""
+        model.load_state_dict(state, strict=strict)
 
     @contextlib.contextmanager
     def committing(self) -> Iterator[None]:

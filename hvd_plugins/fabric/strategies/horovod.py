@@ -317,6 +317,14 @@ class HorovodStrategy(HorovodStrategyShared, ParallelStrategy):
                 broadcast_optimizer_state_(inner, root_rank=0, name=f"loaded_opt{index}")
         return remainder
 
+    @override
+    def get_module_state_dict(self, module: Module) -> dict[str, Any]:
+        return self._model_state(module)
+
+    @override
+    def load_module_state_dict(self, module: Module, state_dict: dict[str, Any], strict: bool = True) -> None:
+        self._load_model_state(module, state_dict, strict)
+
     @property
     def _replicates_optimizer_state(self) -> bool:
         """Whether every worker holds the whole optimizer state (else each keeps its slices of what it loaded)."""

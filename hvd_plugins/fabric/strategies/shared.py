@@ -10,7 +10,7 @@ waits). It also holds the one rule of both faces for an elastic reset (``forget_
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from types import ModuleType
 from typing import Any, TypeVar
 
@@ -18,6 +18,7 @@ import torch
 from lightning.fabric.plugins import CheckpointIO
 from lightning.fabric.utilities.rank_zero import rank_zero_only
 from torch import Tensor
+from torch.nn import Module
 from torch.optim import Optimizer
 
 from hvd_plugins.core.backend.module import horovod_torch
@@ -37,6 +38,9 @@ from hvd_plugins.fabric.plugins.environments.horovod import HorovodEnvironment
 from hvd_plugins.fabric.plugins.io.atomic import AtomicCheckpointIO
 
 T = TypeVar("T")
+
+CHECKPOINT_KEY = "hvd_plugins"
+"""Where the strategy keeps its gradient sync's state (DASO's schedule, the measured route) in a checkpoint."""
 
 
 class HorovodStrategyShared(ABC):
@@ -126,6 +130,31 @@ class HorovodStrategyShared(ABC):
                 self.gradient_sync.load_optimizer_state_dict(optimizer, state)
         optimizers_to_device(list(optimizers), self.root_device)
         self._share_loaded_optimizer_states(optimizers)
+
+    # ------------------------------------------------------------------ checkpoints
+    def _add_sync_state(self, checkpoint: dict[str, Any]) -> None:
+        """Keep the gradient sync's own state (DASO's schedule, the measured route) in ``checkpoint``."""
+        if self.gradient_sync is not None and (own := self.gradient_sync.state_dict()):
+            checkpoint[CHECKPOINT_KEY] = own
+
+    def _take_sync_state(self, checkpoint: Mapping[str, Any]) -> None:
+        """The sync's state from a loaded checkpoint: for the sync built next, and for the running one if any."""
+        self._restored_sync_state = dict(checkpoint.get(CHECKPOINT_KEY, {}))
+        if self.gradient_sync is not None:
+            self.gradient_sync.load_state_dict(self._restored_sync_state)
+
+    def _model_state(self, model: Module | None) -> dict[str, Any]:
+        """The model's whole state for a checkpoint, as the sync mode gives it (before a sync exists: the module's)."""
+        assert model is not None
+        return model.state_dict() if self.gradient_sync is None else self.gradient_sync.model_state_dict(model)
+
+    def _load_model_state(self, model: Module | None, state: Mapping[str, Any], strict: bool) -> None:
+        """A saved model state taken back through the sync mode (before a sync exists: by the module itself)."""
+        assert model is not None
+        if self.gradient_sync is None:
+            model.load_state_dict(state, strict=strict)
+        else:
+            self.gradient_sync.load_model_state_dict(model, state, strict)
 
     def _write_optimizer_parts(self, checkpoint: dict[str, Any], filepath: Any) -> None:
         """Optimizer states a sharded mode gave as this worker's parts (``shard_checkpoint="parts"``): every worker

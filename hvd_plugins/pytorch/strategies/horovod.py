@@ -8,7 +8,7 @@ mode runs: every mode offers the same hooks. Launch with ``horovodrun -np N pyth
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import nullcontext
 from functools import partial
 from typing import TYPE_CHECKING, Any
@@ -85,10 +85,6 @@ from hvd_plugins.pytorch.utilities.rank_zero import follow_rank
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
-
-CHECKPOINT_KEY = "hvd_plugins"
-"""Where the strategy keeps its gradient sync's state (DASO's schedule, the measured route) in a checkpoint."""
-
 
 class HorovodStrategy(HorovodStrategyShared, ParallelStrategy):
     """Data-parallel training over Horovod (Gloo or MPI controller; NCCL on GPUs).
@@ -311,16 +307,11 @@ class HorovodStrategy(HorovodStrategyShared, ParallelStrategy):
         super().save_checkpoint(checkpoint, filepath, storage_options)
 
     def checkpoint_content(self, trainer: pl.Trainer) -> dict[str, Any]:
-        """What an elastic commit keeps: a checkpoint's content now, and the gradient sync's state (a sharded
-        optimizer's state as the parts this worker keeps, not the whole)."""
+        """What an elastic commit keeps: a checkpoint's content now, as the sync mode commits it (sharded: parts)."""
         with self.gradient_sync.committing() if self.gradient_sync is not None else nullcontext():
             checkpoint = checkpoint_content(trainer)
         self._add_sync_state(checkpoint)
         return checkpoint
-
-    def _add_sync_state(self, checkpoint: dict[str, Any]) -> None:
-        if self.gradient_sync is not None and (own := self.gradient_sync.state_dict()):
-            checkpoint[CHECKPOINT_KEY] = own
 
     @override
     def _follow_rank(self, rank: int) -> None:
@@ -332,19 +323,24 @@ class HorovodStrategy(HorovodStrategyShared, ParallelStrategy):
 
     @override
     def load_checkpoint(self, checkpoint_path: CheckpointPath, *args: Any, **kwargs: Any) -> dict[str, Any]:
-        """Hand the gradient sync its state; Lightning restores checkpoints before ``setup`` builds the sync.
-
-        In an elastic fit, after a reset, the path names the last commit, in host memory."""
+        """Hand the gradient sync its state; Lightning restores checkpoints before ``setup`` builds the sync. In an
+        elastic fit, after a reset, the path names the last commit, in host memory."""
         if self.elastic is not None and names_the_commit(checkpoint_path):
             checkpoint = self.elastic.restore(self._trainer, scale_lr=self.config.scale_lr)
         else:
             checkpoint = super().load_checkpoint(checkpoint_path, *args, **kwargs)
             self._read_optimizer_parts(checkpoint, checkpoint_path)
-        self._restored_sync_state = dict(checkpoint.get(CHECKPOINT_KEY, {}))
+        self._take_sync_state(checkpoint)
         self._resume_position.restore(self._trainer, checkpoint)
-        if self.gradient_sync is not None:
-            self.gradient_sync.load_state_dict(self._restored_sync_state)
         return checkpoint
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        return self._model_state(self.lightning_module)
+
+    @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        self._load_model_state(self.lightning_module, checkpoint["state_dict"], strict)
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
