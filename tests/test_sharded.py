@@ -165,7 +165,7 @@ def test_a_sharded_checkpoint_holds_the_whole_state_and_resumes_on_two_workers_a
         ("adasum", ["shard='gradients' does not work with op='adasum'"]),
         ("daso", ["shard='optimizer' does not work with sync='daso'", "sync='hierarchical' with shard="]),
         ("hierarchical_native", ["needs hierarchical_impl='portable'", "not 'native'"]),
-        ("unknown", ["shard='parameters' is not supported", "'none', 'optimizer', 'gradients'"]),
+        ("unknown", ["shard='everything' is not supported", "'none', 'optimizer', 'gradients', 'parameters'"]),
         ("lbfgs", ["cannot shard LBFGS: it needs whole parameters"]),
         ("sparse", ["cannot shard sparse gradients", "Embedding(sparse=True)"]),
     ],

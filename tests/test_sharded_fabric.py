@@ -21,6 +21,7 @@ from sharded_fabric_checks import (
     check_accumulating_without_no_backward_sync_is_refused,
     check_checkpoint_holds_the_whole_state_and_resumes,
     check_equal_to_unsharded,
+    check_full_sharding,
     check_no_backward_sync_accumulation_equals_unsharded,
 )
 
@@ -136,3 +137,15 @@ def test_accumulating_without_no_backward_sync_is_refused_naming_the_way(four: d
         for shard in SHARDS:
             assert f"shard={shard!r} cannot accumulate gradients with a second backward" in found[shard], found
             assert "fabric.no_backward_sync" in found[shard]
+
+
+def test_a_fully_sharded_fabric_loop_trains_as_unsharded_holding_no_whole_unit(
+    four: dict[int, dict[str, Any]],
+) -> None:
+    for rank in range(WORKERS):
+        found = report_of(four[rank], check_full_sharding)
+        assert found["difference"] <= TOLERANCE and found["loaded"] <= TOLERANCE, found
+        unsharded_norms, sharded_norms = found["norms"]
+        assert sharded_norms == pytest.approx(unsharded_norms, rel=TOLERANCE)
+        whole, held = found["held"]
+        assert whole > 0 and held == 0, found["held"]  # every Linear is a unit: only slices between steps

@@ -8,6 +8,7 @@ a collective.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Collection
 from dataclasses import asdict, dataclass, fields
 from typing import Any, Literal, get_args
 
@@ -22,9 +23,14 @@ GradientOp = Literal["average", "sum", "adasum"]
 """How gradients combine across workers (``"adasum"`` needs Horovod's MPI controller)."""
 SyncMode = Literal["allreduce", "hierarchical", "daso"]
 """``allreduce``: flat; ``hierarchical``: inside the node, then across nodes; ``daso``: see DasoConfig."""
-Shard = Literal["none", "optimizer", "gradients"]
+Shard = Literal["none", "optimizer", "gradients", "parameters"]
 """``none``: every worker holds everything; ``optimizer``: the optimizer state is split over the workers
-(ZeRO-1); ``gradients``: the optimizer state and the averaged gradients are (ZeRO-2)."""
+(ZeRO-1); ``gradients``: the optimizer state and the averaged gradients are (ZeRO-2); ``parameters``: and the
+parameters of the model's units too, each gathered whole only while it computes (ZeRO-3)."""
+UnitPolicy = Collection[type] | Callable[[Any], bool] | None
+"""Which modules are units of ``shard="parameters"``: module classes (as Lightning's ``FSDPStrategy`` takes
+them), a function of a module, or None for every module that holds ``DEFAULT_UNIT_PARAMETERS`` or more of its
+own (its descendants' units aside)."""
 ShardCheckpoint = Literal["full", "parts"]
 """``full``: a checkpoint holds the whole optimizer state, by rank 0; ``parts``: every worker writes its part."""
 HierarchicalImpl = Literal["portable", "native"]
@@ -89,6 +95,11 @@ class HorovodConfig:
     """One of SHARDS: what is split over the workers instead of held whole by each (docs/sharding.rst)."""
     shard_checkpoint: ShardCheckpoint = "full"
     """With ``shard``: checkpoints hold the whole optimizer state (``"full"``) or every worker writes its part."""
+    auto_wrap_policy: UnitPolicy = None
+    """With ``shard="parameters"``: which modules are units (see UnitPolicy); classes are kept as a frozenset."""
+    reshard_after_forward: bool = True
+    """With ``shard="parameters"``: free a unit's gathered parameters after its forward (gather again for its
+    backward); False keeps them from forward to backward: fewer gathers, more memory."""
     hierarchical_impl: HierarchicalImpl = "portable"
     """``"portable"`` (every build) or ``"native"`` (Horovod's own, with the MPI controller and NCCL)."""
     compress_node_local: bool = False
@@ -118,7 +129,8 @@ class HorovodConfig:
     """In an elastic job, commit the training state to host memory every this many optimizer steps."""
 
     def __post_init__(self) -> None:
-        for name in ("scale_lr", "compress_node_local", "average_buffers", "check_finite_gradients", "auto_requeue"):
+        booleans = ("scale_lr", "compress_node_local", "average_buffers", "check_finite_gradients", "auto_requeue")
+        for name in (*booleans, "reshard_after_forward"):
             value = getattr(self, name)
             if not isinstance(value, bool) and value not in (0, 1):
                 raise ValueError(f"{name}={value!r} must be True or False")
@@ -130,8 +142,8 @@ class HorovodConfig:
         _choice("shard_checkpoint", self.shard_checkpoint, SHARD_CHECKPOINTS)
         if self.shard_checkpoint != "full" and self.shard == "none":
             raise ValueError(
-                f"shard_checkpoint={self.shard_checkpoint!r} works only with shard='optimizer' or 'gradients', not "
-                "shard='none', whose workers each hold the whole state"
+                f"shard_checkpoint={self.shard_checkpoint!r} works only with shard='optimizer', 'gradients' or "
+                "'parameters', not shard='none', whose workers each hold the whole state"
             )
         _choice("hierarchical_impl", self.hierarchical_impl, HIERARCHICAL_IMPLS)
         if not self.gradient_predivide_factor > 0:
@@ -162,6 +174,16 @@ class HorovodConfig:
             )
         if self.shard != "none":
             self._check_shard()
+        object.__setattr__(self, "auto_wrap_policy", unit_policy(self.auto_wrap_policy))
+        if self.shard != "parameters" and self.auto_wrap_policy is not None:
+            raise ValueError(
+                f"auto_wrap_policy={{{describe_policy(self.auto_wrap_policy)}}} works only with shard='parameters', "
+                f"not shard={self.shard!r}"
+            )
+        if self.shard != "parameters" and not self.reshard_after_forward:
+            raise ValueError(
+                f"reshard_after_forward=False works only with shard='parameters', not shard={self.shard!r}"
+            )
         if self.daso is not None and self.sync != "daso":
             raise ValueError(f"daso={self.daso!r} was given but sync={self.sync!r}; DASO settings need sync='daso'")
         if self.sync == "daso" and self.daso is None:
@@ -216,6 +238,17 @@ class HorovodConfig:
             )
         if self.sparse_as_dense:
             raise ValueError(f"sparse_as_dense=True does not work with shard={self.shard!r}: it has no sparse path")
+        if self.shard == "parameters" and self.sync != "allreduce":
+            raise ValueError(
+                f"shard='parameters' works with sync='allreduce' only, not sync={self.sync!r}: its units are gathered "
+                "over every worker (sharding parameters inside the node is not built); shard='optimizer' or "
+                "'gradients' shard inside the node"
+            )
+        if self.shard == "parameters" and self.elastic is True:
+            raise ValueError(
+                "shard='parameters' does not work with elastic=True: a commit would have to gather the whole model "
+                "on every worker; use shard='gradients' for elastic sharded training"
+            )
 
     @staticmethod
     def argument_names() -> tuple[str, ...]:
@@ -270,4 +303,27 @@ class HorovodConfig:
         """
         settings = asdict(self)
         del settings["cpu_threads"]
+        settings["auto_wrap_policy"] = describe_policy(self.auto_wrap_policy)  # by name: equal on every rank
         return settings
+
+
+def unit_policy(policy: object) -> UnitPolicy:
+    """``auto_wrap_policy`` checked: module classes (a frozenset of them), a function of a module, or None."""
+    if policy is None or (callable(policy) and not isinstance(policy, type)):
+        return policy
+    classes = (policy,) if isinstance(policy, type) else policy
+    if isinstance(classes, (set, frozenset, list, tuple)) and classes and all(isinstance(c, type) for c in classes):
+        return frozenset(classes)
+    raise ValueError(
+        f"auto_wrap_policy={policy!r} must be a set of module classes (for example {{Block}}), a function that "
+        "takes a module and says whether it is a unit, or None"
+    )
+
+
+def describe_policy(policy: UnitPolicy) -> str | None:
+    """The policy by the names of its classes or function, alike on every rank (reprs hold addresses)."""
+    if policy is None:
+        return None
+    if callable(policy) and not isinstance(policy, (set, frozenset)):
+        return f"{getattr(policy, '__module__', '')}.{getattr(policy, '__qualname__', type(policy).__qualname__)}"
+    return ",".join(sorted(f"{c.__module__}.{c.__qualname__}" for c in policy))

@@ -6,6 +6,7 @@ import inspect
 from typing import Any
 
 import pytest
+import torch
 
 from hvd_plugins.core.config import HorovodConfig
 from hvd_plugins.core.sync.daso.config import DasoConfig
@@ -35,7 +36,7 @@ NOT_DEFAULT: dict[str, Any] = {
 }
 """A value other than the default for every field that combines with the others (``shard`` needs the flat sync:
 its own test below)."""
-ALONE = {"shard", "shard_checkpoint"}
+ALONE = {"shard", "shard_checkpoint", "auto_wrap_policy", "reshard_after_forward"}
 
 
 def _arguments(strategy: type) -> set[str]:
@@ -78,5 +79,19 @@ def test_shard_lands_in_its_field(strategy: type, shard: str) -> None:
 
 def test_shard_checkpoint_lands_in_its_field_and_needs_a_shard() -> None:
     assert HorovodStrategy(shard="gradients", shard_checkpoint="parts").config.shard_checkpoint == "parts"
-    with pytest.raises(ValueError, match="shard_checkpoint='parts' works only with shard='optimizer' or 'gradients'"):
+    with pytest.raises(ValueError, match="shard_checkpoint='parts' works only with shard='optimizer', 'gradients'"):
         HorovodStrategy(shard_checkpoint="parts")
+
+
+@pytest.mark.parametrize("strategy", [HorovodStrategy, FabricHorovodStrategy], ids=["trainer", "fabric"])
+def test_the_unit_settings_land_in_their_fields_and_need_full_sharding(strategy: type) -> None:
+    config = strategy(shard="parameters", auto_wrap_policy={torch.nn.Linear}, reshard_after_forward=False).config
+    assert (config.auto_wrap_policy, config.reshard_after_forward) == (frozenset({torch.nn.Linear}), False)
+    assert config.fingerprint()["auto_wrap_policy"] == "torch.nn.modules.linear.Linear"  # by name on every rank
+    expected = r"auto_wrap_policy=\{torch.nn.modules.linear.Linear\} works only with shard='parameters', not shard="
+    with pytest.raises(ValueError, match=expected):
+        strategy(shard="gradients", auto_wrap_policy={torch.nn.Linear})
+    with pytest.raises(ValueError, match="reshard_after_forward=False works only with shard='parameters'"):
+        strategy(reshard_after_forward=False)
+    with pytest.raises(ValueError, match=r"auto_wrap_policy='Block' must be a set of module classes"):
+        strategy(shard="parameters", auto_wrap_policy="Block")

@@ -264,7 +264,7 @@ def check_refusals() -> dict[str, str]:
         "hierarchical_native": lambda: HorovodStrategy(
             shard="optimizer", sync="hierarchical", hierarchical_impl="native"
         ),
-        "unknown": lambda: HorovodStrategy(shard="parameters"),  # type: ignore[arg-type]
+        "unknown": lambda: HorovodStrategy(shard="everything"),  # type: ignore[arg-type]
     }.items():
         try:
             make()

@@ -292,6 +292,51 @@ def check_accumulating_without_no_backward_sync_is_refused() -> dict[str, str]:
     return found
 
 
+def whole_state(fabric: Fabric, model: Any) -> torch.Tensor:
+    """The model's parameters as a checkpoint holds them (gathered, with ``shard="parameters"``), in order."""
+    state = fabric.strategy.get_module_state_dict(model.module)
+    return torch.cat([state[name].detach().reshape(-1).double() for name, _ in model.module.named_parameters()])
+
+
+@checks.register(time_limit=TIME_LIMIT)
+def check_full_sharding() -> dict[str, Any]:
+    """``shard="parameters"`` with every Linear a unit, clipped by norm: the parameters as unsharded, none held
+    whole between steps; ``fabric.save`` writes the whole model, which a fresh fully sharded setup loads."""
+    found: dict[str, Any] = {}
+
+    def fully_sharded_or_not(stage: str) -> Fabric:
+        options = {"auto_wrap_policy": {nn.Linear}} if stage == "parameters" else {}
+        fabric = Fabric(
+            strategy=HorovodStrategy(shard=stage, bucket_mb=SMALL_BUCKETS_MB, **options), accelerator="cpu"
+        )
+        fabric.launch()
+        return fabric
+
+    for stage in ("none", "parameters"):
+        fabric = fully_sharded_or_not(stage)
+        model, optimizer = set_up(fabric, "adamw")
+        norms = train(fabric, model, optimizer, batches(fabric), {"max_norm": 0.1})
+        held = sum(p.numel() for p in model.parameters())
+        path = out_dir() / f"fabric_full_{stage}.ckpt"
+        fabric.save(path, {"model": model, "optimizer": optimizer})
+        fresh = fully_sharded_or_not(stage)  # one model per strategy with shard="parameters"
+        again, again_optimizer = set_up(fresh, "adamw")
+        fresh.load(path, {"model": again, "optimizer": again_optimizer})
+        found[stage] = {
+            "parameters": whole_state(fabric, model),
+            "loaded": whole_state(fresh, again),
+            "norms": norms,
+            "held": held,
+        }
+    expected = found["none"]["parameters"]
+    return {
+        "difference": relative(found["parameters"]["parameters"], expected),
+        "loaded": relative(found["parameters"]["loaded"], expected),
+        "norms": [found[stage]["norms"] for stage in ("none", "parameters")],
+        "held": [found[stage]["held"] for stage in ("none", "parameters")],
+    }
+
+
 if __name__ == "__main__":
     out, arguments = parse_out()
     hvd.init()

@@ -42,6 +42,8 @@ def make_gradient_sync(config: HorovodConfig, counters: CommCounters) -> Gradien
                 config.shard_checkpoint,
                 node_groups=build_node_groups(topology) if topology is not None and topology.equal_nodes else None,
                 compress_node_local=config.compress_node_local,
+                auto_wrap_policy=config.auto_wrap_policy,
+                reshard_after_forward=config.reshard_after_forward,
             )
         case ("allreduce", _) | ("hierarchical", "native"):  # native: Horovod's own two-level allreduce
             scope = Scope.CROSS_NODE if spans_nodes() else Scope.NODE_LOCAL

@@ -44,6 +44,7 @@ from hvd_plugins.core.config import (
     Shard,
     StallTimeout,
     SyncMode,
+    UnitPolicy,
 )
 from hvd_plugins.core.sync.base import GradientSync
 from hvd_plugins.core.sync.guards import SyncGuards
@@ -92,7 +93,10 @@ class HorovodStrategy(HorovodStrategyShared, ParallelStrategy):
         gradient_predivide_factor: divide before the sum, the rest after (``op="average"``, flat sync).
         sparse_as_dense: send sparse gradients (``nn.Embedding(sparse=True)``) dense: one allreduce, not two allgathers.
         sync: ``"allreduce"`` (flat) or ``"hierarchical"`` (inside each node, then across nodes).
-        shard: ``"none"``; ``"optimizer"`` (ZeRO-1) or ``"gradients"`` (ZeRO-2) split those over the workers.
+        shard: ``"none"``; ``"optimizer"`` (ZeRO-1), ``"gradients"`` (ZeRO-2) or ``"parameters"`` (ZeRO-3) split
+            those over the workers.
+        auto_wrap_policy: with ``shard="parameters"``, the module classes (or a function of a module) that are units.
+        reshard_after_forward: with ``shard="parameters"``, free a unit's parameters after its forward (default).
         hierarchical_impl: ``"portable"`` (every build) or ``"native"`` (MPI + NCCL only).
         compress_node_local: with ``sync="hierarchical"``, compress the node-local legs too.
         bucket_mb: gradient bucket size of the two-level sync, in MiB.
@@ -118,6 +122,8 @@ class HorovodStrategy(HorovodStrategyShared, ParallelStrategy):
         sparse_as_dense: bool = False,
         sync: SyncMode = "allreduce",
         shard: Shard = "none",
+        auto_wrap_policy: UnitPolicy = None,
+        reshard_after_forward: bool = True,
         hierarchical_impl: HierarchicalImpl = "portable",
         compress_node_local: bool = False,
         bucket_mb: float = 32.0,
@@ -146,6 +152,8 @@ class HorovodStrategy(HorovodStrategyShared, ParallelStrategy):
             sparse_as_dense=sparse_as_dense,
             sync=sync,
             shard=shard,
+            auto_wrap_policy=auto_wrap_policy,
+            reshard_after_forward=reshard_after_forward,
             hierarchical_impl=hierarchical_impl,
             compress_node_local=compress_node_local,
             bucket_mb=bucket_mb,

@@ -27,6 +27,10 @@ PRESETS: dict[str, Preset] = {
     "horovod_zero2": Preset(
         "Horovod: the optimizer state and the gradients split over the workers (ZeRO-2)", {"shard": "gradients"}
     ),
+    "horovod_zero3": Preset(
+        "Horovod: the optimizer state, the gradients and the parameters split over the workers (ZeRO-3)",
+        {"shard": "parameters"},
+    ),
     "horovod_daso": Preset(
         "Horovod: DASO, node-local every step, cross-node every few steps", {"sync": "daso"}, trainer_only=True
     ),

@@ -46,6 +46,7 @@ from hvd_plugins.core.config import (
     ShardCheckpoint,
     StallTimeout,
     SyncMode,
+    UnitPolicy,
 )
 from hvd_plugins.core.elastic.launch import runs_elastic
 from hvd_plugins.core.epoch_end import EpochEndPolicy
@@ -87,9 +88,8 @@ if TYPE_CHECKING:
     import lightning.pytorch as pl
 
 class HorovodStrategy(HorovodStrategyShared, ParallelStrategy):
-    """Data-parallel training over Horovod (Gloo or MPI controller; NCCL on GPUs).
-
-    The arguments become ``self.config``, a frozen ``HorovodConfig`` (same names, more detail), validated at once.
+    """Data-parallel training over Horovod (Gloo or MPI controller; NCCL on GPUs). The arguments become
+    ``self.config``, a frozen ``HorovodConfig`` (same names, more detail), validated at once.
 
     Args:
         compression: ``"none"``, ``"fp16"`` or ``"bf16"``: gradients on the wire (DASO's: ``DasoConfig.downcast``).
@@ -98,8 +98,9 @@ class HorovodStrategy(HorovodStrategyShared, ParallelStrategy):
         sparse_as_dense: send sparse gradients (``nn.Embedding(sparse=True)``) dense: one allreduce, not two allgathers.
         scale_lr: multiply learning rates (and schedulers' base lrs) by the number of workers.
         sync: ``"allreduce"`` (flat), ``"hierarchical"`` (node, then across nodes) or ``"daso"``.
-        shard: ``"none"``; ``"optimizer"`` (ZeRO-1) or ``"gradients"`` (ZeRO-2) split those over the workers.
+        shard: ``"none"``; ``"optimizer"`` (ZeRO-1), ``"gradients"`` (ZeRO-2), ``"parameters"`` (ZeRO-3) split those.
         shard_checkpoint: with ``shard``, checkpoints hold the whole optimizer state (``"full"``) or ``"parts"``.
+        auto_wrap_policy, reshard_after_forward: ``shard="parameters"``'s units (module classes), freed after forward?
         hierarchical_impl: ``"portable"`` (every build) or ``"native"`` (MPI + NCCL only).
         compress_node_local: with ``sync="hierarchical"``, compress the node-local legs too.
         daso: a ``DasoConfig`` or a dict of its fields; only with ``sync="daso"``.
@@ -118,10 +119,8 @@ class HorovodStrategy(HorovodStrategyShared, ParallelStrategy):
         accelerator, parallel_devices, precision_plugin: Lightning's; the Trainer sets them from its own arguments.
         checkpoint_io: how checkpoints are written; ``None``: ``AtomicCheckpointIO`` (temporary file, fsync, rename).
 
-    Synchronized BatchNorm: ``Trainer(sync_batchnorm=True)`` (or ``plugins=[HorovodSyncBatchNorm()]``).
-
-    State for callbacks: ``config``, ``comm_counters``, ``gradient_sync``, ``topology``, ``daso_sync``, ``route_tuner``.
-    """
+    Synchronized BatchNorm: ``Trainer(sync_batchnorm=True)`` (or ``plugins=[HorovodSyncBatchNorm()]``). State for
+    callbacks: ``config``, ``comm_counters``, ``gradient_sync``, ``topology``, ``daso_sync``, ``route_tuner``."""
 
     strategy_name = "horovod"
 
@@ -135,6 +134,8 @@ class HorovodStrategy(HorovodStrategyShared, ParallelStrategy):
         sync: SyncMode = "allreduce",
         shard: Shard = "none",
         shard_checkpoint: ShardCheckpoint = "full",
+        auto_wrap_policy: UnitPolicy = None,
+        reshard_after_forward: bool = True,
         hierarchical_impl: HierarchicalImpl = "portable",
         compress_node_local: bool = False,
         daso: DasoConfig | dict[str, Any] | None = None,

@@ -43,7 +43,6 @@ from hvd_plugins.core.comm.world import spans_nodes, world_group, world_size
 from hvd_plugins.core.sync.base import OWN_PARTS_KEY, GradientSync
 from hvd_plugins.core.sync.parts import is_part
 from hvd_plugins.core.sync.sharded.optimizer import ShardedOptimizer, refuse_whole_tensor_optimizer
-from hvd_plugins.core.sync.sharded.partition import partition
 from hvd_plugins.core.sync.sharded.replicas import (
     commit_state,
     holder_ring,
@@ -54,6 +53,7 @@ from hvd_plugins.core.sync.sharded.replicas import (
     whole_state,
 )
 from hvd_plugins.core.sync.sharded.stages import SHARD_STAGES, ShardRoute, ShardStage
+from hvd_plugins.core.sync.sharded.units import UnitPolicy
 
 
 class ShardedGradientSync(GradientSync):
@@ -72,6 +72,8 @@ class ShardedGradientSync(GradientSync):
         checkpoint: str = "full",
         node_groups: NodeGroups | None = None,
         compress_node_local: bool = False,
+        auto_wrap_policy: UnitPolicy = None,
+        reshard_after_forward: bool = True,
     ) -> None:
         if shard not in SHARD_STAGES:
             raise ValueError(f"shard={shard!r} is not a sharded mode; choose one of {list(SHARD_STAGES)}")
@@ -92,8 +94,10 @@ class ShardedGradientSync(GradientSync):
         else:
             self.world = world_group()
             scope = Scope.CROSS_NODE if spans_nodes() else Scope.NODE_LOCAL
-        route = ShardRoute(self.world, self.nodes, compressor, compress_node_local, counters, scope, op, size)
-        self.stage: ShardStage = SHARD_STAGES[shard](route)
+        route = ShardRoute(
+            self.world, self.nodes, compressor, compress_node_local, counters, scope, op, size, bucket_bytes
+        )
+        self.stage: ShardStage = SHARD_STAGES[shard].build(route, auto_wrap_policy, reshard_after_forward)
         self.copies = size // self.world.size
         """How many workers hold each slice (the number of nodes when sharded inside the node, else 1)."""
         self._committing = False
@@ -104,11 +108,17 @@ class ShardedGradientSync(GradientSync):
     # ------------------------------------------------------------------ wrapping
     def setup(self, model: Module, optimizers: Sequence[Optimizer], total_epochs: int | None) -> None:
         refuse_sparse_gradients(model, self.shard)
+        self.stage.attach(model, [self._sharded(optimizer) for optimizer in optimizers], self._relay)
+
+    def _relay(self, sharded: ShardedOptimizer) -> None:
+        """Lay ``sharded``'s slices out anew, keeping its state (a collective), and rebuild its reducer."""
+        sharded.repartition(lambda signature: self.stage.lay_out(sharded, signature))
+        self._build_reducer(sharded)
 
     def wrap(self, optimizer: Optimizer, named_parameters: list[tuple[str, torch.nn.Parameter]]) -> Optimizer:
         refuse_whole_tensor_optimizer(optimizer, self.shard)
         name = f"shard.opt{len(self._optimizers)}"
-        buckets = partition(optimizer, self.world.size, self.world.index, self.bucket_bytes)
+        buckets = self.stage.lay_out(optimizer)
         sharded = ShardedOptimizer(
             optimizer,
             buckets,
@@ -149,9 +159,8 @@ class ShardedGradientSync(GradientSync):
         trainable = [p for group in sharded.param_groups for p in group["params"] if p.requires_grad]
         if {id(p) for p in planned} == {id(p) for p in trainable} or not trainable:
             return  # unchanged, or all frozen for now (Lightning's toggle_optimizer while another one steps)
-        world, bucket_bytes = self.world, self.bucket_bytes
-        sharded.repartition(lambda signature: partition(sharded, world.size, world.index, bucket_bytes, signature))
-        self._build_reducer(sharded)
+        with self.stage.whole_parameters():
+            self._relay(sharded)
 
     def _reducer(self, optimizer: Optimizer) -> BucketReducer:
         reducer = self._reducers.get(id(optimizer))
@@ -164,6 +173,7 @@ class ShardedGradientSync(GradientSync):
         reducer = self._reducer(optimizer)
         reducer.finish(waiting=self.counters.waiting())
         reducer.armed = self.stage.armed()
+        self.stage.after_backward()
 
     def set_backward_passes(self, optimizer: Optimizer, passes: int) -> None:
         self.backward_passes = passes
@@ -254,7 +264,14 @@ class ShardedGradientSync(GradientSync):
         """Bytes of optimizer state this worker holds, over all its optimizers."""
         return sum(sharded.state_bytes() for sharded in self._optimizers.values())
 
+    def model_state_dict(self, model: Module) -> dict[str, Any]:
+        return self.stage.model_state_dict(model)
+
+    def load_model_state_dict(self, model: Module, state: Mapping[str, Any], strict: bool = True) -> None:
+        self.stage.load_model_state_dict(model, state, strict)
+
     def teardown(self, optimizers: Sequence[Optimizer]) -> None:
+        self.stage.detach()
         for reducer in self._reducers.values():
             reducer.remove()
         self._reducers.clear()

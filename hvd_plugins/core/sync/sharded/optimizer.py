@@ -154,6 +154,8 @@ class ShardedOptimizer(Optimizer):
         """The slices from the parameters as they are now (a checkpoint restore, a callback may have changed
         them), and, for ZeRO-1, their gradients from the averaged ones."""
         for bucket, piece in zip(self.buckets, self.slices, strict=True):
+            if bucket.unit is not None:
+                continue  # a unit's slices are its parameters' only copy between its computations
             bucket.read_slice([p.detach() for p in bucket.parameters], piece.data)
             if self.gradients_from_parameters:
                 gradients = [p.grad for p in bucket.parameters]
@@ -163,21 +165,24 @@ class ShardedOptimizer(Optimizer):
                     piece.grad = None
 
     def gather_parameters(self) -> None:
-        """Every worker's updated slices, allgathered into the whole parameters (one round for all buckets)."""
+        """Every worker's updated slices, allgathered into the whole parameters (one round for all buckets); a
+        unit's parameters are gathered when the unit computes next instead."""
         world = self.world
+        kept = [(index, bucket) for index, bucket in enumerate(self.buckets) if bucket.unit is None]
         if world is None or world.size == 1:
-            for bucket, piece in zip(self.buckets, self.slices, strict=True):
-                unflatten_into(piece.detach()[: bucket.layout.numel], list(bucket.parameters))
+            for index, bucket in kept:
+                unflatten_into(self.slices[index].detach()[: bucket.layout.numel], list(bucket.parameters))
             return
         codec = NoCompression()
         pending: list[InFlight[list[torch.Tensor]]] = []
-        for index, piece in enumerate(self.slices):
+        for index, _ in kept:
+            piece = self.slices[index]
             gather = start_allgather(piece.detach(), world, codec, f"{self.name}.params.{index}")
             self.counters.record(self.scope, nbytes(piece))
             pending.append(gather)
         with self.counters.waiting():
             pieces = finish_all(pending)
-        for bucket, received in zip(self.buckets, pieces, strict=True):
+        for (_, bucket), received in zip(kept, pieces, strict=True):
             unflatten_into(torch.cat(received)[: bucket.layout.numel], list(bucket.parameters))
 
     def _check_elementwise_state(self) -> None:
@@ -226,7 +231,7 @@ class ShardedOptimizer(Optimizer):
                 {
                     "group": bucket.group_index,
                     "parameters": [indices[id(p)] for p in bucket.parameters],
-                    "shapes": [list(p.shape) for p in bucket.parameters],
+                    "shapes": [list(shape) for shape in bucket.shapes],
                     "numel": bucket.layout.numel,
                     "state": {
                         key: value.clone() if isinstance(value, torch.Tensor) else value for key, value in own.items()
@@ -282,10 +287,10 @@ class ShardedOptimizer(Optimizer):
         state: dict[int, dict[str, Any]] = {index: dict(values) for index, values in self._parked_by_index().items()}
         for bucket, whole in zip(self.buckets, self._gathered_state(), strict=True):
             for key, value in whole.items():
-                for parameter, offset in zip(bucket.parameters, bucket.offsets, strict=True):
+                for parameter, offset, shape in zip(bucket.parameters, bucket.offsets, bucket.shapes, strict=True):
                     entry = state.setdefault(indices[id(parameter)], {})
                     if isinstance(value, torch.Tensor) and value.dim() == 1 and value.numel() >= bucket.layout.numel:
-                        entry[key] = value[offset : offset + parameter.numel()].view_as(parameter).clone()
+                        entry[key] = value[offset : offset + shape.numel()].view(shape).clone()
                     else:
                         entry[key] = value.clone() if isinstance(value, torch.Tensor) else value
         groups = []
@@ -354,8 +359,8 @@ class ShardedOptimizer(Optimizer):
                 values = [state.get(key) for state in states]
                 first = next(value for value in values if value is not None)
                 shaped = [
-                    isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape == p.shape
-                    for v, p in zip(values, bucket.parameters, strict=True)
+                    isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape == shape
+                    for v, shape in zip(values, bucket.shapes, strict=True)
                     if v is not None
                 ]
                 if shaped and all(shaped):

@@ -9,7 +9,7 @@ parameters (and their gradients), without building the bucket's flat vector.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import cast
 
@@ -23,27 +23,37 @@ from hvd_plugins.core.comm.shards import ShardLayout
 
 @dataclass(frozen=True)
 class ShardedBucket:
-    """Parameters of one param group laid end to end in a flat vector; this worker owns ``layout``'s slice."""
+    """Parameters of one param group laid end to end in a flat vector; this worker owns ``layout``'s slice.
+
+    ``unit``: with ``shard="parameters"``, the unit whose parameters these are: between its computations they
+    exist only as the workers' slices, so the bucket keeps their ``shapes`` (taken when it was laid out).
+    """
 
     group_index: int
     parameters: tuple[Parameter, ...]
     layout: ShardLayout
+    unit: int | None = None
+    shapes: tuple[torch.Size, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.shapes:
+            object.__setattr__(self, "shapes", tuple(parameter.shape for parameter in self.parameters))
 
     @property
     def offsets(self) -> list[int]:
         """Where each parameter starts in the bucket's flat vector."""
         starts, offset = [], 0
-        for parameter in self.parameters:
+        for shape in self.shapes:
             starts.append(offset)
-            offset += parameter.numel()
+            offset += shape.numel()
         return starts
 
     def _overlaps(self) -> list[tuple[Parameter, slice, slice]]:
         """For each parameter that overlaps this worker's slice: (parameter, its part, where in the slice)."""
         begin, end = self.layout.start, self.layout.start + self.layout.shard_numel
         found = []
-        for parameter, offset in zip(self.parameters, self.offsets, strict=True):
-            low, high = max(offset, begin), min(offset + parameter.numel(), end)
+        for parameter, offset, shape in zip(self.parameters, self.offsets, self.shapes, strict=True):
+            low, high = max(offset, begin), min(offset + shape.numel(), end)
             if low < high:
                 found.append((parameter, slice(low - offset, high - offset), slice(low - begin, high - begin)))
         return found
@@ -77,12 +87,56 @@ def partition(
     buckets = []
     for group_index, group in enumerate(optimizer.param_groups):
         trainable: list[Parameter] = [p for p in group["params"] if p.requires_grad]
-        alike: dict[Hashable, list[Parameter]] = {}
-        for parameter in trainable:
-            alike.setdefault(signature(parameter) if signature is not None else None, []).append(parameter)
-        for members_alike in alike.values():
-            for members in bucket_tensors(reversed(members_alike), bucket_bytes):
-                numel = sum(p.numel() for p in members)
-                parameters = cast(tuple[Parameter, ...], tuple(members))  # bucket_tensors keeps what it was given
-                buckets.append(ShardedBucket(group_index, parameters, ShardLayout(numel, workers, rank)))
+        buckets += [
+            ShardedBucket(group_index, bucket.parameters, bucket.layout)
+            for bucket in _bucketed(trainable, workers, rank, bucket_bytes, signature)
+        ]
+    return buckets
+
+
+def _bucketed(
+    parameters: Sequence[Parameter], workers: int, rank: int, bucket_bytes: int, signature: Signature | None
+) -> list[ShardedBucket]:
+    """``parameters`` of one param group in buckets of about ``bucket_bytes``, by signature (group index 0)."""
+    alike: dict[Hashable, list[Parameter]] = {}
+    for parameter in parameters:
+        alike.setdefault(signature(parameter) if signature is not None else None, []).append(parameter)
+    buckets = []
+    for members_alike in alike.values():
+        for members in bucket_tensors(reversed(members_alike), bucket_bytes):
+            numel = sum(p.numel() for p in members)
+            chosen = cast(tuple[Parameter, ...], tuple(members))  # bucket_tensors keeps what it was given
+            buckets.append(ShardedBucket(0, chosen, ShardLayout(numel, workers, rank)))
+    return buckets
+
+
+def partition_by_units(
+    optimizer: Optimizer,
+    owners: Mapping[int, int],
+    workers: int,
+    rank: int,
+    bucket_bytes: int,
+    signature: Signature | None = None,
+) -> list[ShardedBucket]:
+    """``shard="parameters"``: one bucket per unit (``owners``: parameter id -> unit), param group, dtype and
+    signature, the later units first (backward reaches them first); the parameters of no unit as ``partition``
+    lays them out."""
+    buckets = []
+    for group_index, group in enumerate(optimizer.param_groups):
+        by_unit: dict[tuple[int, Hashable], list[Parameter]] = {}
+        rest: list[Parameter] = []
+        for parameter in (p for p in group["params"] if p.requires_grad):
+            unit = owners.get(id(parameter))
+            if unit is None:
+                rest.append(parameter)
+                continue
+            alike = (signature(parameter) if signature is not None else None, parameter.dtype, parameter.device)
+            by_unit.setdefault((unit, alike), []).append(parameter)
+        for (unit, _), members in sorted(by_unit.items(), key=lambda item: -item[0][0]):
+            numel = sum(p.numel() for p in members)
+            buckets.append(ShardedBucket(group_index, tuple(members), ShardLayout(numel, workers, rank), unit))
+        buckets += [
+            ShardedBucket(group_index, bucket.parameters, bucket.layout)
+            for bucket in _bucketed(rest, workers, rank, bucket_bytes, signature)
+        ]
     return buckets

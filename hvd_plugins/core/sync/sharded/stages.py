@@ -7,6 +7,8 @@ the reducers, checkpoints and commits, and hands each bucket to its stage.
   allreduce would; every worker holds the whole averaged gradients and steps its slices of them.
 - ``GradientStage`` (``shard="gradients"``, ZeRO-2): every bucket reduce-scattered from backward's hooks;
   a worker receives its slice of the average and the whole gradients are freed.
+- ``ParameterStage`` (``shard="parameters"``, ZeRO-3): as ZeRO-2, with the buckets laid out per unit of the
+  model, whose parameters exist whole only while the unit computes (``units``).
 
 Both move their bytes along a ``ShardRoute``: over every worker, or inside the node and then across
 nodes among the workers of one local rank (sharded inside the node).
@@ -14,11 +16,15 @@ nodes among the workers of one local rank (sharded inside the node).
 
 from __future__ import annotations
 
+import contextlib
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+from torch.nn import Module
+from torch.optim import Optimizer
 
 from hvd_plugins.core.comm.compression import Compressor, NoCompression
 from hvd_plugins.core.comm.counters import CommCounters, Scope
@@ -30,6 +36,8 @@ from hvd_plugins.core.comm.topology import NodeGroups
 from hvd_plugins.core.comm.two_level import TwoLevelSum
 from hvd_plugins.core.comm.world import max_over_world, sum_over_world
 from hvd_plugins.core.sync.sharded.optimizer import ShardedOptimizer
+from hvd_plugins.core.sync.sharded.partition import ShardedBucket, Signature, partition, partition_by_units
+from hvd_plugins.core.sync.sharded.units import ShardedUnits, Unit, UnitPolicy, find_units, unit_owners
 
 BUCKETS_IN_FLIGHT = 2
 """ZeRO-2: buckets reduce-scattered at once; a third lands the oldest first. Each bucket in flight holds about
@@ -50,6 +58,7 @@ class ShardRoute:
     scope: Scope
     op: str  # "average" or "sum"
     workers: int  # every worker of the job
+    bucket_bytes: int  # buckets of the parameters no unit owns
 
     def two_level(self, flat: torch.Tensor, name: str, keep_shard: bool) -> TwoLevelSum:
         """The two-level allreduce's legs over the node groups (its first two only, with ``keep_shard``)."""
@@ -77,9 +86,45 @@ class ShardStage(ABC):
     def __init__(self, route: ShardRoute) -> None:
         self.route = route
 
+    @classmethod
+    def build(cls, route: ShardRoute, policy: UnitPolicy, reshard_after_forward: bool) -> ShardStage:
+        """The stage for ``route``; the unit settings matter to ``shard="parameters"`` only."""
+        return cls(route)
+
     @abstractmethod
     def bucket_operation(self, sharded: ShardedOptimizer) -> BucketOperation:
         """What runs on each of ``sharded``'s buckets once backward has filled it."""
+
+    def lay_out(self, optimizer: Optimizer, signature: Signature | None = None) -> list[ShardedBucket]:
+        """The buckets of ``optimizer``'s trainable parameters, split over the route's workers."""
+        world = self.route.world
+        return partition(optimizer, world.size, world.index, self.route.bucket_bytes, signature)
+
+    def attach(
+        self, model: Module, optimizers: Sequence[ShardedOptimizer], relay: Callable[[ShardedOptimizer], None]
+    ) -> None:
+        """Once the optimizers are wrapped and the model is known (a stage that splits the model's parameters
+        lays the optimizers out again with ``relay`` and takes the parameters then)."""
+        return None
+
+    @contextlib.contextmanager
+    def whole_parameters(self) -> Iterator[None]:
+        """Inside, every parameter is whole and unhooked (to lay the slices out anew)."""
+        yield
+
+    def after_backward(self) -> None:
+        """After the step's last backward and its sync."""
+        return None
+
+    def detach(self) -> None:
+        """At a fit's end: the model as the user gave it (whole), no hook left."""
+        return None
+
+    def model_state_dict(self, model: Module) -> dict[str, Any]:
+        return model.state_dict()
+
+    def load_model_state_dict(self, model: Module, state: Mapping[str, Any], strict: bool) -> None:
+        model.load_state_dict(state, strict=strict)
 
     def armed(self) -> bool:
         """Whether backward's hooks start the buckets (no collective is needed in a job of one worker)."""
@@ -200,7 +245,122 @@ class GradientStage(ShardStage):
             )
 
 
-SHARD_STAGES: dict[str, type[ShardStage]] = {stage.shard: stage for stage in (OptimizerStage, GradientStage)}
+class ParameterStage(GradientStage):
+    """ZeRO-3: the gradients as ZeRO-2, laid out per unit of the model, whose parameters the slices alone hold
+    between the unit's computations (``units``)."""
+
+    shard = "parameters"
+
+    def __init__(self, route: ShardRoute, policy: UnitPolicy = None, reshard_after_forward: bool = True) -> None:
+        super().__init__(route)
+        self.policy, self.reshard_after_forward = policy, reshard_after_forward
+        self._model: Module | None = None
+        self._owners: dict[int, int] | None = None  # parameter id -> unit, once attached
+        self._names: list[tuple[str, Module]] = []
+        self._optimizers: list[ShardedOptimizer] = []
+        self._units: ShardedUnits | None = None
+
+    @classmethod
+    def build(cls, route: ShardRoute, policy: UnitPolicy, reshard_after_forward: bool) -> ShardStage:
+        return cls(route, policy, reshard_after_forward)
+
+    def lay_out(self, optimizer: Optimizer, signature: Signature | None = None) -> list[ShardedBucket]:
+        if self._owners is None:
+            return super().lay_out(optimizer, signature)  # before the model is known: laid out again at attach
+        world = self.route.world
+        return partition_by_units(
+            optimizer, self._owners, world.size, world.index, self.route.bucket_bytes, signature
+        )
+
+    def attach(
+        self, model: Module, optimizers: Sequence[ShardedOptimizer], relay: Callable[[ShardedOptimizer], None]
+    ) -> None:
+        if self._model is not None and self._model is not model:
+            raise ValueError(
+                "shard='parameters' shards one model per strategy; this strategy already shards "
+                f"{type(self._model).__name__}: give each model its own HorovodStrategy"
+            )
+        self._names = find_units(model, self.policy)
+        if not self._names:
+            raise ValueError(
+                f"shard='parameters' found no unit in {type(model).__name__} with auto_wrap_policy={self.policy!r}: "
+                "name the classes of its blocks, for example auto_wrap_policy={Block}"
+            )
+        self._owners = unit_owners(model, [module for _, module in self._names])
+        owned = [p for sharded in optimizers for group in sharded.param_groups for p in group["params"]]
+        if optimizers and not any(id(p) in self._owners for p in owned):
+            raise ValueError(
+                "shard='parameters' found none of the optimizers' parameters in the model's units: set the model "
+                "and its optimizers up together (fabric.setup(model, optimizer)), with the model's own parameters"
+            )
+        self._model = model
+        self._optimizers = list(optimizers)
+        for sharded in self._optimizers:
+            relay(sharded)
+        self._install()
+
+    def _install(self) -> None:
+        pieces: dict[int, list[tuple[ShardedOptimizer, int]]] = {}
+        for sharded in self._optimizers:
+            for index, bucket in enumerate(sharded.buckets):
+                if bucket.unit is not None:
+                    pieces.setdefault(bucket.unit, []).append((sharded, index))
+        route = self.route
+        units = [
+            Unit(index, name, module, pieces[index], route.counters, route.scope)
+            for index, (name, module) in enumerate(self._names)
+            if index in pieces
+        ]
+        self._units = ShardedUnits(units, self.reshard_after_forward)
+        self._units.install()
+
+    @contextlib.contextmanager
+    def whole_parameters(self) -> Iterator[None]:
+        if self._units is None:
+            yield
+            return
+        self._units.remove()
+        try:
+            yield
+        finally:
+            self._install()
+
+    def after_backward(self) -> None:
+        if self._units is not None:
+            self._units.free_all()  # units whose parameters did not all get gradients
+
+    def detach(self) -> None:
+        if self._units is not None:
+            self._units.remove()
+        self._units, self._owners, self._model, self._optimizers = None, None, None, []
+
+    def model_state_dict(self, model: Module) -> dict[str, Any]:
+        """The whole state, gathered unit by unit into one copy (each state tensor keeps its gathered buffer)."""
+        if self._units is None:
+            return model.state_dict()
+        self._units.gather_all()
+        try:
+            return model.state_dict()
+        finally:
+            self._units.free_all()
+
+    def load_model_state_dict(self, model: Module, state: Mapping[str, Any], strict: bool) -> None:
+        """A whole state loaded into the gathered units, and this worker's slices taken from it."""
+        if self._units is None:
+            model.load_state_dict(state, strict=strict)
+            return
+        self._units.gather_all()
+        try:
+            model.load_state_dict(state, strict=strict)
+            for unit in self._units.units:
+                unit.take_slices()
+        finally:
+            self._units.free_all()
+
+
+SHARD_STAGES: dict[str, type[ShardStage]] = {
+    stage.shard: stage for stage in (OptimizerStage, GradientStage, ParameterStage)
+}
 """``shard=`` names and the stage each stands for."""
 
 

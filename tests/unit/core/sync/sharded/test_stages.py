@@ -6,16 +6,23 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hvd_plugins.core.sync.sharded.stages import SHARD_STAGES, GradientStage, OptimizerStage, global_norm
+from hvd_plugins.core.sync.sharded.stages import (
+    SHARD_STAGES,
+    GradientStage,
+    OptimizerStage,
+    ParameterStage,
+    global_norm,
+)
 from unit.threaded_horovod import RankHorovod, ThreadedJob
 
 WHOLE = torch.arange(-11, 13, dtype=torch.float64) / 7
 """A gradient of 24 values, split into one slice of 6 per worker."""
 
 
-def test_every_shard_name_is_one_stage_and_only_zero2_writes_the_slices_gradients() -> None:
-    assert SHARD_STAGES == {"optimizer": OptimizerStage, "gradients": GradientStage}
+def test_every_shard_name_is_one_stage_and_only_zero1_takes_the_slices_gradients_from_the_whole_ones() -> None:
+    assert SHARD_STAGES == {"optimizer": OptimizerStage, "gradients": GradientStage, "parameters": ParameterStage}
     assert OptimizerStage.gradients_from_parameters and not GradientStage.gradients_from_parameters
+    assert issubclass(ParameterStage, GradientStage)  # ZeRO-3's gradients travel as ZeRO-2's
     assert (OptimizerStage.land_early, GradientStage.land_early) == (False, True)
 
 

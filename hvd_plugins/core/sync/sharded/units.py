@@ -1,0 +1,224 @@
+"""``shard="parameters"`` (ZeRO-3): the model's units, whose parameters are whole only while the unit computes.
+
+A unit is a module the policy picks (``auto_wrap_policy``); it owns the trainable parameters registered under
+it and under no unit inside it. A parameter registered under two units (an embedding tied to the output head)
+or outside every unit stays whole on every worker, as with ``shard="gradients"``; so do frozen parameters.
+
+A unit's parameters are buckets of the sharded optimizer (``partition_by_units``), so this worker's slices of
+them are their only copy between computations: the whole parameters are freed (each ``p.data`` an empty
+tensor, the Parameter itself kept, so optimizers, hooks and names still hold it). Before the unit's forward
+they are allgathered from the slices into one flat buffer per bucket, which each parameter then views. After
+the forward they are freed again (``reshard_after_forward``), gathered again when backward reaches the unit's
+outputs, and freed once backward has accumulated their gradients, which the stage reduce-scatters from
+backward's hooks as ZeRO-2 does. A gather reads the slices as they are, so a step needs no gather of its own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection, Iterable, Sequence
+from typing import Any
+
+import torch
+from torch.nn import Module, Parameter
+from torch.utils._pytree import tree_leaves
+from torch.utils.hooks import RemovableHandle
+
+from hvd_plugins.core.comm.compression import NoCompression
+from hvd_plugins.core.comm.counters import CommCounters, Scope
+from hvd_plugins.core.comm.in_flight import finish_all
+from hvd_plugins.core.comm.partners import start_allgather
+from hvd_plugins.core.comm.wire import nbytes
+from hvd_plugins.core.sync.sharded.optimizer import ShardedOptimizer
+
+DEFAULT_UNIT_PARAMETERS = 100_000
+"""Without a policy, a module is a unit when it holds this many parameters of its own (its units' aside)."""
+
+UnitPolicy = Collection[type] | Callable[[Module], bool] | None
+"""Module classes, a function of a module, or None (by size); ``core.config`` checks what the user gave."""
+
+
+def find_units(model: Module, policy: UnitPolicy) -> list[tuple[str, Module]]:
+    """The units of ``model`` by ``policy`` (classes, a function of a module, or None: by size), in module order.
+
+    The model itself is never a unit: what no unit owns stays whole. Units may nest; a unit owns what is
+    registered under it and under none of its own units.
+    """
+    chosen: list[tuple[str, Module]] = []
+
+    def own_count(module: Module) -> int:
+        return sum(p.numel() for p in module.parameters(recurse=False))
+
+    def visit(name: str, module: Module, is_root: bool) -> int:
+        """Parameters under ``module`` that no unit at or below it owns (for the size policy)."""
+        left = own_count(module)
+        for child_name, child in module.named_children():
+            left += visit(f"{name}.{child_name}" if name else child_name, child, False)
+        if is_root:
+            return left
+        if policy is None:
+            is_unit = left >= DEFAULT_UNIT_PARAMETERS
+        elif isinstance(policy, Collection):
+            is_unit = isinstance(module, tuple(policy))
+        else:
+            is_unit = bool(policy(module))
+        if is_unit:
+            chosen.append((name, module))
+            return 0
+        return left
+
+    visit("", model, True)
+    order = {id(module): index for index, (_, module) in enumerate(model.named_modules())}
+    return sorted(chosen, key=lambda unit: order[id(unit[1])])
+
+
+def unit_owners(model: Module, units: Sequence[Module]) -> dict[int, int]:
+    """Parameter id -> index of the unit owning it: registered under that unit (the innermost) and nowhere else."""
+    index_of = {id(module): index for index, module in enumerate(units)}
+    places: dict[int, set[int | None]] = {}
+
+    def walk(module: Module, unit: int | None, seen: set[int]) -> None:
+        if id(module) in seen:
+            return
+        seen = seen | {id(module)}
+        for parameter in module._parameters.values():
+            if parameter is not None:
+                places.setdefault(id(parameter), set()).add(unit)
+        for child in module._modules.values():
+            if child is not None:
+                walk(child, index_of.get(id(child), unit), seen)
+
+    walk(model, None, set())
+    owners: dict[int, int] = {}
+    for key, units_of in places.items():
+        (only,) = units_of if len(units_of) == 1 else (None,)
+        if only is not None:
+            owners[key] = only
+    return owners
+
+
+class Unit:
+    """One unit's sharded parameters, gathered whole from their slices and freed again together."""
+
+    def __init__(
+        self,
+        index: int,
+        name: str,
+        module: Module,
+        pieces: Sequence[tuple[ShardedOptimizer, int]],
+        counters: CommCounters,
+        scope: Scope,
+    ) -> None:
+        self.index, self.name, self.module = index, name, module
+        self.pieces = list(pieces)  # (sharded optimizer, bucket index) of every bucket of this unit
+        self.counters, self.scope = counters, scope
+        self.whole = True  # the model is whole when its units are found
+        self.accumulated = 0
+        self.trainable = sum(len(sharded.buckets[i].parameters) for sharded, i in self.pieces)
+        """Parameters whose gradients backward accumulates in this unit: when all have, the unit is freed."""
+
+    def parameters(self) -> Iterable[Parameter]:
+        for sharded, index in self.pieces:
+            yield from sharded.buckets[index].parameters
+
+    def gather(self) -> None:
+        """Every bucket's slices allgathered, and each parameter a view of its bucket's flat buffer."""
+        if self.whole:
+            return
+        pending = []
+        for sharded, index in self.pieces:
+            piece, world = sharded.slices[index].detach(), sharded.world
+            if world is None or world.size == 1:
+                continue
+            pending.append(start_allgather(piece, world, NoCompression(), f"{sharded.name}.unit{self.index}.{index}"))
+            self.counters.record(self.scope, nbytes(piece) * (world.size - 1))
+        with self.counters.waiting():
+            gathered = iter(finish_all(pending))
+        for sharded, index in self.pieces:
+            bucket, world = sharded.buckets[index], sharded.world
+            alone = world is None or world.size == 1
+            flat = sharded.slices[index].detach().clone() if alone else torch.cat(next(gathered))
+            for parameter, offset, shape in zip(bucket.parameters, bucket.offsets, bucket.shapes, strict=True):
+                parameter.data = flat[offset : offset + shape.numel()].view(shape)
+        self.whole = True
+
+    def free(self) -> None:
+        """The whole parameters dropped; the slices stay (the Parameters too, holding an empty tensor)."""
+        if not self.whole:
+            return
+        for parameter in self.parameters():
+            parameter.data = torch.empty(0, dtype=parameter.dtype, device=parameter.device)
+        self.whole = False
+
+    def take_slices(self) -> None:
+        """The slices from the whole parameters as they are now (a loaded model state): the unit must be whole."""
+        assert self.whole
+        for sharded, index in self.pieces:
+            bucket = sharded.buckets[index]
+            with torch.no_grad():
+                bucket.read_slice([p.detach() for p in bucket.parameters], sharded.slices[index].data)
+
+
+class ShardedUnits:
+    """The units of one model and the hooks that gather and free them around forward and backward."""
+
+    def __init__(self, units: Sequence[Unit], reshard_after_forward: bool) -> None:
+        self.units = list(units)
+        self.reshard_after_forward = reshard_after_forward
+        self._handles: list[RemovableHandle] = []
+
+    def install(self) -> None:
+        """Hook every unit and free its parameters: from now on only the slices hold them."""
+        for unit in self.units:
+            self._handles.append(unit.module.register_forward_pre_hook(self._before_forward(unit)))
+            self._handles.append(unit.module.register_forward_hook(self._after_forward(unit)))
+            for parameter in unit.parameters():
+                self._handles.append(parameter.register_post_accumulate_grad_hook(self._accumulated(unit)))
+            unit.free()
+
+    def remove(self) -> None:
+        """Every unit whole again (its parameters views of the gathered buffers) and unhooked."""
+        self.gather_all()
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    def gather_all(self) -> None:
+        for unit in self.units:
+            unit.gather()
+
+    def free_all(self) -> None:
+        for unit in self.units:
+            unit.free()
+
+    def _before_forward(self, unit: Unit) -> Callable[..., None]:
+        def gather(module: Module, args: Any) -> None:
+            unit.accumulated = 0  # a backward that left some parameters without gradients counted them short
+            unit.gather()
+
+        return gather
+
+    def _after_forward(self, unit: Unit) -> Callable[..., None]:
+        def after(module: Module, args: Any, output: Any) -> None:
+            if torch._C._current_graph_task_id() != -1:
+                return  # a recompute inside backward (activation checkpointing): backward uses these parameters
+            needing = [t for t in tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad]
+            for tensor in needing:
+                tensor.register_hook(self._before_backward(unit))
+            if not needing or self.reshard_after_forward:
+                unit.free()
+
+        return after
+
+    def _before_backward(self, unit: Unit) -> Callable[[torch.Tensor], None]:
+        def gather(gradient: torch.Tensor) -> None:
+            unit.gather()
+
+        return gather
+
+    def _accumulated(self, unit: Unit) -> Callable[[torch.Tensor], None]:
+        def count(parameter: torch.Tensor) -> None:
+            unit.accumulated += 1
+            if unit.accumulated >= unit.trainable:
+                unit.free()
+
+        return count

@@ -1,0 +1,136 @@
+"""``shard="parameters"`` (ZeRO-3) on a job of two nodes of two workers, each a thread (``ThreadedJob``): the units
+a policy picks, who owns a tied weight, and training that equals unsharded training bit for bit while each
+worker holds only its slices of the units' parameters between computations.
+
+Small integer inputs and weights in float64 and a power-of-two learning rate keep every sum exact in any order.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from hvd_plugins.core.comm.compression import NoCompression
+from hvd_plugins.core.comm.counters import CommCounters
+from hvd_plugins.core.sync.sharded.mode import ShardedGradientSync
+from hvd_plugins.core.sync.sharded.units import DEFAULT_UNIT_PARAMETERS, find_units, unit_owners
+from unit.integer_training import integer_inputs, integer_model
+from unit.threaded_horovod import RankHorovod, ThreadedJob
+
+STEPS = 3
+LR = 0.25
+
+
+class Tied(nn.Module):
+    """An embedding whose weight the head reuses, between two blocks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(7, 4)
+        self.blocks = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+        self.head = nn.Linear(4, 7, bias=False)
+        self.head.weight = self.embed.weight
+
+
+def test_a_class_policy_picks_every_match_but_the_root_in_module_order() -> None:
+    model = Tied()
+    assert [name for name, _ in find_units(model, frozenset({nn.Linear}))] == ["blocks.0", "blocks.1", "head"]
+    assert [name for name, _ in find_units(model, lambda m: isinstance(m, nn.Sequential))] == ["blocks"]
+    assert find_units(nn.Linear(3, 3), frozenset({nn.Linear})) == []  # the model itself is never a unit
+
+
+def test_without_a_policy_a_module_holding_enough_parameters_of_its_own_is_a_unit() -> None:
+    side = int(DEFAULT_UNIT_PARAMETERS**0.5) + 1
+    model = nn.Sequential(nn.Sequential(nn.Linear(side, side), nn.Linear(2, 2)), nn.Linear(2, 2))
+    assert [name for name, _ in find_units(model, None)] == ["0.0"]  # then "0" holds too few of its own
+
+
+def test_a_weight_tied_across_units_or_to_the_root_stays_with_no_unit() -> None:
+    model = Tied()
+    units = [module for _, module in find_units(model, frozenset({nn.Linear}))]
+    owners = unit_owners(model, units)
+    assert id(model.embed.weight) not in owners  # under the root and under the head
+    assert owners[id(model.blocks[0].weight)] == 0 and owners[id(model.blocks[1].bias)] == 1
+
+
+def rank_data(rank: int, step: int) -> torch.Tensor:
+    return integer_inputs(rank, step, rows=4, features=3, bound=2)
+
+
+def unsharded(model: nn.Module, size: int) -> list[torch.Tensor]:
+    model = copy.deepcopy(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.5)
+    for step in range(STEPS):
+        optimizer.zero_grad()
+        for rank in range(size):
+            (model(rank_data(rank, step)).sum() / size).backward()
+        optimizer.step()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("reshard_after_forward", [True, False], ids=["reshard", "keep_until_backward"])
+def test_sharded_parameters_train_as_unsharded_and_only_slices_stay_between_steps(
+    monkeypatch: pytest.MonkeyPatch, reshard_after_forward: bool
+) -> None:
+    job = ThreadedJob(nodes=2, workers_per_node=2).install(monkeypatch)
+    model = integer_model(3, 5, 4, 2)
+    expected = unsharded(model, job.size)
+
+    def train(hvd: RankHorovod) -> dict[str, object]:
+        mine = copy.deepcopy(model)
+        sync = ShardedGradientSync(
+            "parameters",
+            NoCompression(),
+            "average",
+            CommCounters(),
+            bucket_bytes=64,
+            auto_wrap_policy=frozenset({nn.Linear}),
+            reshard_after_forward=reshard_after_forward,
+        )
+        optimizer = sync.wrap(torch.optim.SGD(mine.parameters(), lr=LR, momentum=0.5), list(mine.named_parameters()))
+        sync.setup(mine, [optimizer], None)
+        held = []
+        for step in range(STEPS):
+            optimizer.zero_grad()
+            sync.before_backward(optimizer)
+            mine(rank_data(hvd.rank(), step)).sum().backward()
+            sync.synchronize(optimizer)
+            optimizer.step()
+            held.append(sum(p.numel() for p in mine.parameters()))
+        state = sync.model_state_dict(mine)
+        between = sum(p.numel() for p in mine.parameters())
+        sync.teardown([optimizer])
+        return {
+            "held": held + [between],
+            "state": [state[name].clone() for name, _ in model.named_parameters()],
+            "after_fit": [p.detach().clone() for p in mine.parameters()],
+        }
+
+    for found in job.run(train):
+        assert found["held"] == [0] * (STEPS + 1)  # between steps the units' parameters are only slices
+        assert all(torch.equal(a, b) for a, b in zip(found["state"], expected, strict=True))
+        assert all(torch.equal(a, b) for a, b in zip(found["after_fit"], expected, strict=True))  # whole again
+
+
+def test_a_loaded_state_reaches_the_slices(monkeypatch: pytest.MonkeyPatch) -> None:
+    job = ThreadedJob(nodes=1, workers_per_node=2).install(monkeypatch)
+    model = integer_model(3, 5, 2)
+    loaded = {name: torch.full_like(value, 2.0) for name, value in model.state_dict().items()}
+
+    def load(hvd: RankHorovod) -> list[torch.Tensor]:
+        mine = copy.deepcopy(model)
+        sync = ShardedGradientSync(
+            "parameters", NoCompression(), "average", CommCounters(), 64, auto_wrap_policy=frozenset({nn.Linear})
+        )
+        optimizer = sync.wrap(torch.optim.SGD(mine.parameters(), lr=LR), list(mine.named_parameters()))
+        sync.setup(mine, [optimizer], None)
+        sync.load_model_state_dict(mine, loaded)
+        assert sum(p.numel() for p in mine.parameters()) == 0
+        sync.teardown([optimizer])
+        return [p.detach().clone() for p in mine.parameters()]
+
+    for parameters in job.run(load):
+        assert all(bool((p == 2.0).all()) for p in parameters)

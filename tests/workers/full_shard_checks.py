@@ -1,0 +1,256 @@
+"""Full sharding (``shard="parameters"``, ZeRO-3) against unsharded training, on real workers.
+
+Run under ``horovodrun -np 4 -H localhost:2,127.0.0.1:2`` (two emulated nodes). Every case trains the same
+model on the same data twice, unsharded and fully sharded, and reports the largest difference of the
+parameters relative to the largest parameter (float32: the order of the sums is the only difference), what
+each worker held of the parameters while training, and the checkpoint's whole model.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import horovod.torch as hvd
+import lightning.pytorch as pl
+import torch
+from _common import Checks, out_dir, parse_out, write_result
+from models import regression_data
+from strategy_common import trainer as strategy_trainer
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from hvd_plugins.pytorch import HorovodStrategy
+
+checks = Checks()
+SAMPLES = 320  # 10 steps an epoch on 4 workers of 8 samples: 50 steps in 5 epochs
+WIDTH = 16
+VOCABULARY = 11
+
+
+class Block(nn.Module):
+    """A residual block: the unit of these models."""
+
+    def __init__(self, width: int = WIDTH) -> None:
+        super().__init__()
+        self.inner = nn.Linear(width, width)
+        self.outer = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.outer(torch.tanh(self.inner(x)))
+
+
+class UnitNet(pl.LightningModule):
+    """5 -> 16, three Blocks, 16 -> 1; ``frozen``: the stem and the first block frozen (a base with adapters)."""
+
+    def __init__(self, optimizer: str = "adamw", scheduler: bool = False, frozen: bool = False) -> None:
+        super().__init__()
+        torch.manual_seed(3)
+        self.stem = nn.Linear(5, WIDTH)
+        self.blocks = nn.Sequential(Block(), Block(), Block())
+        self.head = nn.Linear(WIDTH, 1)
+        self.optimizer_name, self.scheduler = optimizer, scheduler
+        if frozen:
+            for parameter in [*self.stem.parameters(), *self.blocks[0].parameters()]:
+                parameter.requires_grad_(False)
+        self.validated: list[float] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.blocks(torch.tanh(self.stem(x))))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = nn.functional.mse_loss(self(x), y)
+        self.log("loss", loss, sync_dist=True)
+        return loss
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        self.validated.append(float(nn.functional.mse_loss(self(x), y)))
+
+    def predict_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self(batch[0])
+
+    def train_dataloader(self) -> DataLoader:
+        x, y = regression_data(SAMPLES, seed=5)
+        return DataLoader(TensorDataset(x.float(), y.float()), batch_size=8)
+
+    def configure_optimizers(self) -> Any:
+        trainable = [p for p in self.parameters() if p.requires_grad]
+        optimizer: torch.optim.Optimizer
+        if self.optimizer_name == "sgd":
+            optimizer = torch.optim.SGD(trainable, lr=0.01, momentum=0.9)
+        else:
+            optimizer = torch.optim.AdamW(trainable, lr=0.01, weight_decay=0.1)
+        if not self.scheduler:
+            return optimizer
+        return {"optimizer": optimizer, "lr_scheduler": torch.optim.lr_scheduler.StepLR(optimizer, 2, gamma=0.5)}
+
+
+class TinyLM(pl.LightningModule):
+    """Token embedding tied to the output head, two Blocks between: the tied weight is in no unit."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(4)
+        self.embed = nn.Embedding(VOCABULARY, WIDTH)
+        self.blocks = nn.Sequential(Block(), Block())
+        self.head = nn.Linear(WIDTH, VOCABULARY, bias=False)
+        self.head.weight = self.embed.weight
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        (tokens,) = batch
+        logits = self.head(self.blocks(self.embed(tokens[:, :-1])))
+        return nn.functional.cross_entropy(logits.reshape(-1, VOCABULARY), tokens[:, 1:].reshape(-1))
+
+    def train_dataloader(self) -> DataLoader:
+        generator = torch.Generator().manual_seed(6)
+        return DataLoader(TensorDataset(torch.randint(0, VOCABULARY, (SAMPLES, 6), generator=generator)), 8)
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.AdamW(self.parameters(), lr=0.01)
+
+
+class HeldParameters(pl.Callback):
+    """The parameter elements this worker holds after every training batch (a freed unit holds none)."""
+
+    def __init__(self) -> None:
+        self.held: list[int] = []
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        self.held.append(sum(p.numel() for p in pl_module.parameters()))
+
+
+def parameters_of(module: nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1).double() for p in module.parameters()])
+
+
+def fit(shard: str, module: pl.LightningModule, epochs: int = 5, **options: Any) -> tuple[Any, Any, list[int]]:
+    names = ("compression", "op", "reshard_after_forward")
+    strategy_options = {k: options.pop(k) for k in names if k in options}
+    if shard == "parameters":
+        strategy_options["auto_wrap_policy"] = {Block}
+    else:
+        strategy_options.pop("reshard_after_forward", None)
+    held, ckpt_path = HeldParameters(), options.pop("ckpt_path", None)
+    trainer = strategy_trainer(
+        strategy=HorovodStrategy(shard=shard, bucket_mb=0.0005, **strategy_options),
+        max_epochs=epochs,
+        callbacks=[held],
+        **{"precision": "32-true", **options},
+    )
+    trainer.fit(module, ckpt_path=ckpt_path)
+    return module, trainer, held.held
+
+
+def difference(make: Any, **options: Any) -> dict[str, Any]:
+    """The largest |fully sharded - unsharded| over the parameters, relative to the largest unsharded one, and
+    the elements each held while training."""
+    reference, _, whole = fit("none", make(), **dict(options))
+    sharded, _, held = fit("parameters", make(), **dict(options))
+    expected = parameters_of(reference)
+    return {
+        "difference": float((parameters_of(sharded) - expected).abs().max() / expected.abs().max()),
+        "held": max(held),
+        "whole": max(whole),
+    }
+
+
+CASES: dict[str, tuple[Any, dict[str, Any]]] = {
+    "adamw_scheduler": (lambda: UnitNet("adamw", scheduler=True), {}),
+    "sgd_momentum": (lambda: UnitNet("sgd"), {}),
+    "clip_norm": (lambda: UnitNet("adamw"), {"gradient_clip_val": 0.05}),
+    "clip_value": (lambda: UnitNet("sgd"), {"gradient_clip_val": 0.01, "gradient_clip_algorithm": "value"}),
+    "accumulation": (lambda: UnitNet("adamw"), {"accumulate_grad_batches": 2}),
+    "bf16_mixed": (lambda: UnitNet("adamw"), {"precision": "bf16-mixed"}),
+    "frozen_base": (lambda: UnitNet("adamw", frozen=True), {}),
+    "tied_embedding": (TinyLM, {}),
+    "keep_until_backward": (lambda: UnitNet("adamw"), {"reshard_after_forward": False}),
+}
+
+
+@checks.register
+def check_equal_to_unsharded() -> dict[str, dict[str, Any]]:
+    """Every case, 50 steps: the parameters equal the unsharded run's up to the order of sums."""
+    return {case: difference(make, **options) for case, (make, options) in CASES.items()}
+
+
+@checks.register
+def check_a_short_run_equals_unsharded() -> dict[str, Any]:
+    """AdamW with a scheduler, clipped by norm, 20 steps: the one equality the job for ``pytorch_lightning`` runs."""
+    return difference(lambda: UnitNet("adamw", scheduler=True), epochs=2, gradient_clip_val=0.05)
+
+
+@checks.register
+def check_validation_predict_and_checkpoint() -> dict[str, Any]:
+    """Validation every epoch and a predict after the fit run on the gathered units; a checkpoint holds the whole
+    model; a fit resumed from it (sharded again) equals an unsharded one resumed from the same file."""
+    x, y = regression_data(64, seed=7)
+    validation = DataLoader(TensorDataset(x.float(), y.float()), batch_size=8)
+    results = {}
+    for shard in ("none", "parameters"):
+        module = UnitNet("adamw", scheduler=True)
+        options = {"auto_wrap_policy": {Block}} if shard == "parameters" else {}
+        trainer = strategy_trainer(
+            strategy=HorovodStrategy(shard=shard, bucket_mb=0.0005, **options), max_epochs=2, precision="32-true"
+        )
+        trainer.fit(module, val_dataloaders=validation)
+        path = out_dir() / f"full_shard_{shard}.ckpt"
+        trainer.save_checkpoint(path)
+        predicted = torch.cat(trainer.predict(module, DataLoader(TensorDataset(x.float()), batch_size=8)))
+        results[shard] = {"validated": module.validated, "predicted": predicted, "path": path, "model": module}
+    saved = torch.load(results["parameters"]["path"], weights_only=False)["state_dict"]
+    whole = results["parameters"]["model"].state_dict()
+    resumed = {}
+    for shard in ("none", "parameters"):
+        module = UnitNet("adamw", scheduler=True)
+        options = {"auto_wrap_policy": {Block}} if shard == "parameters" else {}
+        trainer = strategy_trainer(
+            strategy=HorovodStrategy(shard=shard, bucket_mb=0.0005, **options), max_epochs=4, precision="32-true"
+        )
+        trainer.fit(module, ckpt_path=str(results["parameters"]["path"]))
+        resumed[shard] = parameters_of(module)
+    return {
+        "validated": max(
+            abs(a - b) for a, b in zip(results["none"]["validated"], results["parameters"]["validated"], strict=True)
+        ),
+        "predicted": float((results["none"]["predicted"] - results["parameters"]["predicted"]).abs().max()),
+        "checkpoint_whole": sorted(saved) == sorted(whole)
+        and all(torch.equal(saved[name], whole[name]) for name in whole),
+        "resumed": float((resumed["parameters"] - resumed["none"]).abs().max() / resumed["none"].abs().max()),
+        "path": str(results["parameters"]["path"]),
+    }
+
+
+@checks.register
+def check_refusals() -> dict[str, str]:
+    """What full sharding cannot do says so before training, naming the value."""
+    found = {}
+    for name, make in {
+        "hierarchical": lambda: HorovodStrategy(shard="parameters", sync="hierarchical"),
+        "elastic": lambda: HorovodStrategy(shard="parameters", elastic=True),
+        "policy_without_full_sharding": lambda: HorovodStrategy(shard="gradients", auto_wrap_policy={Block}),
+    }.items():
+        try:
+            make()
+            found[name] = "accepted"
+        except ValueError as error:
+            found[name] = str(error)
+    try:
+        trainer = strategy_trainer(
+            strategy=HorovodStrategy(shard="parameters", auto_wrap_policy={nn.Conv2d}), max_epochs=1
+        )
+        trainer.fit(UnitNet())
+        found["no_unit"] = "accepted"
+    except ValueError as error:
+        found["no_unit"] = str(error)
+    return found
+
+
+if __name__ == "__main__":
+    out, args = parse_out()
+    hvd.init()
+    torch.set_num_threads(1)
+    report = checks.selected(args.case).run()
+    write_result(out, hvd.rank(), report)
+    sys.exit(0)
