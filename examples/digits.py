@@ -56,6 +56,12 @@ parser.add_argument(
     default="allreduce",
     help="flat allreduce; node, then across nodes; or DASO",
 )
+parser.add_argument(
+    "--shard",
+    choices=["none", "optimizer", "gradients", "parameters"],
+    default="none",
+    help="split the optimizer state (ZeRO-1), the gradients too (ZeRO-2), and the parameters (ZeRO-3)",
+)
 daso_flags = parser.add_argument_group("DASO, only with --sync daso (unset: DasoConfig's default)")
 daso_flags.add_argument("--daso-warmup-epochs", type=int, help="synchronous epochs at the start")
 daso_flags.add_argument("--daso-cooldown-epochs", type=int, help="synchronous epochs at the end")
@@ -156,7 +162,10 @@ if __name__ == "__main__":
     seed_everything(args.seed, workers=True)
     trainer = Trainer(
         strategy=HorovodStrategy(
-            compression=args.compression, sync=args.sync, daso=daso if args.sync == "daso" else None
+            compression=args.compression,
+            sync=args.sync,
+            shard=args.shard,
+            daso=daso if args.sync == "daso" else None,
         ),
         accelerator="auto",
         devices=args.devices,

@@ -29,8 +29,8 @@ Shard = Literal["none", "optimizer", "gradients", "parameters"]
 parameters of the model's units too, each gathered whole only while it computes (ZeRO-3)."""
 UnitPolicy = Collection[type] | Callable[[Any], bool] | None
 """Which modules are units of ``shard="parameters"``: module classes (as Lightning's ``FSDPStrategy`` takes
-them), a function of a module, or None for every module that holds ``DEFAULT_UNIT_PARAMETERS`` or more of its
-own (its descendants' units aside)."""
+them), a function of a module, or None for every module that holds 100,000 parameters or more of its own (its
+descendants' units aside; where none does, each child of the model that holds parameters)."""
 ShardCheckpoint = Literal["full", "parts"]
 """``full``: a checkpoint holds the whole optimizer state, by rank 0; ``parts``: every worker writes its part."""
 HierarchicalImpl = Literal["portable", "native"]

@@ -54,8 +54,9 @@ def _psutil_peak_bytes() -> float | None:
 def training_state_mb(module: torch.nn.Module, optimizers: list[Optimizer]) -> dict[str, float]:
     """What this worker holds of the training state, in MiB: its parameters, gradients and optimizer state.
 
-    A sharded optimizer (``shard="optimizer"`` or ``"gradients"``) holds its state and its gradients for
-    this worker's slices; it says how much (``state_bytes``, ``owned_gradients``).
+    A sharded optimizer holds its state and its gradients for this worker's slices, and with
+    ``shard="parameters"`` the units' parameters as slices too; it says how much (``state_bytes``,
+    ``owned_gradients``, ``sliced_parameter_bytes``).
     """
     parameters = sum(p.numel() * p.element_size() for p in module.parameters())
     gradients = sum(p.grad.numel() * p.grad.element_size() for p in module.parameters() if p.grad is not None)
@@ -64,6 +65,7 @@ def training_state_mb(module: torch.nn.Module, optimizers: list[Optimizer]) -> d
         if hasattr(optimizer, "state_bytes") and hasattr(optimizer, "owned_gradients"):
             state += optimizer.state_bytes()
             gradients += sum(g.numel() * g.element_size() for g in optimizer.owned_gradients())
+            parameters += getattr(optimizer, "sliced_parameter_bytes", lambda: 0)()
             continue
         for values in optimizer.state.values():
             state += sum(v.numel() * v.element_size() for v in values.values() if isinstance(v, torch.Tensor))

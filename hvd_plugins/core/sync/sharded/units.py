@@ -38,7 +38,8 @@ UnitPolicy = Collection[type] | Callable[[Module], bool] | None
 
 
 def find_units(model: Module, policy: UnitPolicy) -> list[tuple[str, Module]]:
-    """The units of ``model`` by ``policy`` (classes, a function of a module, or None: by size), in module order.
+    """The units of ``model`` by ``policy`` (classes, a function of a module, or None: by size, and where no module
+    is that large, each child of the model that holds parameters), in module order.
 
     The model itself is never a unit: what no unit owns stays whole. Units may nest; a unit owns what is
     registered under it and under none of its own units.
@@ -67,6 +68,8 @@ def find_units(model: Module, policy: UnitPolicy) -> list[tuple[str, Module]]:
         return left
 
     visit("", model, True)
+    if policy is None and not chosen:  # a small model: its parts that hold parameters
+        chosen = [(name, child) for name, child in model.named_children() if any(True for _ in child.parameters())]
     order = {id(module): index for index, (_, module) in enumerate(model.named_modules())}
     return sorted(chosen, key=lambda unit: order[id(unit[1])])
 

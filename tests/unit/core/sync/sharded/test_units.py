@@ -17,6 +17,7 @@ from hvd_plugins.core.comm.compression import NoCompression
 from hvd_plugins.core.comm.counters import CommCounters
 from hvd_plugins.core.sync.sharded.mode import ShardedGradientSync
 from hvd_plugins.core.sync.sharded.units import DEFAULT_UNIT_PARAMETERS, find_units, unit_owners
+from hvd_plugins.pytorch.callbacks.memory import training_state_mb
 from unit.integer_training import integer_inputs, integer_model
 from unit.threaded_horovod import RankHorovod, ThreadedJob
 
@@ -46,6 +47,11 @@ def test_without_a_policy_a_module_holding_enough_parameters_of_its_own_is_a_uni
     side = int(DEFAULT_UNIT_PARAMETERS**0.5) + 1
     model = nn.Sequential(nn.Sequential(nn.Linear(side, side), nn.Linear(2, 2)), nn.Linear(2, 2))
     assert [name for name, _ in find_units(model, None)] == ["0.0"]  # then "0" holds too few of its own
+
+
+def test_without_a_policy_a_model_with_no_large_module_makes_a_unit_of_each_child_with_parameters() -> None:
+    model = nn.Sequential(nn.Linear(2, 2), nn.Tanh(), nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 1)))
+    assert [name for name, _ in find_units(model, None)] == ["0", "2"]
 
 
 def test_a_weight_tied_across_units_or_to_the_root_stays_with_no_unit() -> None:
@@ -102,6 +108,8 @@ def test_sharded_parameters_train_as_unsharded_and_only_slices_stay_between_step
             held.append(sum(p.numel() for p in mine.parameters()))
         state = sync.model_state_dict(mine)
         between = sum(p.numel() for p in mine.parameters())
+        monitored = training_state_mb(mine, [optimizer])["parameters_mb"] * 2**20  # what PeakMemoryMonitor shows
+        assert monitored == sum(piece.numel() * 8 for piece in optimizer.slices)  # float64 slices only
         sync.teardown([optimizer])
         return {
             "held": held + [between],
