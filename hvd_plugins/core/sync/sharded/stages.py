@@ -335,14 +335,22 @@ class ParameterStage(GradientStage):
         self._units, self._owners, self._model, self._optimizers = None, None, None, []
 
     def model_state_dict(self, model: Module) -> dict[str, Any]:
-        """The whole state, gathered unit by unit into one copy (each state tensor keeps its gathered buffer)."""
+        """The whole state, gathered unit by unit: a copy of each unit's parameters, one unit whole at a time."""
         if self._units is None:
             return model.state_dict()
-        self._units.gather_all()
-        try:
-            return model.state_dict()
-        finally:
-            self._units.free_all()
+        names: dict[int, list[str]] = {}
+        for name, parameter in model.named_parameters(remove_duplicate=False):
+            names.setdefault(id(parameter), []).append(name)
+        gathered: dict[str, torch.Tensor] = {}
+        for unit in self._units.units:
+            unit.gather()
+            for parameter in unit.parameters():
+                copy = parameter.detach().clone()
+                gathered.update((name, copy) for name in names.get(id(parameter), []))
+            unit.free()
+        state = model.state_dict()
+        state.update((name, value) for name, value in gathered.items() if name in state)
+        return state
 
     def load_model_state_dict(self, model: Module, state: Mapping[str, Any], strict: bool) -> None:
         """A whole state loaded into the gathered units, and this worker's slices taken from it."""

@@ -100,7 +100,13 @@ def unit_owners(model: Module, units: Sequence[Module]) -> dict[int, int]:
 
 
 class Unit:
-    """One unit's sharded parameters, gathered whole from their slices and freed again together."""
+    """One unit's sharded parameters, gathered whole from their slices and freed again together.
+
+    Each bucket of the unit has one flat buffer, padded as its layout, that its parameters view while the unit is
+    whole. Freeing resizes the buffer's storage to nothing and leaves each parameter an empty tensor, so the
+    memory goes even where autograd saved a view of a weight for backward (``weight.t()`` in a linear layer);
+    gathering refills the same storage, so such a view reads the gathered values again.
+    """
 
     def __init__(
         self,
@@ -114,43 +120,73 @@ class Unit:
         self.index, self.name, self.module = index, name, module
         self.pieces = list(pieces)  # (sharded optimizer, bucket index) of every bucket of this unit
         self.counters, self.scope = counters, scope
-        self.whole = True  # the model is whole when its units are found
         self.accumulated = 0
         self.trainable = sum(len(sharded.buckets[i].parameters) for sharded, i in self.pieces)
         """Parameters whose gradients backward accumulates in this unit: when all have, the unit is freed."""
+        self.flats: list[torch.Tensor] = []
+        for sharded, index_ in self.pieces:  # the model is whole when its units are found
+            bucket = sharded.buckets[index_]
+            first = bucket.parameters[0]
+            flat = torch.zeros(bucket.layout.padded_numel, dtype=first.dtype, device=first.device)
+            with torch.no_grad():
+                for parameter, offset, shape in zip(bucket.parameters, bucket.offsets, bucket.shapes, strict=True):
+                    flat[offset : offset + shape.numel()].copy_(parameter.detach().reshape(-1))
+            self.flats.append(flat)
+        self.whole = True
+        self._view()
 
     def parameters(self) -> Iterable[Parameter]:
         for sharded, index in self.pieces:
             yield from sharded.buckets[index].parameters
 
+    def _view(self) -> None:
+        """Each parameter a view of its bucket's flat buffer."""
+        for (sharded, index), flat in zip(self.pieces, self.flats, strict=True):
+            bucket = sharded.buckets[index]
+            for parameter, offset, shape in zip(bucket.parameters, bucket.offsets, bucket.shapes, strict=True):
+                parameter.data = flat[offset : offset + shape.numel()].view(shape)
+
     def gather(self) -> None:
-        """Every bucket's slices allgathered, and each parameter a view of its bucket's flat buffer."""
+        """Every bucket's slices allgathered into its flat buffer, which the parameters view again."""
         if self.whole:
             return
         pending = []
-        for sharded, index in self.pieces:
+        for (sharded, index), flat in zip(self.pieces, self.flats, strict=True):
+            flat.untyped_storage().resize_(flat.numel() * flat.element_size())
             piece, world = sharded.slices[index].detach(), sharded.world
             if world is None or world.size == 1:
+                flat.data.copy_(piece)
                 continue
             pending.append(start_allgather(piece, world, NoCompression(), f"{sharded.name}.unit{self.index}.{index}"))
             self.counters.record(self.scope, nbytes(piece) * (world.size - 1))
         with self.counters.waiting():
             gathered = iter(finish_all(pending))
-        for sharded, index in self.pieces:
-            bucket, world = sharded.buckets[index], sharded.world
-            alone = world is None or world.size == 1
-            flat = sharded.slices[index].detach().clone() if alone else torch.cat(next(gathered))
-            for parameter, offset, shape in zip(bucket.parameters, bucket.offsets, bucket.shapes, strict=True):
-                parameter.data = flat[offset : offset + shape.numel()].view(shape)
+        for (sharded, _), flat in zip(self.pieces, self.flats, strict=True):
+            if sharded.world is None or sharded.world.size == 1:
+                continue
+            offset = 0
+            for received in next(gathered):  # every worker's slice, in the layout's order
+                flat.data[offset : offset + received.numel()].copy_(received)
+                offset += received.numel()
         self.whole = True
+        self._view()
 
     def free(self) -> None:
-        """The whole parameters dropped; the slices stay (the Parameters too, holding an empty tensor)."""
+        """The whole parameters dropped, their memory too; the slices stay (the Parameters hold empty tensors)."""
         if not self.whole:
             return
         for parameter in self.parameters():
             parameter.data = torch.empty(0, dtype=parameter.dtype, device=parameter.device)
+        for flat in self.flats:
+            flat.untyped_storage().resize_(0)
         self.whole = False
+
+    def release(self) -> None:
+        """Whole for good (a fit's end): each parameter a tensor of its own, the flat buffers let go."""
+        self.gather()
+        for parameter in self.parameters():
+            parameter.data = parameter.data.clone()
+        self.flats.clear()
 
     def take_slices(self) -> None:
         """The slices from the whole parameters as they are now (a loaded model state): the unit must be whole."""
@@ -179,8 +215,9 @@ class ShardedUnits:
             unit.free()
 
     def remove(self) -> None:
-        """Every unit whole again (its parameters views of the gathered buffers) and unhooked."""
-        self.gather_all()
+        """Every unit whole again, each parameter a tensor of its own, and unhooked."""
+        for unit in self.units:
+            unit.release()
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
