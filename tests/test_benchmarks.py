@@ -103,12 +103,14 @@ def test_sharding_smoke_reports_a_quarter_less_state_and_every_setting_timed(
     code, printed = run_main(sharding, argv, capsys)
     assert code == 0, printed[-3000:]
     state = {m[0]: float(m[1]) for m in re.findall(r"memory (\w+)\s+N=2\s+state\s+([0-9.]+) MiB", printed)}
-    assert set(state) == {"none", "optimizer", "gradients"}, printed
-    assert state["optimizer"] < 0.6 * state["none"] and state["gradients"] < 0.6 * state["none"], state  # ~1/2
+    assert set(state) == {"none", "optimizer", "gradients", "parameters"}, printed
+    assert all(state[shard] < 0.6 * state["none"] for shard in ("optimizer", "gradients", "parameters")), state  # ~1/2
     times = re.findall(r"steps 2x1 (\w+)\s+([0-9.]+) ms", printed)
-    assert sorted(shard for shard, _ in times) == ["gradients", "none", "optimizer"] and all(
+    assert sorted(shard for shard, _ in times) == ["gradients", "none", "optimizer", "parameters"] and all(
         float(t) > 0 for _, t in times
     )
+    held = {m[0]: float(m[1]) for m in re.findall(r"^\s*(\w+)\s+2\s+([0-9.]+)\s", printed, re.MULTILINE)}
+    assert held["parameters"] < 0.7 * held["none"], held  # half of the units'; the tied embedding stays whole
     body = assert_dated_report(tmp_path / "sharding.txt", "sharding.py", argv)
     assert body.startswith("Sharding: Transformer LM") and "state / (unsharded/N)" in body
 

@@ -39,7 +39,8 @@ UnitPolicy = Collection[type] | Callable[[Module], bool] | None
 
 def find_units(model: Module, policy: UnitPolicy) -> list[tuple[str, Module]]:
     """The units of ``model`` by ``policy`` (classes, a function of a module, or None: by size, and where no module
-    is that large, each child of the model that holds parameters), in module order.
+    is that large, each child of the model that holds parameters), in module order. Only modules whose forward
+    is called can be units: a container (``nn.ModuleList``) lends its parameters to its parent instead.
 
     The model itself is never a unit: what no unit owns stays whole. Units may nest; a unit owns what is
     registered under it and under none of its own units.
@@ -54,8 +55,8 @@ def find_units(model: Module, policy: UnitPolicy) -> list[tuple[str, Module]]:
         left = own_count(module)
         for child_name, child in module.named_children():
             left += visit(f"{name}.{child_name}" if name else child_name, child, False)
-        if is_root:
-            return left
+        if is_root or not runs_forward(module):
+            return left  # a container (ModuleList, ModuleDict) is never called: its parameters count for its parent
         if policy is None:
             is_unit = left >= DEFAULT_UNIT_PARAMETERS
         elif isinstance(policy, Collection):
@@ -69,9 +70,25 @@ def find_units(model: Module, policy: UnitPolicy) -> list[tuple[str, Module]]:
 
     visit("", model, True)
     if policy is None and not chosen:  # a small model: its parts that hold parameters
-        chosen = [(name, child) for name, child in model.named_children() if any(True for _ in child.parameters())]
+        chosen = called_children(model)
     order = {id(module): index for index, (_, module) in enumerate(model.named_modules())}
     return sorted(chosen, key=lambda unit: order[id(unit[1])])
+
+
+def runs_forward(module: Module) -> bool:
+    """Whether calling ``module`` runs a forward of its own (a ModuleList's or ModuleDict's is never called)."""
+    return type(module).forward is not Module.forward
+
+
+def called_children(module: Module, prefix: str = "") -> list[tuple[str, Module]]:
+    """The children of ``module`` that hold parameters, looking into containers that are never called."""
+    found: list[tuple[str, Module]] = []
+    for name, child in module.named_children():
+        if not any(True for _ in child.parameters()):
+            continue
+        path = f"{prefix}{name}"
+        found += [(path, child)] if runs_forward(child) else called_children(child, f"{path}.")
+    return found
 
 
 def unit_owners(model: Module, units: Sequence[Module]) -> dict[int, int]:

@@ -54,6 +54,19 @@ def test_without_a_policy_a_model_with_no_large_module_makes_a_unit_of_each_chil
     assert [name for name, _ in find_units(model, None)] == ["0", "2"]
 
 
+def test_a_container_that_is_never_called_is_never_a_unit_its_members_are() -> None:
+    """A ModuleList's forward never runs, so no hook would gather it: its blocks are units instead."""
+    side = int((DEFAULT_UNIT_PARAMETERS / 1.6) ** 0.5)  # two of these hold enough for a unit, one does not
+    small = nn.Module()
+    small.blocks = nn.ModuleList([nn.Linear(2, 2), nn.Linear(2, 2)])
+    small.head = nn.Linear(2, 1)
+    assert [name for name, _ in find_units(small, None)] == ["blocks.0", "blocks.1", "head"]
+    large = nn.Module()
+    large.blocks = nn.ModuleList([nn.Linear(side, side), nn.Linear(side, side)])
+    assert sum(p.numel() for p in large.blocks.parameters()) >= DEFAULT_UNIT_PARAMETERS
+    assert [name for name, _ in find_units(large, None)] == ["blocks.0", "blocks.1"]
+
+
 def test_a_weight_tied_across_units_or_to_the_root_stays_with_no_unit() -> None:
     model = Tied()
     units = [module for _, module in find_units(model, frozenset({nn.Linear}))]
