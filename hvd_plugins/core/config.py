@@ -32,6 +32,7 @@ UnitPolicy = Collection[type] | Callable[[Any], bool] | None
 them), a function of a module, or None for every module that holds 100,000 parameters or more of its own (its
 descendants' units aside; where none does, each child of the model that holds parameters)."""
 ShardCheckpoint = Literal["full", "parts"]
+StateDictType = Literal["full", "sharded"]
 """``full``: a checkpoint holds the whole optimizer state, by rank 0; ``parts``: every worker writes its part."""
 HierarchicalImpl = Literal["portable", "native"]
 """``portable``: this package's two-level allreduce, on every build; ``native``: Horovod's (MPI + NCCL)."""
@@ -46,6 +47,8 @@ GRADIENT_OPS: tuple[str, ...] = get_args(GradientOp)
 SYNC_MODES: tuple[str, ...] = get_args(SyncMode)
 SHARDS: tuple[str, ...] = get_args(Shard)
 SHARD_CHECKPOINTS: tuple[str, ...] = get_args(ShardCheckpoint)
+STATE_DICT_TYPES: dict[str, str] = {"full": "full", "sharded": "parts"}
+"""``state_dict_type`` (Lightning's ``FSDPStrategy`` name) -> the ``shard_checkpoint`` it means."""
 HIERARCHICAL_IMPLS: tuple[str, ...] = get_args(HierarchicalImpl)
 
 DEFAULT_COMMIT_EVERY_N_STEPS = 50
@@ -97,6 +100,10 @@ class HorovodConfig:
     """With ``shard``: checkpoints hold the whole optimizer state (``"full"``) or every worker writes its part."""
     auto_wrap_policy: UnitPolicy = None
     """With ``shard="parameters"``: which modules are units (see UnitPolicy); classes are kept as a frozenset."""
+    state_dict_type: StateDictType | None = None
+    """``FSDPStrategy``'s name for ``shard_checkpoint``: ``"full"`` is ``"full"``, ``"sharded"`` is ``"parts"``."""
+    activation_checkpointing_policy: UnitPolicy = None
+    """Modules (classes, or a function of a module) whose activations are recomputed in backward instead of kept."""
     reshard_after_forward: bool = True
     """With ``shard="parameters"``: free a unit's gathered parameters after its forward (gather again for its
     backward); False keeps them from forward to backward: fewer gathers, more memory."""
@@ -140,6 +147,8 @@ class HorovodConfig:
         _choice("sync", self.sync, SYNC_MODES)
         _choice("shard", self.shard, SHARDS)
         _choice("shard_checkpoint", self.shard_checkpoint, SHARD_CHECKPOINTS)
+        if self.state_dict_type is not None:
+            self._take_state_dict_type()
         if self.shard_checkpoint != "full" and self.shard == "none":
             raise ValueError(
                 f"shard_checkpoint={self.shard_checkpoint!r} works only with shard='optimizer', 'gradients' or "
@@ -175,6 +184,8 @@ class HorovodConfig:
         if self.shard != "none":
             self._check_shard()
         object.__setattr__(self, "auto_wrap_policy", unit_policy(self.auto_wrap_policy))
+        policy = unit_policy(self.activation_checkpointing_policy, "activation_checkpointing_policy")
+        object.__setattr__(self, "activation_checkpointing_policy", policy)
         if self.shard != "parameters" and self.auto_wrap_policy is not None:
             raise ValueError(
                 f"auto_wrap_policy={{{describe_policy(self.auto_wrap_policy)}}} works only with shard='parameters', "
@@ -207,6 +218,20 @@ class HorovodConfig:
             raise ValueError(f"elastic={self.elastic!r} must be True, False or 'auto'")
         validate_commit_interval(self.commit_every_n_steps)
 
+    def _take_state_dict_type(self) -> None:
+        """``state_dict_type`` ("full" or "sharded") given: it sets ``shard_checkpoint``, which must agree."""
+        chosen = STATE_DICT_TYPES.get(str(self.state_dict_type))
+        if chosen is None:
+            raise ValueError(
+                f"state_dict_type={self.state_dict_type!r} is not supported; choose one of {list(STATE_DICT_TYPES)}"
+            )
+        if self.shard_checkpoint not in ("full", chosen):
+            raise ValueError(
+                f"state_dict_type={self.state_dict_type!r} and shard_checkpoint={self.shard_checkpoint!r} disagree: "
+                f"give one of them (state_dict_type={self.state_dict_type!r} is shard_checkpoint={chosen!r})"
+            )
+        object.__setattr__(self, "shard_checkpoint", chosen)
+
     def _check_shard(self) -> None:
         """What sharding cannot do yet, refused before any process starts a collective."""
         if self.sync == "daso":
@@ -238,12 +263,6 @@ class HorovodConfig:
             )
         if self.sparse_as_dense:
             raise ValueError(f"sparse_as_dense=True does not work with shard={self.shard!r}: it has no sparse path")
-        if self.shard == "parameters" and self.sync != "allreduce":
-            raise ValueError(
-                f"shard='parameters' works with sync='allreduce' only, not sync={self.sync!r}: its units are gathered "
-                "over every worker (sharding parameters inside the node is not built); shard='optimizer' or "
-                "'gradients' shard inside the node"
-            )
         if self.shard == "parameters" and self.elastic is True:
             raise ValueError(
                 "shard='parameters' does not work with elastic=True: a commit would have to gather the whole model "
@@ -288,6 +307,11 @@ class HorovodConfig:
         return int(self.bucket_mb * 2**20)
 
     @property
+    def shards_parameters(self) -> bool:
+        """``shard="parameters"``: a model may be built on the meta device and made real one unit at a time."""
+        return self.shard == "parameters"
+
+    @property
     def flat_below_bytes(self) -> int:
         return int((FLAT_BELOW_MB if self.flat_below_mb == "auto" else float(self.flat_below_mb)) * 2**20)
 
@@ -303,21 +327,29 @@ class HorovodConfig:
         """
         settings = asdict(self)
         del settings["cpu_threads"]
-        settings["auto_wrap_policy"] = describe_policy(self.auto_wrap_policy)  # by name: equal on every rank
+        for name in ("auto_wrap_policy", "activation_checkpointing_policy"):  # by name: equal on every rank
+            settings[name] = describe_policy(getattr(self, name))
         return settings
 
 
-def unit_policy(policy: object) -> UnitPolicy:
-    """``auto_wrap_policy`` checked: module classes (a frozenset of them), a function of a module, or None."""
+def unit_policy(policy: object, argument: str = "auto_wrap_policy") -> UnitPolicy:
+    """A policy argument checked: module classes (a frozenset of them), a function of a module, or None."""
     if policy is None or (callable(policy) and not isinstance(policy, type)):
         return policy
     classes = (policy,) if isinstance(policy, type) else policy
     if isinstance(classes, (set, frozenset, list, tuple)) and classes and all(isinstance(c, type) for c in classes):
         return frozenset(classes)
     raise ValueError(
-        f"auto_wrap_policy={policy!r} must be a set of module classes (for example {{Block}}), a function that "
+        f"{argument}={policy!r} must be a set of module classes (for example {{Block}}), a function that "
         "takes a module and says whether it is a unit, or None"
     )
+
+
+def policy_picks(policy: UnitPolicy, module: Any) -> bool:
+    """Whether ``policy`` (module classes or a function of a module; not None) picks ``module``."""
+    if isinstance(policy, (set, frozenset)):
+        return isinstance(module, tuple(policy))
+    return callable(policy) and bool(policy(module))
 
 
 def describe_policy(policy: UnitPolicy) -> str | None:

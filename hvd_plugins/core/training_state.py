@@ -8,6 +8,7 @@ import weakref
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+import torch
 from torch.nn import Module, Parameter
 from torch.optim import Optimizer
 
@@ -16,6 +17,7 @@ from hvd_plugins.core.backend.module import horovod_torch
 from hvd_plugins.core.comm.buffers import finish_buffer_average, start_buffer_average
 from hvd_plugins.core.comm.parameters import indexed_optimizer_parameters
 from hvd_plugins.core.sync.base import GradientSync
+from hvd_plugins.core.sync.meta import has_meta_tensors, materialize
 
 
 def named_parameters_for(optimizer: Optimizer, model: Module, prefix: str) -> list[tuple[str, Parameter]]:
@@ -34,11 +36,33 @@ def named_parameters_for(optimizer: Optimizer, model: Module, prefix: str) -> li
 
 
 def broadcast_module_(model: Module, root_rank: int = 0) -> None:
-    """Give every worker ``root_rank``'s parameters and buffers; a bfloat16 model on a Horovod that cannot
-    send bfloat16 stops here, before the first collective, with the command that builds one that can."""
+    """Give every worker ``root_rank``'s parameters and buffers (those on the meta device wait for a sync mode
+    that makes them real); a bfloat16 model on a Horovod that cannot send bfloat16 stops here, before the first
+    collective, with the command that builds one that can."""
     hvd = horovod_torch()
     require_bfloat16_for(model, hvd)
-    hvd.broadcast_parameters(model.state_dict(), root_rank=root_rank)
+    real = {name: tensor for name, tensor in model.state_dict().items() if not tensor.is_meta}
+    hvd.broadcast_parameters(real, root_rank=root_rank)
+
+
+def move_module_(model: Module, device: torch.device) -> None:
+    """``model`` to ``device``; a model built on the meta device moves what is real and keeps the rest for later."""
+    if not has_meta_tensors(model):
+        model.to(device)
+        return
+    model._apply(lambda tensor: tensor if tensor.is_meta else tensor.to(device))
+    for module in model.modules():
+        if hasattr(module, "_device"):  # Lightning's modules remember their device
+            setattr(module, "_device", device)  # noqa: B010
+
+
+def prepare_module_(model: Module, device: torch.device, keep_meta: bool) -> None:
+    """The model as training starts it: on ``device``, real (a model built on the meta device is made real whole
+    here unless ``keep_meta``: the sync mode then makes it real a unit at a time), and rank 0's on every worker."""
+    move_module_(model, device)
+    if not keep_meta and has_meta_tensors(model):
+        materialize(model, device)
+    broadcast_module_(model)
 
 
 def average_buffers_(model: Module, name: str) -> None:

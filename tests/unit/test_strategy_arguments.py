@@ -33,10 +33,11 @@ NOT_DEFAULT: dict[str, Any] = {
     "cpu_threads": 3,
     "elastic": False,
     "commit_every_n_steps": 7,
+    "activation_checkpointing_policy": frozenset({torch.nn.Linear}),
 }
 """A value other than the default for every field that combines with the others (``shard`` needs the flat sync:
 its own test below)."""
-ALONE = {"shard", "shard_checkpoint", "auto_wrap_policy", "reshard_after_forward"}
+ALONE = {"shard", "shard_checkpoint", "state_dict_type", "auto_wrap_policy", "reshard_after_forward"}
 
 
 def _arguments(strategy: type) -> set[str]:
@@ -50,7 +51,7 @@ def test_the_trainer_strategy_takes_exactly_the_config_fields() -> None:
 
 def test_fabric_takes_the_fields_that_need_no_trainer() -> None:
     trainer_only = {"scale_lr", "daso", "average_buffers", "check_finite_gradients", "auto_requeue", "elastic"}
-    trainer_only |= {"shard_checkpoint"}  # Fabric's checkpoints hold the whole state
+    trainer_only |= {"shard_checkpoint", "state_dict_type"}  # Fabric's checkpoints hold the whole state
     assert _arguments(FabricHorovodStrategy) == set(HorovodConfig.argument_names()) - trainer_only - {
         "commit_every_n_steps"
     }

@@ -8,6 +8,7 @@ each worker held of the parameters while training, and the checkpoint's whole mo
 
 from __future__ import annotations
 
+import os
 import sys
 from typing import Any
 
@@ -43,17 +44,23 @@ class Block(nn.Module):
 class UnitNet(pl.LightningModule):
     """5 -> 16, three Blocks, 16 -> 1; ``frozen``: the stem and the first block frozen (a base with adapters)."""
 
-    def __init__(self, optimizer: str = "adamw", scheduler: bool = False, frozen: bool = False) -> None:
+    def __init__(
+        self, optimizer: str = "adamw", scheduler: bool = False, frozen: bool = False, seed: int | None = 3
+    ) -> None:
         super().__init__()
-        torch.manual_seed(3)
+        if seed is not None:
+            torch.manual_seed(seed)
+        self.optimizer_name, self.scheduler, self.frozen = optimizer, scheduler, frozen
+        self.validated: list[float] = []
+        self.build()
+
+    def build(self) -> None:
         self.stem = nn.Linear(5, WIDTH)
         self.blocks = nn.Sequential(Block(), Block(), Block())
         self.head = nn.Linear(WIDTH, 1)
-        self.optimizer_name, self.scheduler = optimizer, scheduler
-        if frozen:
+        if self.frozen:
             for parameter in [*self.stem.parameters(), *self.blocks[0].parameters()]:
                 parameter.requires_grad_(False)
-        self.validated: list[float] = []
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(self.blocks(torch.tanh(self.stem(x))))
@@ -85,6 +92,18 @@ class UnitNet(pl.LightningModule):
         if not self.scheduler:
             return optimizer
         return {"optimizer": optimizer, "lr_scheduler": torch.optim.lr_scheduler.StepLR(optimizer, 2, gamma=0.5)}
+
+
+class ConfiguredNet(UnitNet):
+    """UnitNet built in ``configure_model`` (on the meta device when fully sharded), from the seed as it is then."""
+
+    def build(self) -> None:
+        """Nothing yet: ``configure_model`` builds."""
+
+    def configure_model(self) -> None:
+        if not hasattr(self, "head"):
+            super().build()
+            self.built_on_meta = any(p.is_meta for p in self.parameters())
 
 
 class TinyLM(pl.LightningModule):
@@ -126,7 +145,7 @@ def parameters_of(module: nn.Module) -> torch.Tensor:
 
 
 def fit(shard: str, module: pl.LightningModule, epochs: int = 5, **options: Any) -> tuple[Any, Any, list[int]]:
-    names = ("compression", "op", "reshard_after_forward")
+    names = ("compression", "op", "reshard_after_forward", "sync", "activation_checkpointing_policy")
     strategy_options = {k: options.pop(k) for k in names if k in options}
     if shard == "parameters":
         strategy_options["auto_wrap_policy"] = {Block}
@@ -166,6 +185,8 @@ CASES: dict[str, tuple[Any, dict[str, Any]]] = {
     "frozen_base": (lambda: UnitNet("adamw", frozen=True), {}),
     "tied_embedding": (TinyLM, {}),
     "keep_until_backward": (lambda: UnitNet("adamw"), {"reshard_after_forward": False}),
+    "activation_checkpointing": (lambda: UnitNet("adamw"), {"activation_checkpointing_policy": {Block}}),
+    "hybrid_inside_nodes": (lambda: UnitNet("adamw", scheduler=True), {"sync": "hierarchical"}),
 }
 
 
@@ -223,11 +244,89 @@ def check_validation_predict_and_checkpoint() -> dict[str, Any]:
 
 
 @checks.register
+def check_recompute_with_every_shard() -> dict[str, float]:
+    """``activation_checkpointing_policy={Block}`` with each ``shard``, 10 steps: equal to plain unsharded."""
+    reference, _, _ = fit("none", UnitNet("adamw"), epochs=1)
+    expected = parameters_of(reference)
+    found = {}
+    for shard in ("none", "optimizer", "gradients"):
+        module, _, _ = fit(shard, UnitNet("adamw"), epochs=1, activation_checkpointing_policy={Block})
+        found[shard] = float((parameters_of(module) - expected).abs().max() / expected.abs().max())
+    return found
+
+
+def fit_built_late(make: Any, shard: str, on_meta: bool, **strategy: Any) -> tuple[Any, Any, list[int], bool]:
+    """A fit of a model the Trainer builds (``init_module(empty_init=on_meta)``, or ``configure_model`` when
+    ``make`` gives a ConfiguredNet), from seed 11 as the build finds it; whether it was on the meta device."""
+    held = HeldParameters()
+    options = {"auto_wrap_policy": {Block}} if shard == "parameters" else {}
+    trainer = strategy_trainer(
+        strategy=HorovodStrategy(shard=shard, bucket_mb=0.0005, **options, **strategy),
+        max_epochs=2,
+        callbacks=[held],
+        precision="32-true",
+    )
+    torch.manual_seed(11)
+    with trainer.init_module(empty_init=None if on_meta else False):
+        module = make()
+    on_meta = any(p.is_meta for p in module.parameters()) or getattr(module, "built_on_meta", False)
+    trainer.fit(module)
+    return module, trainer, held.held, on_meta or getattr(module, "built_on_meta", False)
+
+
+@checks.register
+def check_built_on_the_meta_device() -> dict[str, Any]:
+    """``init_module(empty_init=True)`` and ``configure_model`` build on the meta device; each worker makes its
+    slices real unit by unit, and training equals the same model built whole from the same seed. The first also
+    saves its checkpoint in parts (``state_dict_type="sharded"``)."""
+    found: dict[str, Any] = {}
+    builds = {"init_module": lambda: UnitNet(seed=None), "configure_model": lambda: ConfiguredNet(seed=None)}
+    for name, make in builds.items():
+        reference, _, whole, _ = fit_built_late(make, "none", on_meta=False)
+        extra = {"state_dict_type": "sharded"} if name == "init_module" else {}
+        sharded, trainer, held, on_meta = fit_built_late(make, "parameters", on_meta=True, **extra)
+        expected = parameters_of(reference)
+        found[name] = {
+            "difference": float((parameters_of(sharded) - expected).abs().max() / expected.abs().max()),
+            "held": max(held),
+            "whole": max(whole),
+            "on_meta": on_meta,
+        }
+        if extra:
+            path = out_dir() / "full_shard_parts.ckpt"
+            trainer.save_checkpoint(path)
+            found["parts_path"] = str(path)
+    return found
+
+
+@checks.register
+def check_resumed_at_another_world_size() -> dict[str, float]:
+    """The whole and the parts checkpoints of the four-worker job, resumed fully sharded by this job of another
+    size: equal to an unsharded fit resumed from the same file."""
+    found = {}
+    for name, path in zip(("full", "parts"), os.environ["FULL_SHARD_CHECKPOINTS"].split(","), strict=True):
+        resumed = {}
+        for shard in ("none", "parameters"):
+            options = {"auto_wrap_policy": {Block}} if shard == "parameters" else {}
+            trainer = strategy_trainer(
+                strategy=HorovodStrategy(shard=shard, bucket_mb=0.0005, **options), max_epochs=3, precision="32-true"
+            )
+            module = UnitNet("adamw", scheduler=True) if name == "full" else UnitNet(seed=None)
+            trainer.fit(module, ckpt_path=path)
+            resumed[shard] = parameters_of(module)
+        found[name] = float((resumed["parameters"] - resumed["none"]).abs().max() / resumed["none"].abs().max())
+    return found
+
+
+@checks.register
 def check_refusals() -> dict[str, str]:
     """What full sharding cannot do says so before training, naming the value."""
     found = {}
     for name, make in {
-        "hierarchical": lambda: HorovodStrategy(shard="parameters", sync="hierarchical"),
+        "daso": lambda: HorovodStrategy(shard="parameters", sync="daso"),
+        "state_dict_types_disagree": lambda: HorovodStrategy(
+            shard="parameters", shard_checkpoint="parts", state_dict_type="full"
+        ),
         "elastic": lambda: HorovodStrategy(shard="parameters", elastic=True),
         "policy_without_full_sharding": lambda: HorovodStrategy(shard="gradients", auto_wrap_policy={Block}),
     }.items():

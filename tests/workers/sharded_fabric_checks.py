@@ -10,6 +10,7 @@ state each worker holds, and what ``fabric.save`` wrote.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 from collections.abc import Iterable
 from typing import Any
@@ -54,9 +55,11 @@ def make_optimizer(name: str, module: nn.Module) -> torch.optim.Optimizer:
     return torch.optim.Adam(module.parameters(), lr=0.01)
 
 
-def set_up(fabric: Fabric, optimizer: str) -> tuple[Any, Any]:
-    """A model that differs on every worker until ``fabric.setup`` broadcasts rank 0's, and its optimizer."""
-    module = net(3 + hvd.rank())
+def set_up(fabric: Fabric, optimizer: str, in_init_module: bool = False) -> tuple[Any, Any]:
+    """A model that differs on every worker until ``fabric.setup`` broadcasts rank 0's, and its optimizer;
+    ``in_init_module``: built inside ``fabric.init_module()`` (on the meta device when fully sharded)."""
+    with fabric.init_module() if in_init_module else contextlib.nullcontext():
+        module = net(3 + hvd.rank())
     return fabric.setup(module, make_optimizer(optimizer, module))
 
 
@@ -301,20 +304,22 @@ def whole_state(fabric: Fabric, model: Any) -> torch.Tensor:
 @checks.register(time_limit=TIME_LIMIT)
 def check_full_sharding() -> dict[str, Any]:
     """``shard="parameters"`` with every Linear a unit, clipped by norm: the parameters as unsharded, none held
-    whole between steps; ``fabric.save`` writes the whole model, which a fresh fully sharded setup loads."""
+    whole between steps; ``fabric.save`` writes the whole model, which a fresh fully sharded setup loads. Also
+    built inside ``fabric.init_module()``, on the meta device. The gathered state is rank 0's to compare."""
     found: dict[str, Any] = {}
 
     def fully_sharded_or_not(stage: str) -> Fabric:
-        options = {"auto_wrap_policy": {nn.Linear}} if stage == "parameters" else {}
+        shard = "none" if stage == "none" else "parameters"
+        options = {"auto_wrap_policy": {nn.Linear}} if shard == "parameters" else {}
         fabric = Fabric(
-            strategy=HorovodStrategy(shard=stage, bucket_mb=SMALL_BUCKETS_MB, **options), accelerator="cpu"
+            strategy=HorovodStrategy(shard=shard, bucket_mb=SMALL_BUCKETS_MB, **options), accelerator="cpu"
         )
         fabric.launch()
         return fabric
 
-    for stage in ("none", "parameters"):
+    for stage in ("none", "parameters", "meta"):
         fabric = fully_sharded_or_not(stage)
-        model, optimizer = set_up(fabric, "adamw")
+        model, optimizer = set_up(fabric, "adamw", in_init_module=stage == "meta")
         norms = train(fabric, model, optimizer, batches(fabric), {"max_norm": 0.1})
         held = sum(p.numel() for p in model.parameters())
         path = out_dir() / f"fabric_full_{stage}.ckpt"
@@ -329,11 +334,13 @@ def check_full_sharding() -> dict[str, Any]:
             "held": held,
         }
     expected = found["none"]["parameters"]
+    rank_zero = hvd.rank() == 0
     return {
-        "difference": relative(found["parameters"]["parameters"], expected),
-        "loaded": relative(found["parameters"]["loaded"], expected),
-        "norms": [found[stage]["norms"] for stage in ("none", "parameters")],
-        "held": [found[stage]["held"] for stage in ("none", "parameters")],
+        "difference": relative(found["parameters"]["parameters"], expected) if rank_zero else None,
+        "loaded": relative(found["parameters"]["loaded"], expected) if rank_zero else None,
+        "meta": relative(found["meta"]["parameters"], expected) if rank_zero else None,
+        "norms": [found[stage]["norms"] for stage in ("none", "parameters", "meta")],
+        "held": [found[stage]["held"] for stage in ("none", "parameters", "meta")],
     }
 
 

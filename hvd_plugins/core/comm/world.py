@@ -7,6 +7,8 @@ Each function is a collective where it says so: every worker calls it at the sam
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from hvd_plugins.core.backend.module import horovod_torch
@@ -58,6 +60,14 @@ def gather_over_world(tensor: torch.Tensor, name: str) -> torch.Tensor:
     dimensions may differ between workers)."""
     hvd = horovod_torch()
     return tensor if hvd.size() == 1 else hvd.allgather(tensor, name=name)
+
+
+def broadcast_from_root(tensors: Sequence[torch.Tensor], name: str) -> None:
+    """Rank 0's values of ``tensors`` written into every worker's, in place (a collective; one name per tensor)."""
+    hvd = horovod_torch()
+    if hvd.size() > 1 and tensors:
+        named = [(f"{name}.{index}", tensor.detach()) for index, tensor in enumerate(tensors)]
+        hvd.broadcast_parameters(named, root_rank=0)
 
 
 def send_one_way(tensor: torch.Tensor, to: int, name: str) -> torch.Tensor:

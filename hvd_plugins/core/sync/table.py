@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import logging
 
+import torch
+
 from hvd_plugins.core.comm.compression import compressor_by_name
 from hvd_plugins.core.comm.counters import CommCounters, Scope
 from hvd_plugins.core.comm.topology import build_node_groups, discover_topology
@@ -22,8 +24,11 @@ from hvd_plugins.core.sync.sharded.mode import ShardedGradientSync
 log = logging.getLogger(__name__)
 
 
-def make_gradient_sync(config: HorovodConfig, counters: CommCounters) -> GradientSync:
-    """The gradient sync ``config.sync`` names. Node-aware modes learn the layout here: a collective."""
+def make_gradient_sync(
+    config: HorovodConfig, counters: CommCounters, device: torch.device | None = None
+) -> GradientSync:
+    """The gradient sync ``config.sync`` names, for a model on ``device``. Node-aware modes learn the layout here:
+    a collective."""
     compressor = compressor_by_name(config.compression)
     match config.sync, config.hierarchical_impl:
         case ("allreduce" | "hierarchical", _) if config.shard != "none":
@@ -44,6 +49,7 @@ def make_gradient_sync(config: HorovodConfig, counters: CommCounters) -> Gradien
                 compress_node_local=config.compress_node_local,
                 auto_wrap_policy=config.auto_wrap_policy,
                 reshard_after_forward=config.reshard_after_forward,
+                device=device,
             )
         case ("allreduce", _) | ("hierarchical", "native"):  # native: Horovod's own two-level allreduce
             scope = Scope.CROSS_NODE if spans_nodes() else Scope.NODE_LOCAL

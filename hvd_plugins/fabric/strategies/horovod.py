@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Generator, Sequence
+from contextlib import AbstractContextManager, ExitStack
 from functools import partial
 from typing import Any
 
@@ -46,13 +47,16 @@ from hvd_plugins.core.config import (
     SyncMode,
     UnitPolicy,
 )
+from hvd_plugins.core.recompute import checkpoint_activations
 from hvd_plugins.core.sync.base import GradientSync
 from hvd_plugins.core.sync.guards import SyncGuards
 from hvd_plugins.core.sync.table import make_gradient_sync
 from hvd_plugins.core.training_state import (
     broadcast_module_,
     broadcast_optimizer_state_,
+    move_module_,
     param_groups_kept,
+    prepare_module_,
     wrap_optimizers,
 )
 from hvd_plugins.fabric.lightning_internals import (
@@ -97,6 +101,7 @@ class HorovodStrategy(HorovodStrategyShared, ParallelStrategy):
             those over the workers.
         auto_wrap_policy: with ``shard="parameters"``, the module classes (or a function of a module) that are units.
         reshard_after_forward: with ``shard="parameters"``, free a unit's parameters after its forward (default).
+        activation_checkpointing_policy: modules (classes) whose activations backward recomputes instead of keeping.
         hierarchical_impl: ``"portable"`` (every build) or ``"native"`` (MPI + NCCL only).
         compress_node_local: with ``sync="hierarchical"``, compress the node-local legs too.
         bucket_mb: gradient bucket size of the two-level sync, in MiB.
@@ -124,6 +129,7 @@ class HorovodStrategy(HorovodStrategyShared, ParallelStrategy):
         shard: Shard = "none",
         auto_wrap_policy: UnitPolicy = None,
         reshard_after_forward: bool = True,
+        activation_checkpointing_policy: UnitPolicy = None,
         hierarchical_impl: HierarchicalImpl = "portable",
         compress_node_local: bool = False,
         bucket_mb: float = 32.0,
@@ -154,6 +160,7 @@ class HorovodStrategy(HorovodStrategyShared, ParallelStrategy):
             shard=shard,
             auto_wrap_policy=auto_wrap_policy,
             reshard_after_forward=reshard_after_forward,
+            activation_checkpointing_policy=activation_checkpointing_policy,
             hierarchical_impl=hierarchical_impl,
             compress_node_local=compress_node_local,
             bucket_mb=bucket_mb,
@@ -206,7 +213,18 @@ class HorovodStrategy(HorovodStrategyShared, ParallelStrategy):
 
     @override
     def module_to_device(self, module: Module) -> None:
-        module.to(self.root_device)
+        move_module_(module, self.root_device)
+
+    @override
+    def module_init_context(self, empty_init: bool | None = None) -> AbstractContextManager:
+        """``fabric.init_module()`` with ``shard="parameters"`` builds on the meta device (unless ``empty_init=False``):
+        each worker makes only its slices real at ``fabric.setup``."""
+        if empty_init is False or not self.config.shards_parameters:
+            return super().module_init_context(empty_init)
+        stack = ExitStack()
+        stack.enter_context(torch.device("meta"))
+        stack.enter_context(self.precision.module_init_context())
+        return stack
 
     # ------------------------------------------------------------------ setup
     @override
@@ -214,7 +232,13 @@ class HorovodStrategy(HorovodStrategyShared, ParallelStrategy):
         """Every worker starts from rank 0's parameters and buffers. Until teardown, graphs that ``torch.compile``
         captures (``fabric.setup`` compiles the module again after this when it was given compiled) end where a
         gradient bucket fills, so the syncs that backward's hooks start overlap the rest of backward."""
-        broadcast_module_(module)
+        return self._setup_module(module, keep_meta=False)
+
+    def _setup_module(self, module: Module, keep_meta: bool) -> Module:
+        """As ``setup_module``; with ``keep_meta``, a model built on the meta device stays so for the sync mode,
+        which makes it real a unit at a time."""
+        checkpoint_activations(module, self.config.activation_checkpointing_policy)
+        prepare_module_(module, self.root_device, keep_meta)
         self._graph_cuts.open()
         return module
 
@@ -224,7 +248,7 @@ class HorovodStrategy(HorovodStrategyShared, ParallelStrategy):
     ) -> tuple[Any, ...]:
         """Rank 0's module everywhere, each optimizer wrapped; ``scheduler`` (Fabric 2.4 added it) now drives the
         wrapped optimizer it was built on."""
-        module = self.setup_module(module)
+        module = self._setup_module(module, keep_meta=self.config.shards_parameters)
         schedulers = [given for given in scheduler if given is not None]
         return (module, self._wrap(optimizers, module, schedulers), *scheduler)
 
@@ -235,7 +259,7 @@ class HorovodStrategy(HorovodStrategyShared, ParallelStrategy):
 
     def _wrap(self, optimizers: list[Optimizer], module: Module, schedulers: Sequence[Any] = ()) -> list[Optimizer]:
         if self.gradient_sync is None:
-            self.gradient_sync = make_gradient_sync(self.config, self.comm_counters)
+            self.gradient_sync = make_gradient_sync(self.config, self.comm_counters, self.root_device)
             self.gradient_sync.load_state_dict(self._restored_sync_state)
         self.gradient_sync.refuse_grad_scaler(getattr(self.precision, "scaler", None))
         first = len(self._wrapped)

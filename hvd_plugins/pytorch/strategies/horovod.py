@@ -45,6 +45,7 @@ from hvd_plugins.core.config import (
     Shard,
     ShardCheckpoint,
     StallTimeout,
+    StateDictType,
     SyncMode,
     UnitPolicy,
 )
@@ -54,11 +55,12 @@ from hvd_plugins.core.faults.fingerprints import job_fingerprint, optimizer_fing
 from hvd_plugins.core.faults.preemption import slurm_job_id
 from hvd_plugins.core.faults.report import report_failure
 from hvd_plugins.core.metrics_sync import attach_horovod_metric_sync
+from hvd_plugins.core.recompute import checkpoint_activations
 from hvd_plugins.core.sync.base import GradientSync
 from hvd_plugins.core.sync.daso.config import DasoConfig
 from hvd_plugins.core.sync.guards import SyncGuards
 from hvd_plugins.core.sync.table import make_gradient_sync
-from hvd_plugins.core.training_state import broadcast_module_, scale_learning_rates_, wrap_optimizers
+from hvd_plugins.core.training_state import prepare_module_, scale_learning_rates_, wrap_optimizers
 from hvd_plugins.fabric.lightning_internals import (
     CheckpointPath,
     checkpoint_content,
@@ -81,13 +83,14 @@ from hvd_plugins.pytorch.preemption import RequeueOnPreemption
 from hvd_plugins.pytorch.resume_position import ResumePosition
 from hvd_plugins.pytorch.strategies.launchers.elastic import HorovodElasticLauncher
 from hvd_plugins.pytorch.strategies.launchers.horovod import HorovodScriptLauncher
+from hvd_plugins.pytorch.strategies.unit_init import UnitInit
 from hvd_plugins.pytorch.utilities.namespace import describe_strategy, require_own_namespace
 from hvd_plugins.pytorch.utilities.rank_zero import follow_rank
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
-class HorovodStrategy(HorovodStrategyShared, ParallelStrategy):
+class HorovodStrategy(HorovodStrategyShared, UnitInit):
     """Data-parallel training over Horovod (Gloo or MPI controller; NCCL on GPUs). The arguments become
     ``self.config``, a frozen ``HorovodConfig`` (same names, more detail), validated at once.
 
@@ -99,8 +102,9 @@ class HorovodStrategy(HorovodStrategyShared, ParallelStrategy):
         scale_lr: multiply learning rates (and schedulers' base lrs) by the number of workers.
         sync: ``"allreduce"`` (flat), ``"hierarchical"`` (node, then across nodes) or ``"daso"``.
         shard: ``"none"``; ``"optimizer"`` (ZeRO-1), ``"gradients"`` (ZeRO-2), ``"parameters"`` (ZeRO-3) split those.
-        shard_checkpoint: with ``shard``, checkpoints hold the whole optimizer state (``"full"``) or ``"parts"``.
+        shard_checkpoint, state_dict_type: sharded checkpoints whole (``"full"``) or in ``"parts"`` (``"sharded"``).
         auto_wrap_policy, reshard_after_forward: ``shard="parameters"``'s units (module classes), freed after forward?
+        activation_checkpointing_policy: modules (classes) whose activations backward recomputes instead of keeping.
         hierarchical_impl: ``"portable"`` (every build) or ``"native"`` (MPI + NCCL only).
         compress_node_local: with ``sync="hierarchical"``, compress the node-local legs too.
         daso: a ``DasoConfig`` or a dict of its fields; only with ``sync="daso"``.
@@ -134,8 +138,10 @@ class HorovodStrategy(HorovodStrategyShared, ParallelStrategy):
         sync: SyncMode = "allreduce",
         shard: Shard = "none",
         shard_checkpoint: ShardCheckpoint = "full",
+        state_dict_type: StateDictType | None = None,
         auto_wrap_policy: UnitPolicy = None,
         reshard_after_forward: bool = True,
+        activation_checkpointing_policy: UnitPolicy = None,
         hierarchical_impl: HierarchicalImpl = "portable",
         compress_node_local: bool = False,
         daso: DasoConfig | dict[str, Any] | None = None,
@@ -194,11 +200,6 @@ class HorovodStrategy(HorovodStrategyShared, ParallelStrategy):
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         return {"num_replicas": self.world_size, "rank": self.global_rank}
 
-    @override
-    def model_to_device(self) -> None:
-        assert self.model is not None
-        self.model.to(self.root_device)
-
     def set_world_ranks(self) -> None:
         """When the Trainer is built: start Horovod (unless this process launches the workers) for rank-zero output."""
         self._plan_launch()
@@ -233,14 +234,13 @@ class HorovodStrategy(HorovodStrategyShared, ParallelStrategy):
         set_layer_sync(self, horovod_layer_sync(layer_sync(self), self.config.sync))
         if fitting and (sync_layers := layer_sync(self)) is not None:  # as DDP: while fitting, reverted at teardown
             self.model = sync_layers.apply(self.model)
-        self.model_to_device()
+        checkpoint_activations(self.model, self.config.activation_checkpointing_policy)
+        prepare_module_(self.model, self.root_device, keep_meta=fitting and self.config.shards_parameters)
         self._graph_cuts.open()  # until teardown: graphs torch.compile captures meanwhile end at gradient buckets
         attach_horovod_metric_sync(self.model)
         if self.gradient_sync is None:
-            self.gradient_sync = make_gradient_sync(self.config, self.comm_counters)  # node-aware: a collective
+            self.gradient_sync = make_gradient_sync(self.config, self.comm_counters, self.root_device)  # a collective
             self.gradient_sync.load_state_dict(self._restored_sync_state)
-        # Every worker starts from rank 0's weights and buffers (also after a checkpoint restore).
-        broadcast_module_(self.model)
         if fitting:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()

@@ -74,6 +74,7 @@ class ShardedGradientSync(GradientSync):
         compress_node_local: bool = False,
         auto_wrap_policy: UnitPolicy = None,
         reshard_after_forward: bool = True,
+        device: torch.device | None = None,
     ) -> None:
         if shard not in SHARD_STAGES:
             raise ValueError(f"shard={shard!r} is not a sharded mode; choose one of {list(SHARD_STAGES)}")
@@ -95,7 +96,16 @@ class ShardedGradientSync(GradientSync):
             self.world = world_group()
             scope = Scope.CROSS_NODE if spans_nodes() else Scope.NODE_LOCAL
         route = ShardRoute(
-            self.world, self.nodes, compressor, compress_node_local, counters, scope, op, size, bucket_bytes
+            self.world,
+            self.nodes,
+            compressor,
+            compress_node_local,
+            counters,
+            scope,
+            op,
+            size,
+            bucket_bytes,
+            device or torch.device("cpu"),
         )
         self.stage: ShardStage = SHARD_STAGES[shard].build(route, auto_wrap_policy, reshard_after_forward)
         self.copies = size // self.world.size

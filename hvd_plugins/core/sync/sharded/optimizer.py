@@ -150,6 +150,16 @@ class ShardedOptimizer(Optimizer):
             self.gather_parameters()
         return loss
 
+    def fill_slice(self, index: int, device: torch.device) -> None:
+        """Bucket ``index``'s slice read from its whole parameters as they are now; laid out over a model on the meta
+        device, the slice is first made real on ``device`` (the same Parameter, which the inner optimizer holds)."""
+        bucket, piece = self.buckets[index], self.slices[index]
+        if piece.is_meta:
+            real = torch.empty(piece.shape, dtype=piece.dtype, device=device)
+            torch.utils.swap_tensors(piece, Parameter(real, requires_grad=piece.requires_grad))
+        with torch.no_grad():
+            bucket.read_slice([p.detach() for p in bucket.parameters], piece.data)
+
     def _refresh_slices(self) -> None:
         """The slices from the parameters as they are now (a checkpoint restore, a callback may have changed
         them), and, for ZeRO-1, their gradients from the averaged ones."""

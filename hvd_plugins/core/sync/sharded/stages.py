@@ -34,7 +34,8 @@ from hvd_plugins.core.comm.partners import GroupSum, PartnerGroup, add_in_order,
 from hvd_plugins.core.comm.reducer import BucketOperation
 from hvd_plugins.core.comm.topology import NodeGroups
 from hvd_plugins.core.comm.two_level import TwoLevelSum
-from hvd_plugins.core.comm.world import max_over_world, sum_over_world
+from hvd_plugins.core.comm.world import broadcast_from_root, max_over_world, sum_over_world, world_rank
+from hvd_plugins.core.sync.meta import has_meta_tensors, materialize, real_tensors
 from hvd_plugins.core.sync.sharded.optimizer import ShardedOptimizer
 from hvd_plugins.core.sync.sharded.partition import ShardedBucket, Signature, partition, partition_by_units
 from hvd_plugins.core.sync.sharded.units import ShardedUnits, Unit, UnitPolicy, find_units, unit_owners
@@ -59,6 +60,7 @@ class ShardRoute:
     op: str  # "average" or "sum"
     workers: int  # every worker of the job
     bucket_bytes: int  # buckets of the parameters no unit owns
+    device: torch.device = torch.device("cpu")  # where this worker's tensors live: a meta model is made real there
 
     def two_level(self, flat: torch.Tensor, name: str, keep_shard: bool) -> TwoLevelSum:
         """The two-level allreduce's legs over the node groups (its first two only, with ``keep_shard``)."""
@@ -297,21 +299,56 @@ class ParameterStage(GradientStage):
         self._optimizers = list(optimizers)
         for sharded in self._optimizers:
             relay(sharded)
-        self._install()
+        if has_meta_tensors(model):
+            self._install_from_meta(model)
+        else:
+            self._install()
 
-    def _install(self) -> None:
+    def _pieces(self) -> dict[int, list[tuple[ShardedOptimizer, int]]]:
+        """Unit index -> the (sharded optimizer, bucket index) of each of its buckets."""
         pieces: dict[int, list[tuple[ShardedOptimizer, int]]] = {}
         for sharded in self._optimizers:
             for index, bucket in enumerate(sharded.buckets):
                 if bucket.unit is not None:
                     pieces.setdefault(bucket.unit, []).append((sharded, index))
-        route = self.route
-        units = [
-            Unit(index, name, module, pieces[index], route.counters, route.scope)
-            for index, (name, module) in enumerate(self._names)
-            if index in pieces
-        ]
+        return pieces
+
+    def _unit(self, index: int, pieces: Sequence[tuple[ShardedOptimizer, int]]) -> Unit:
+        name, module = self._names[index]
+        return Unit(index, name, module, pieces, self.route.counters, self.route.scope)
+
+    def _install(self) -> None:
+        pieces = self._pieces()
+        units = [self._unit(index, pieces[index]) for index in range(len(self._names)) if index in pieces]
         self._units = ShardedUnits(units, self.reshard_after_forward)
+        self._units.install()
+
+    def _install_from_meta(self, model: Module) -> None:
+        """A model built on the meta device made real one unit at a time: each unit's parameters, once real, take
+        rank 0's values, fill this worker's slices and are freed before the next unit is made; what no unit owns is
+        made whole, then rank 0's too. No worker holds more of the model than one unit and what no unit owns."""
+        pieces = self._pieces()
+        units: dict[int, Unit] = {}
+
+        def finished(index: int) -> None:
+            if index not in pieces:
+                return
+            unit = self._unit(index, pieces[index])
+            broadcast_from_root(list(unit.parameters()), f"shard.unit{index}.init")
+            for sharded, bucket_index in pieces[index]:
+                sharded.fill_slice(bucket_index, self.route.device)
+            unit.free()
+            units[index] = unit
+
+        materialize(model, self.route.device, [module for _, module in self._names], finished)
+        owned = {id(p) for unit in units.values() for p in unit.parameters()}
+        whole = [t for t in (*model.parameters(), *model.buffers()) if id(t) not in owned]
+        broadcast_from_root(real_tensors(whole), "shard.whole.init")
+        for sharded in self._optimizers:
+            for bucket_index, bucket in enumerate(sharded.buckets):
+                if bucket.unit is None:
+                    sharded.fill_slice(bucket_index, self.route.device)
+        self._units = ShardedUnits([units[index] for index in sorted(units)], self.reshard_after_forward)
         self._units.install()
 
     @contextlib.contextmanager
@@ -335,16 +372,16 @@ class ParameterStage(GradientStage):
         self._units, self._owners, self._model, self._optimizers = None, None, None, []
 
     def model_state_dict(self, model: Module) -> dict[str, Any]:
-        """The whole state, gathered unit by unit: a copy of each unit's parameters, one unit whole at a time."""
+        """The whole state, gathered unit by unit (a collective): rank 0, which writes checkpoints, keeps a copy of
+        each unit's parameters, one unit whole at a time; the other workers' states hold those as they are."""
         if self._units is None:
             return model.state_dict()
-        names: dict[int, list[str]] = {}
-        for name, parameter in model.named_parameters(remove_duplicate=False):
-            names.setdefault(id(parameter), []).append(name)
+        names = self._parameter_names(model)
+        keep = world_rank() == 0
         gathered: dict[str, torch.Tensor] = {}
         for unit in self._units.units:
             unit.gather()
-            for parameter in unit.parameters():
+            for parameter in unit.parameters() if keep else ():
                 copy = parameter.detach().clone()
                 gathered.update((name, copy) for name in names.get(id(parameter), []))
             unit.free()
@@ -353,17 +390,44 @@ class ParameterStage(GradientStage):
         return state
 
     def load_model_state_dict(self, model: Module, state: Mapping[str, Any], strict: bool) -> None:
-        """A whole state loaded into the gathered units, and this worker's slices taken from it."""
+        """A whole state loaded one unit at a time, each worker keeping its slices of it: what no unit owns is
+        loaded as a module loads it, then each unit is gathered, takes its values, its slices, and is freed."""
         if self._units is None:
             model.load_state_dict(state, strict=strict)
             return
-        self._units.gather_all()
-        try:
-            model.load_state_dict(state, strict=strict)
-            for unit in self._units.units:
-                unit.take_slices()
-        finally:
-            self._units.free_all()
+        names = self._parameter_names(model)
+        owned = {name for unit in self._units.units for p in unit.parameters() for name in names.get(id(p), [])}
+        result = model.load_state_dict({k: v for k, v in state.items() if k not in owned}, strict=False)
+        missing = [key for key in result.missing_keys if key not in owned] + sorted(owned - set(state))
+        if strict and (missing or result.unexpected_keys):
+            raise RuntimeError(
+                f"Error(s) in loading state_dict for {type(model).__name__}: missing keys {missing}, "
+                f"unexpected keys {result.unexpected_keys}"
+            )
+        for unit in self._units.units:
+            unit.gather()
+            with torch.no_grad():
+                for parameter in unit.parameters():
+                    key = next((name for name in names.get(id(parameter), []) if name in state), None)
+                    if key is None:
+                        continue
+                    value = state[key]
+                    if value.shape != parameter.shape:
+                        raise RuntimeError(
+                            f"size mismatch for {key}: the checkpoint holds {tuple(value.shape)}, the model "
+                            f"{tuple(parameter.shape)}"
+                        )
+                    parameter.copy_(value)
+            unit.take_slices()
+            unit.free()
+
+    @staticmethod
+    def _parameter_names(model: Module) -> dict[int, list[str]]:
+        """Parameter id -> every name the model's state dict gives it (a tied weight has several)."""
+        names: dict[int, list[str]] = {}
+        for name, parameter in model.named_parameters(remove_duplicate=False):
+            names.setdefault(id(parameter), []).append(name)
+        return names
 
 
 SHARD_STAGES: dict[str, type[ShardStage]] = {

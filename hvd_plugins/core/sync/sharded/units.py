@@ -15,7 +15,7 @@ backward's hooks as ZeRO-2 does. A gather reads the slices as they are, so a ste
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -28,13 +28,12 @@ from hvd_plugins.core.comm.counters import CommCounters, Scope
 from hvd_plugins.core.comm.in_flight import finish_all
 from hvd_plugins.core.comm.partners import start_allgather
 from hvd_plugins.core.comm.wire import nbytes
+from hvd_plugins.core.config import UnitPolicy, policy_picks
 from hvd_plugins.core.sync.sharded.optimizer import ShardedOptimizer
 
 DEFAULT_UNIT_PARAMETERS = 100_000
 """Without a policy, a module is a unit when it holds this many parameters of its own (its units' aside)."""
 
-UnitPolicy = Collection[type] | Callable[[Module], bool] | None
-"""Module classes, a function of a module, or None (by size); ``core.config`` checks what the user gave."""
 
 
 def find_units(model: Module, policy: UnitPolicy) -> list[tuple[str, Module]]:
@@ -57,13 +56,7 @@ def find_units(model: Module, policy: UnitPolicy) -> list[tuple[str, Module]]:
             left += visit(f"{name}.{child_name}" if name else child_name, child, False)
         if is_root or not runs_forward(module):
             return left  # a container (ModuleList, ModuleDict) is never called: its parameters count for its parent
-        if policy is None:
-            is_unit = left >= DEFAULT_UNIT_PARAMETERS
-        elif isinstance(policy, Collection):
-            is_unit = isinstance(module, tuple(policy))
-        else:
-            is_unit = bool(policy(module))
-        if is_unit:
+        if left >= DEFAULT_UNIT_PARAMETERS if policy is None else policy_picks(policy, module):
             chosen.append((name, module))
             return 0
         return left

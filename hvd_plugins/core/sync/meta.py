@@ -1,0 +1,79 @@
+"""A model built on the meta device (``init_module(empty_init=True)``, or ``configure_model`` with
+``shard="parameters"``) made real module by module, so that no worker need ever hold it whole.
+
+A module with tensors of its own on the meta device gets real, uninitialized ones on the device and
+then its ``reset_parameters()``, in module order, which is the order a model built whole runs its
+initializers: from the same seed, the values are those of the model built whole. Each Parameter stays
+the same object (``torch.utils.swap_tensors``), so optimizers built over the meta model still hold it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+
+import torch
+from torch.nn import Module, Parameter
+
+
+def has_meta_tensors(module: Module, recurse: bool = True) -> bool:
+    """Whether ``module`` (and, with ``recurse``, what is under it) holds a parameter or buffer on the meta device."""
+    tensors = [*module.parameters(recurse=recurse), *module.buffers(recurse=recurse)]
+    return any(tensor.is_meta for tensor in tensors)
+
+
+def check_materializable(model: Module) -> None:
+    """Refuse, before any is made real, a model with meta tensors in a module that cannot initialize them."""
+    for name, module in model.named_modules():
+        if has_meta_tensors(module, recurse=False) and not callable(getattr(module, "reset_parameters", None)):
+            tensors = (*module.named_parameters(recurse=False), *module.named_buffers(recurse=False))
+            own = [key for key, tensor in tensors if tensor.is_meta]
+            raise ValueError(
+                f"the model was built on the meta device, and module {name or '(the model)'!r} "
+                f"({type(module).__name__}) holds {own} but has no reset_parameters() to initialize them: give "
+                f"{type(module).__name__} a reset_parameters() that fills them, or build the model without "
+                "empty_init (Trainer.init_module(empty_init=False), or `with torch.device('cpu'):` in configure_model)"
+            )
+
+
+def materialize(
+    model: Module,
+    device: torch.device,
+    units: Sequence[Module] = (),
+    finished: Callable[[int], None] | None = None,
+) -> None:
+    """Every meta tensor of ``model`` made real on ``device`` and initialized, module by module in module order;
+    ``finished(i)`` runs as soon as everything under ``units[i]`` is real (inner units before the outer)."""
+    check_materializable(model)
+    unit_index = {id(module): index for index, module in enumerate(units)}
+    seen: set[int] = set()
+
+    def visit(module: Module) -> None:
+        if id(module) in seen:
+            return
+        seen.add(id(module))
+        if has_meta_tensors(module, recurse=False):
+            make_real(module, device)
+            module.reset_parameters()  # type: ignore[operator]
+        for child in module.children():
+            visit(child)
+        if finished is not None and id(module) in unit_index:
+            finished(unit_index[id(module)])
+
+    visit(model)
+
+
+def make_real(module: Module, device: torch.device) -> None:
+    """``module``'s own meta tensors replaced by uninitialized ones on ``device``, each Parameter the same object."""
+    with torch.no_grad():
+        for parameter in module.parameters(recurse=False):
+            if parameter.is_meta:
+                real = torch.empty(parameter.shape, dtype=parameter.dtype, device=device)
+                torch.utils.swap_tensors(parameter, Parameter(real, requires_grad=parameter.requires_grad))
+        for name, buffer in list(module.named_buffers(recurse=False)):
+            if buffer.is_meta:
+                module._buffers[name] = torch.empty(buffer.shape, dtype=buffer.dtype, device=device)
+
+
+def real_tensors(tensors: Iterable[torch.Tensor]) -> list[torch.Tensor]:
+    """The tensors that hold values: neither on the meta device nor freed (a sharded unit's parameters between uses)."""
+    return [tensor for tensor in tensors if not tensor.is_meta and tensor.numel() > 0]

@@ -1,0 +1,47 @@
+"""Where the Trainer builds and places a model that ``shard="parameters"`` splits: on the meta device, so that
+no worker holds it whole; each worker makes only its slices real at setup (``core.sync.meta``), and a checkpoint
+is loaded after that.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Generator
+from contextlib import contextmanager
+
+import torch
+from lightning.pytorch.strategies import ParallelStrategy
+from typing_extensions import override
+
+from hvd_plugins.core.config import HorovodConfig
+from hvd_plugins.core.training_state import move_module_
+
+
+class UnitInit(ParallelStrategy):
+    """``Trainer.init_module()`` and ``configure_model`` build on the meta device with ``shard="parameters"``
+    (as DeepSpeed's stage 3 builds partitioned); elsewhere as Lightning builds."""
+
+    config: HorovodConfig
+
+    @override
+    def model_to_device(self) -> None:
+        """What is real goes to the device; what is on the meta device waits for setup to make it real there."""
+        assert self.model is not None
+        move_module_(self.model, self.root_device)
+
+    @override
+    @contextmanager
+    def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
+        """With ``shard="parameters"`` on the meta device, unless ``empty_init=False`` asks for the whole model:
+        ``Trainer.init_module()`` and ``configure_model`` (which Lightning runs in here) alike."""
+        if empty_init is False or not self.config.shards_parameters:
+            with super().tensor_init_context(empty_init):
+                yield
+            return
+        with torch.device("meta"), self.precision_plugin.tensor_init_context():
+            yield
+
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        """With ``shard="parameters"`` the weights are loaded into the units once they exist, one unit at a time."""
+        return self.config.shards_parameters

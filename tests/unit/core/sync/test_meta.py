@@ -1,0 +1,105 @@
+"""A model built on the meta device, made real module by module: the values of the same model built whole from
+the same seed, the same Parameter objects, units finished inner first, and a clear refusal where a module cannot
+initialize its tensors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from hvd_plugins.core.sync.meta import check_materializable, has_meta_tensors, materialize, real_tensors
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(6)
+        self.up = nn.Linear(6, 12)
+        self.down = nn.Linear(12, 6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.relu(self.up(self.norm(x))))
+
+
+class Tiny(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(10, 6)
+        self.blocks = nn.ModuleList([Block(), Block()])
+        self.head = nn.Linear(6, 10)
+        self.norm = nn.BatchNorm1d(6)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x))
+
+
+def _built(meta: bool) -> Tiny:
+    torch.manual_seed(7)
+    if not meta:
+        return Tiny()
+    with torch.device("meta"):
+        model = Tiny()
+    torch.manual_seed(7)  # the seed as it was before the whole model's initializers ran
+    return model
+
+
+pytestmark = pytest.mark.unit
+
+
+def test_materialized_values_equal_the_model_built_whole_from_the_same_seed() -> None:
+    whole = _built(meta=False)
+    model = _built(meta=True)
+    assert has_meta_tensors(model)
+    materialize(model, torch.device("cpu"))
+    assert not has_meta_tensors(model)
+    for (name, expected), (_, got) in zip(whole.state_dict().items(), model.state_dict().items(), strict=True):
+        assert torch.equal(expected, got), name
+
+
+def test_parameters_stay_the_objects_an_optimizer_holds() -> None:
+    model = _built(meta=True)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    before = list(model.parameters())
+    materialize(model, torch.device("cpu"))
+    assert all(a is b for a, b in zip(before, model.parameters(), strict=True))
+    assert all(p is q for p, q in zip(optimizer.param_groups[0]["params"], before, strict=True))
+    model(torch.tensor([[1, 2, 3]]).reshape(3)).sum().backward()
+    optimizer.step()  # the real tensors train
+
+
+def test_a_unit_is_finished_once_everything_under_it_is_real_inner_first() -> None:
+    model = _built(meta=True)
+    units = [model.blocks[1], model.blocks[0], model.blocks[0].up]
+    finished: list[int] = []
+
+    def finish(index: int) -> None:
+        assert not has_meta_tensors(units[index])
+        finished.append(index)
+
+    materialize(model, torch.device("cpu"), units, finish)
+    assert finished == [2, 1, 0]
+
+
+def test_a_module_without_reset_parameters_is_refused_by_name() -> None:
+    class Scaled(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.scale = nn.Parameter(torch.ones(3))
+            self.register_buffer("mask", torch.tril(torch.ones(3, 3)))
+
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(3, 3), Scaled())
+    with pytest.raises(ValueError, match=r"module '1' \(Scaled\) holds \['scale', 'mask'\].*reset_parameters"):
+        check_materializable(model)
+    with pytest.raises(ValueError, match="Scaled"):
+        materialize(model, torch.device("cpu"))
+    assert has_meta_tensors(model[0])  # refused before anything was made real
+
+
+def test_real_tensors_leave_out_meta_and_freed_ones() -> None:
+    real, freed, meta = torch.ones(2), torch.empty(0), torch.empty(2, device="meta")
+    assert real_tensors([real, freed, meta]) == [real]
