@@ -22,6 +22,7 @@ from full_shard_checks import (
     UnitNet,
     check_a_short_run_equals_unsharded,
     check_built_on_the_meta_device,
+    check_compiled_units,
     check_equal_to_unsharded,
     check_recompute_with_every_shard,
     check_refusals,
@@ -176,3 +177,10 @@ def test_both_checkpoint_forms_load_into_a_plain_one_process_trainer(
         assert trainer.current_epoch == 3 and trainer.global_step > 0
         changed = [not torch.equal(loaded[name], value) for name, value in module.state_dict().items()]
         assert any(changed) and all(torch.isfinite(p).all() for p in module.parameters())
+
+
+def test_compiled_units_train_as_eager_without_breaks_inside_a_block(four: dict[int, dict[str, Any]]) -> None:
+    for rank in range(4):
+        found = report_of(four[rank], check_compiled_units)
+        assert found["blocks"]["difference"] <= TOLERANCE and found["stack"]["difference"] <= TOLERANCE, found
+        assert found["blocks"]["graph_breaks"] == 0, found  # each block one graph, the gathers outside it

@@ -255,6 +255,30 @@ def check_recompute_with_every_shard() -> dict[str, float]:
     return found
 
 
+@checks.register
+def check_compiled_units() -> dict[str, Any]:
+    """Each Block compiled (``block.compile()``), or the stack of Blocks as one (its units' gathers break it into
+    graphs), fully sharded for 10 steps: equal to eager unsharded training, and no graph break inside a block.
+    ``aot_eager`` traces and differentiates as inductor does, without building kernels."""
+    import torch._dynamo.utils
+
+    reference, _, _ = fit("none", UnitNet("adamw"), epochs=1)
+    expected = parameters_of(reference)
+    found: dict[str, Any] = {}
+    for how in ("blocks", "stack"):
+        torch._dynamo.reset()
+        torch._dynamo.utils.counters.clear()
+        module = UnitNet("adamw")
+        for compiled in module.blocks if how == "blocks" else [module.blocks]:
+            compiled.compile(backend="aot_eager")
+        fit("parameters", module, epochs=1)
+        found[how] = {
+            "difference": float((parameters_of(module) - expected).abs().max() / expected.abs().max()),
+            "graph_breaks": sum(torch._dynamo.utils.counters["graph_break"].values()),
+        }
+    return found
+
+
 def fit_built_late(make: Any, shard: str, on_meta: bool, **strategy: Any) -> tuple[Any, Any, list[int], bool]:
     """A fit of a model the Trainer builds (``init_module(empty_init=on_meta)``, or ``configure_model`` when
     ``make`` gives a ConfiguredNet), from seed 11 as the build finds it; whether it was on the meta device."""

@@ -245,7 +245,7 @@ class ShardedUnits:
             unit.accumulated = 0  # a backward that left some parameters without gradients counted them short
             unit.gather()
 
-        return gather
+        return eager(gather)
 
     def _after_forward(self, unit: Unit) -> Callable[..., None]:
         def after(module: Module, args: Any, output: Any) -> None:
@@ -257,13 +257,13 @@ class ShardedUnits:
             if not needing or self.reshard_after_forward:
                 unit.free()
 
-        return after
+        return eager(after)
 
     def _before_backward(self, unit: Unit) -> Callable[[torch.Tensor], None]:
         def gather(gradient: torch.Tensor) -> None:
             unit.gather()
 
-        return gather
+        return eager(gather)
 
     def _accumulated(self, unit: Unit) -> Callable[[torch.Tensor], None]:
         def count(parameter: torch.Tensor) -> None:
@@ -271,4 +271,11 @@ class ShardedUnits:
             if unit.accumulated >= unit.trainable:
                 unit.free()
 
-        return count
+        return eager(count)
+
+
+def eager(hook: Callable[..., None]) -> Callable[..., None]:
+    """``hook`` kept out of graphs ``torch.compile`` captures: it runs as written, between them. Traced, the
+    freeing of a unit (``parameter.data = ...``) would become a mutation of the graph's inputs, replayed after
+    the graph with the parameters' version bumped, and backward would refuse the weights it saved."""
+    return torch._dynamo.disable(hook, recursive=True)
