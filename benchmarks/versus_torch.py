@@ -46,8 +46,13 @@ from hvd_plugins.testing.launch import write_rank_file
 from hvd_plugins.testing.reports import publish_report
 
 TORCH_VARIANTS = ("ddp", "ddp_zero", "fsdp2_keep", "fsdp2_reshard")
-OUR_VARIANTS: dict[str, dict[str, Any]] = {"flat": {}, "zero1": {"shard": "optimizer"}, "zero2": {"shard": "gradients"}}
-COUNTERPART = {"flat": "ddp", "zero1": "ddp_zero", "zero2": "fsdp2_keep"}
+OUR_VARIANTS: dict[str, dict[str, Any]] = {
+    "flat": {},
+    "zero1": {"shard": "optimizer"},
+    "zero2": {"shard": "gradients"},
+    "zero3": {"shard": "parameters", "auto_wrap_policy": {bench.TransformerBlock}},  # each block a unit, as FSDP2's
+}
+COUNTERPART = {"flat": "ddp", "zero1": "ddp_zero", "zero2": "fsdp2_keep", "zero3": "fsdp2_reshard"}
 """Each of our variants and the torch variant it is weighed against."""
 NO_COMM = "no_comm"
 
