@@ -26,7 +26,7 @@ from torch.utils.hooks import RemovableHandle
 from hvd_plugins.core.comm.compression import NoCompression
 from hvd_plugins.core.comm.counters import CommCounters, Scope
 from hvd_plugins.core.comm.in_flight import finish_all
-from hvd_plugins.core.comm.partners import start_allgather
+from hvd_plugins.core.comm.partners import PartnerAlltoall, start_allgather
 from hvd_plugins.core.comm.wire import nbytes
 from hvd_plugins.core.config import UnitPolicy, policy_picks
 from hvd_plugins.core.sync.sharded.optimizer import ShardedOptimizer
@@ -143,6 +143,7 @@ class Unit:
                     flat[offset : offset + shape.numel()].copy_(parameter.detach().reshape(-1))
             self.flats.append(flat)
         self.whole = True
+        self._pending: list[PartnerAlltoall | None] | None = None  # a gather started and not finished
         self._view()
 
     def parameters(self) -> Iterable[Parameter]:
@@ -156,33 +157,47 @@ class Unit:
             for parameter, offset, shape in zip(bucket.parameters, bucket.offsets, bucket.shapes, strict=True):
                 parameter.data = flat[offset : offset + shape.numel()].view(shape)
 
-    def gather(self) -> None:
-        """Every bucket's slices allgathered into its flat buffer, which the parameters view again."""
-        if self.whole:
+    def start_gather(self) -> None:
+        """Start allgathering every bucket's slices into its flat buffer (refilled); ``gather`` finishes it. A
+        gather started early (prefetched) moves while the unit before it computes."""
+        if self.whole or self._pending is not None:
             return
-        pending = []
+        pending: list[PartnerAlltoall | None] = []
         for (sharded, index), flat in zip(self.pieces, self.flats, strict=True):
             flat.untyped_storage().resize_(flat.numel() * flat.element_size())
             piece, world = sharded.slices[index].detach(), sharded.world
             if world is None or world.size == 1:
                 flat.data.copy_(piece)
+                pending.append(None)
                 continue
             pending.append(start_allgather(piece, world, NoCompression(), f"{sharded.name}.unit{self.index}.{index}"))
             self.counters.record(self.scope, nbytes(piece) * (world.size - 1))
+        self._pending = pending
+
+    def gather(self) -> None:
+        """Every bucket's slices allgathered into its flat buffer, which the parameters view again."""
+        if self.whole:
+            return
+        self.start_gather()
+        assert self._pending is not None
+        started = [operation for operation in self._pending if operation is not None]
         with self.counters.waiting():
-            gathered = iter(finish_all(pending))
-        for (sharded, _), flat in zip(self.pieces, self.flats, strict=True):
-            if sharded.world is None or sharded.world.size == 1:
+            gathered = iter(finish_all(started))
+        for operation, flat in zip(self._pending, self.flats, strict=True):
+            if operation is None:
                 continue
             offset = 0
             for received in next(gathered):  # every worker's slice, in the layout's order
                 flat.data[offset : offset + received.numel()].copy_(received)
                 offset += received.numel()
+        self._pending = None
         self.whole = True
         self._view()
 
     def free(self) -> None:
         """The whole parameters dropped, their memory too; the slices stay (the Parameters hold empty tensors)."""
+        if self._pending is not None:
+            self.gather()  # a prefetched gather the step did not use: every worker finishes it alike
         if not self.whole:
             return
         for parameter in self.parameters():
@@ -214,6 +229,9 @@ class ShardedUnits:
         self.units = list(units)
         self.reshard_after_forward = reshard_after_forward
         self._handles: list[RemovableHandle] = []
+        self._order: list[Unit] = []
+        """The units in the order the last whole forward ran them: whose gather to start next (prefetch)."""
+        self._running: list[Unit] = []  # the order of the forward running now
 
     def install(self) -> None:
         """Hook every unit and free its parameters: from now on only the slices hold them."""
@@ -244,12 +262,26 @@ class ShardedUnits:
         def gather(module: Module, args: Any) -> None:
             unit.accumulated = 0  # a backward that left some parameters without gradients counted them short
             unit.gather()
+            if in_backward():
+                return  # a recompute (activation checkpointing): the order of forward is not this
+            if unit in self._running:  # a new forward: the last one's order is known
+                self._order, self._running = self._running, []
+            self._running.append(unit)
+            self._prefetch(unit, 1)
 
         return eager(gather)
 
+    def _prefetch(self, unit: Unit, direction: int) -> None:
+        """Start the gather of the unit that runs after ``unit`` (forward: ``direction`` 1; backward: -1)."""
+        if unit not in self._order:
+            return
+        position = self._order.index(unit) + direction
+        if 0 <= position < len(self._order):
+            self._order[position].start_gather()
+
     def _after_forward(self, unit: Unit) -> Callable[..., None]:
         def after(module: Module, args: Any, output: Any) -> None:
-            if torch._C._current_graph_task_id() != -1:
+            if in_backward():
                 return  # a recompute inside backward (activation checkpointing): backward uses these parameters
             needing = [t for t in tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad]
             for tensor in needing:
@@ -262,6 +294,7 @@ class ShardedUnits:
     def _before_backward(self, unit: Unit) -> Callable[[torch.Tensor], None]:
         def gather(gradient: torch.Tensor) -> None:
             unit.gather()
+            self._prefetch(unit, -1)
 
         return eager(gather)
 
@@ -272,6 +305,11 @@ class ShardedUnits:
                 unit.free()
 
         return eager(count)
+
+
+def in_backward() -> bool:
+    """Whether autograd's engine is running a backward on this thread (a recompute runs forward inside one)."""
+    return torch._C._current_graph_task_id() != -1
 
 
 def eager(hook: Callable[..., None]) -> Callable[..., None]:

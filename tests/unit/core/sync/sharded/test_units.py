@@ -8,6 +8,7 @@ Small integer inputs and weights in float64 and a power-of-two learning rate kee
 from __future__ import annotations
 
 import copy
+import threading
 
 import pytest
 import torch
@@ -159,3 +160,55 @@ def test_a_loaded_state_reaches_the_slices(monkeypatch: pytest.MonkeyPatch) -> N
 
     for parameters in job.run(load):
         assert all(bool((p == 2.0).all()) for p in parameters)
+
+
+def test_the_next_units_gather_starts_while_the_one_before_computes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """From the second step on, forward starts each unit's gather in the pre-hook of the unit before it, and
+    backward starts it when the unit after it begins its backward: the gathers are prefetched."""
+    from hvd_plugins.core.sync.sharded.units import Unit
+
+    job = ThreadedJob(nodes=1, workers_per_node=2).install(monkeypatch)
+    model = integer_model(3, 5, 4, 2)
+    events: dict[int, list[tuple[str, int]]] = {}
+    own_start, own_gather = Unit.start_gather, Unit.gather
+
+    def start(unit: Unit) -> None:
+        if not unit.whole and unit._pending is None:
+            events.setdefault(threading.get_ident(), []).append(("start", unit.index))
+        own_start(unit)
+
+    def gather(unit: Unit) -> None:
+        if not unit.whole:
+            events.setdefault(threading.get_ident(), []).append(("gather", unit.index))
+        own_gather(unit)
+
+    monkeypatch.setattr(Unit, "start_gather", start)
+    monkeypatch.setattr(Unit, "gather", gather)
+
+    def train(hvd: RankHorovod) -> list[tuple[str, int]]:
+        mine = copy.deepcopy(model)
+        sync = ShardedGradientSync(
+            "parameters", NoCompression(), "average", CommCounters(), 64, auto_wrap_policy=frozenset({nn.Linear})
+        )
+        optimizer = sync.wrap(torch.optim.SGD(mine.parameters(), lr=LR), list(mine.named_parameters()))
+        sync.setup(mine, [optimizer], None)
+        for step in range(2):
+            events.pop(threading.get_ident(), None)
+            optimizer.zero_grad()
+            sync.before_backward(optimizer)
+            mine(rank_data(hvd.rank(), step)).sum().backward()
+            sync.synchronize(optimizer)
+            optimizer.step()
+        sync.teardown([optimizer])
+        return events[threading.get_ident()]
+
+    units = len([m for m in model.modules() if isinstance(m, nn.Linear)])
+    for found in job.run(train):  # the second step's events; a gather logs itself before it starts its own
+        forward, backward = found[: 2 * units], found[2 * units :]
+        assert forward[:2] == [("gather", 0), ("start", 0)], found  # the first unit: nothing ran before it
+        for index in range(1, units):  # started by the unit before it, gathered at its own forward
+            after = 2 if index == 1 else 1  # the first unit's gather also logged its own start
+            assert forward.index(("start", index)) == forward.index(("gather", index - 1)) + after, found
+            assert forward.index(("start", index)) < forward.index(("gather", index)), found
+        for index in range(units - 1):  # backward runs the units in reverse: started by the one after
+            assert backward.index(("start", index)) < backward.index(("gather", index)), found
