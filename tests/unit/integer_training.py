@@ -7,6 +7,9 @@ equality.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -26,3 +29,23 @@ def integer_inputs(rank: int, step: int, rows: int, features: int, bound: int) -
     """A rank's inputs at a step: integers in [-bound, bound], the same on every call."""
     generator = torch.Generator().manual_seed(100 * step + rank)
     return torch.randint(-bound, bound + 1, (rows, features), generator=generator).double()
+
+
+def train_synced(
+    sync: Any,
+    optimizer: Any,
+    model: nn.Module,
+    batches: Callable[[int], torch.Tensor],
+    steps: int,
+    before_step: Callable[[int], None] | None = None,
+) -> None:
+    """``steps`` steps of a gradient sync's loop: the sum of the model's outputs on ``batches(step)`` backward
+    through ``sync``, then the wrapped optimizer's step (``before_step(step)`` runs first, where given)."""
+    for step in range(steps):
+        if before_step is not None:
+            before_step(step)
+        optimizer.zero_grad()
+        sync.before_backward(optimizer)
+        model(batches(step)).sum().backward()
+        sync.synchronize(optimizer)
+        optimizer.step()

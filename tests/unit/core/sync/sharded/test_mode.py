@@ -19,7 +19,7 @@ from hvd_plugins.core.comm.counters import CommCounters
 from hvd_plugins.core.comm.topology import build_node_groups, discover_topology
 from hvd_plugins.core.sync.hierarchical.mode import HierarchicalGradientSync
 from hvd_plugins.core.sync.sharded.mode import ShardedGradientSync
-from unit.integer_training import integer_inputs, integer_model
+from unit.integer_training import integer_inputs, integer_model, train_synced
 from unit.threaded_horovod import RankHorovod, ThreadedJob
 
 STEPS = 3
@@ -90,11 +90,6 @@ def hierarchical_cross_node_bytes(model: nn.Module, hvd: RankHorovod) -> int:
     groups = build_node_groups(discover_topology())
     sync = HierarchicalGradientSync(groups, NoCompression(), "average", counters, bucket_bytes=64, tune_route=False)
     optimizer = sync.wrap(torch.optim.SGD(mine.parameters(), lr=LR, momentum=0.5), list(mine.named_parameters()))
-    for step in range(STEPS):
-        optimizer.zero_grad()
-        sync.before_backward(optimizer)
-        mine(rank_data(hvd.rank(), step)).sum().backward()
-        sync.synchronize(optimizer)
-        optimizer.step()
+    train_synced(sync, optimizer, mine, lambda step: rank_data(hvd.rank(), step), STEPS)
     sync.teardown([optimizer])
     return counters.cross_node_bytes

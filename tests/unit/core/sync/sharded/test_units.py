@@ -19,7 +19,7 @@ from hvd_plugins.core.comm.counters import CommCounters
 from hvd_plugins.core.sync.sharded.mode import ShardedGradientSync
 from hvd_plugins.core.sync.sharded.units import DEFAULT_UNIT_PARAMETERS, find_units, unit_owners
 from hvd_plugins.pytorch.callbacks.memory import training_state_mb
-from unit.integer_training import integer_inputs, integer_model
+from unit.integer_training import integer_inputs, integer_model, train_synced
 from unit.threaded_horovod import RankHorovod, ThreadedJob
 
 STEPS = 3
@@ -192,13 +192,10 @@ def test_the_next_units_gather_starts_while_the_one_before_computes(monkeypatch:
         )
         optimizer = sync.wrap(torch.optim.SGD(mine.parameters(), lr=LR), list(mine.named_parameters()))
         sync.setup(mine, [optimizer], None)
-        for step in range(2):
+        def forget(step: int) -> None:  # only the last step's events are kept
             events.pop(threading.get_ident(), None)
-            optimizer.zero_grad()
-            sync.before_backward(optimizer)
-            mine(rank_data(hvd.rank(), step)).sum().backward()
-            sync.synchronize(optimizer)
-            optimizer.step()
+
+        train_synced(sync, optimizer, mine, lambda step: rank_data(hvd.rank(), step), 2, before_step=forget)
         sync.teardown([optimizer])
         return events[threading.get_ident()]
 
