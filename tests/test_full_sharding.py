@@ -122,7 +122,6 @@ def test_validation_predict_and_a_whole_checkpoint_that_resumes_sharded(four: di
     [
         ("daso", ["shard='parameters' does not work with sync='daso'"]),
         ("state_dict_types_disagree", ["state_dict_type='full' and shard_checkpoint='parts' disagree"]),
-        ("elastic", ["shard='parameters' does not work with elastic=True"]),
         ("policy_without_full_sharding", ["auto_wrap_policy={", "works only with shard='parameters'"]),
         ("no_unit", ["shard='parameters' found no unit in UnitNet", "auto_wrap_policy={Block}"]),
     ],

@@ -263,11 +263,6 @@ class HorovodConfig:
             )
         if self.sparse_as_dense:
             raise ValueError(f"sparse_as_dense=True does not work with shard={self.shard!r}: it has no sparse path")
-        if self.shard == "parameters" and self.elastic is True:
-            raise ValueError(
-                "shard='parameters' does not work with elastic=True: a commit would have to gather the whole model "
-                "on every worker; use shard='gradients' for elastic sharded training"
-            )
 
     @staticmethod
     def argument_names() -> tuple[str, ...]:

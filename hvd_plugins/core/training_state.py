@@ -17,7 +17,7 @@ from hvd_plugins.core.backend.module import horovod_torch
 from hvd_plugins.core.comm.buffers import finish_buffer_average, start_buffer_average
 from hvd_plugins.core.comm.parameters import indexed_optimizer_parameters
 from hvd_plugins.core.sync.base import GradientSync
-from hvd_plugins.core.sync.meta import has_meta_tensors, materialize
+from hvd_plugins.core.sync.meta import has_meta_tensors, materialize, placeholders_to_meta
 
 
 def named_parameters_for(optimizer: Optimizer, model: Module, prefix: str) -> list[tuple[str, Parameter]]:
@@ -56,11 +56,23 @@ def move_module_(model: Module, device: torch.device) -> None:
             setattr(module, "_device", device)  # noqa: B010
 
 
+def shape_placeholders_(model: Module) -> None:
+    """After an elastic reset: the units a sharded mode left as placeholders (``shard="parameters"``) take their
+    shapes again, on the meta device, so that every worker's model looks alike before the next setup makes them real
+    and the commit gives them their values."""
+    placeholders_to_meta(model)
+
+
 def prepare_module_(model: Module, device: torch.device, keep_meta: bool) -> None:
-    """The model as training starts it: on ``device``, real (a model built on the meta device is made real whole
-    here unless ``keep_meta``: the sync mode then makes it real a unit at a time), and rank 0's on every worker."""
+    """The model as training starts it: on ``device``, real and rank 0's on every worker. With ``keep_meta`` the sync
+    mode does both a unit at a time (``shard="parameters"``): what is on the meta device stays there, and nothing is
+    broadcast here, as workers may differ in what is real (after an elastic reset, placeholders on the survivors,
+    a whole model on a worker that joined)."""
     move_module_(model, device)
-    if not keep_meta and has_meta_tensors(model):
+    if keep_meta:
+        require_bfloat16_for(model, horovod_torch())
+        return
+    if has_meta_tensors(model):
         materialize(model, device)
     broadcast_module_(model)
 

@@ -115,6 +115,15 @@ class RankHorovod:
     def allgather(self, tensor: torch.Tensor, name: str | None = None) -> torch.Tensor:
         return self.synchronize(self.allgather_async(tensor, name=name))
 
+    def broadcast_parameters(self, params: Any, root_rank: int) -> None:
+        """Rank ``root_rank``'s values written into every rank's tensors (named pairs or a dict), in place; here an
+        allgather of each tensor, of which every rank keeps the root's row."""
+        pairs = list(params.items()) if isinstance(params, dict) else list(params)
+        for name, tensor in pairs:
+            rows = self.allgather(tensor.detach().reshape(1, -1), name=f"broadcast.{name}")
+            with torch.no_grad():
+                tensor.copy_(rows[root_rank].view_as(tensor))
+
     def poll(self, handle: int) -> bool:
         return self._job.poll(self._rank, handle)
 

@@ -70,7 +70,10 @@ def main() -> None:
     args = arguments.parse_args()
     events = Events(args.out)
     seed_everything(0, verbose=False)
-    strategy = HorovodStrategy(sync=args.sync, shard=args.shard, commit_every_n_steps=args.commit_every, scale_lr=True)
+    units = {"auto_wrap_policy": {torch.nn.Linear}} if args.shard == "parameters" else {}  # BatchNorm's stay whole
+    strategy = HorovodStrategy(
+        sync=args.sync, shard=args.shard, commit_every_n_steps=args.commit_every, scale_lr=True, **units
+    )
     log = EventLog(args, events)
     trainer = Trainer(
         strategy=strategy,

@@ -351,7 +351,6 @@ def check_refusals() -> dict[str, str]:
         "state_dict_types_disagree": lambda: HorovodStrategy(
             shard="parameters", shard_checkpoint="parts", state_dict_type="full"
         ),
-        "elastic": lambda: HorovodStrategy(shard="parameters", elastic=True),
         "policy_without_full_sharding": lambda: HorovodStrategy(shard="gradients", auto_wrap_policy={Block}),
     }.items():
         try:

@@ -32,11 +32,6 @@ def runs_elastic(config: HorovodConfig) -> bool:
         )
     else:
         wanted = bool(config.elastic)
-    if wanted and config.shard == "parameters":
-        raise ValueError(
-            "shard='parameters' does not work in an elastic job (horovodrun --host-discovery-script): a commit would "
-            "have to gather the whole model on every worker; use shard='gradients' for elastic sharded training"
-        )
     if wanted and config.op == "adasum":
         raise ValueError(
             "op='adasum' does not work in an elastic job: Adasum needs Horovod's MPI controller and elastic "

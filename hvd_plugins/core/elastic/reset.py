@@ -1,10 +1,10 @@
 """What an elastic reset does to the gradient sync: one rule for the Trainer's strategy and Fabric's.
 
 Horovod has started again with new ranks and a new size. A sync mode that holds a layout of the old
-world (node groups, shards: ``world_shaped``) is torn down and dropped; the face builds a new one at
-its next setup and hands it the old one's ``state_dict`` (DASO's schedule, the measured route). Any
-other mode follows the new world in place: it stays, and its optimizers forget the allreduces the
-old world left in flight, which would never complete.
+world (node groups, shards: ``world_shaped``) is torn down without a collective (``abandon``) and
+dropped; the face builds a new one at its next setup and hands it the old one's ``state_dict``
+(DASO's schedule, the measured route). Any other mode follows the new world in place: it stays, and
+its optimizers forget the allreduces the old world left in flight, which would never complete.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ class ResettableSync(Protocol):
 
     world_shaped: bool
 
-    def teardown(self, optimizers: Sequence[Optimizer]) -> None: ...
+    def abandon(self, optimizers: Sequence[Optimizer]) -> None: ...
 
     def state_dict(self) -> dict[str, Any]: ...
 
@@ -38,7 +38,7 @@ def sync_after_reset(sync: S | None, optimizers: Sequence[Optimizer]) -> tuple[S
     if sync is None:
         return None, None
     if sync.world_shaped:
-        sync.teardown(optimizers)
+        sync.abandon(optimizers)
         return None, sync.state_dict()
     for optimizer in optimizers:
         forget_failed_allreduces(optimizer)

@@ -155,6 +155,11 @@ class GradientSync(TrainingLoopHooks, ABC):
         """Take back a whole model state, saved at any world size or by one process."""
         model.load_state_dict(state, strict=strict)
 
+    def abandon(self, optimizers: Sequence[Optimizer]) -> None:
+        """After an elastic reset, before the mode is dropped: ``teardown`` without any collective (the world it
+        was set up in is gone). A mode whose teardown runs none keeps this."""
+        self.teardown(optimizers)
+
     @contextlib.contextmanager
     def committing(self) -> Iterator[None]:
         """Inside, ``optimizer_state_dict`` gives what an elastic commit keeps in host memory. Here the whole state,

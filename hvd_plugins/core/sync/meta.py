@@ -14,6 +14,9 @@ from collections.abc import Callable, Iterable, Sequence
 import torch
 from torch.nn import Module, Parameter
 
+PLACEHOLDER_SHAPE = "_hvd_plugins_placeholder_shape"
+"""The attribute a unit's Parameter left as a placeholder (``leave_placeholder``) keeps its shape in."""
+
 
 def has_meta_tensors(module: Module, recurse: bool = True) -> bool:
     """Whether ``module`` (and, with ``recurse``, what is under it) holds a parameter or buffer on the meta device."""
@@ -28,7 +31,8 @@ def check_materializable(model: Module) -> None:
             tensors = (*module.named_parameters(recurse=False), *module.named_buffers(recurse=False))
             own = [key for key, tensor in tensors if tensor.is_meta]
             raise ValueError(
-                f"the model was built on the meta device, and module {name or '(the model)'!r} "
+                "the model holds tensors on the meta device (built there, or left so by an elastic reset), and module "
+                f"{name or '(the model)'!r} "
                 f"({type(module).__name__}) holds {own} but has no reset_parameters() to initialize them: give "
                 f"{type(module).__name__} a reset_parameters() that fills them, or build the model without "
                 "empty_init (Trainer.init_module(empty_init=False), or `with torch.device('cpu'):` in configure_model)"
@@ -67,8 +71,7 @@ def make_real(module: Module, device: torch.device) -> None:
     with torch.no_grad():
         for parameter in module.parameters(recurse=False):
             if parameter.is_meta:
-                real = torch.empty(parameter.shape, dtype=parameter.dtype, device=device)
-                torch.utils.swap_tensors(parameter, Parameter(real, requires_grad=parameter.requires_grad))
+                make_parameter_real(parameter, device)
         for name, buffer in list(module.named_buffers(recurse=False)):
             if buffer.is_meta:
                 module._buffers[name] = torch.empty(buffer.shape, dtype=buffer.dtype, device=device)
@@ -77,3 +80,35 @@ def make_real(module: Module, device: torch.device) -> None:
 def real_tensors(tensors: Iterable[torch.Tensor]) -> list[torch.Tensor]:
     """The tensors that hold values: neither on the meta device nor freed (a sharded unit's parameters between uses)."""
     return [tensor for tensor in tensors if not tensor.is_meta and tensor.numel() > 0]
+
+
+def make_parameter_real(parameter: Parameter, device: torch.device) -> None:
+    """``parameter`` (on the meta device) given uninitialized memory on ``device``; the same object afterwards."""
+    replace_values(parameter, torch.empty(parameter.shape, dtype=parameter.dtype, device=device))
+
+
+def replace_values(parameter: Parameter, values: torch.Tensor) -> None:
+    """``parameter`` made to hold ``values`` (another device, the meta device), staying the same Python object with
+    its attributes: optimizers, hooks and the model still hold it. ``.data =`` cannot cross to or from meta."""
+    new = Parameter(values, requires_grad=parameter.requires_grad)
+    new.__dict__.update(parameter.__dict__)  # swap_tensors swaps the attributes too: keep the user's
+    torch.utils.swap_tensors(parameter, new)
+
+
+def leave_placeholder(parameter: Parameter, shape: torch.Size) -> None:
+    """``parameter`` an empty tensor that remembers ``shape``: a unit's parameter whose slices went with an old world
+    (an elastic reset). ``placeholders_to_meta`` turns it into a meta tensor of that shape, made real as a model
+    built on the meta device is, and a commit's slices give it its values."""
+    parameter.data = torch.empty(0, dtype=parameter.dtype, device=parameter.device)
+    setattr(parameter, PLACEHOLDER_SHAPE, torch.Size(shape))
+
+
+def placeholders_to_meta(model: Module) -> bool:
+    """Every placeholder of ``model`` a meta tensor of its shape again; returns whether there was one."""
+    found = False
+    for parameter in model.parameters():
+        shape = parameter.__dict__.pop(PLACEHOLDER_SHAPE, None)
+        if shape is not None and parameter.numel() == 0:
+            replace_values(parameter, torch.empty(shape, dtype=parameter.dtype, device="meta"))
+            found = True
+    return found

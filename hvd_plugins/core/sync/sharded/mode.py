@@ -51,6 +51,7 @@ from hvd_plugins.core.sync.sharded.replicas import (
     replicate,
     to_bytes,
     whole_state,
+    whole_values,
 )
 from hvd_plugins.core.sync.sharded.stages import SHARD_STAGES, ShardRoute, ShardStage
 from hvd_plugins.core.sync.sharded.units import UnitPolicy
@@ -242,7 +243,7 @@ class ShardedGradientSync(GradientSync):
         return part
 
     def _commit_parts(self, sharded: ShardedOptimizer) -> dict[str, Any]:
-        part = sharded.part()
+        part = sharded.part(with_values=True)  # a unit's slices are its only copy (``shard="parameters"``)
         if self.copies > 1:  # the other nodes hold this part too
             return commit_state({self.world.index: to_bytes(part)}, self.world.size, part["param_groups"])
         if self._ring is None:
@@ -265,6 +266,7 @@ class ShardedGradientSync(GradientSync):
         if is_commit(state):
             parts = rebuild(state[OWN_PARTS_KEY], state["workers"], f"{sharded.name}.rebuild")
             sharded.load_state_dict(whole_state(state, parts))
+            sharded.load_values(whole_values(parts))
         elif is_part(state):
             sharded.load_part(state)
         else:
@@ -275,13 +277,21 @@ class ShardedGradientSync(GradientSync):
         return sum(sharded.state_bytes() for sharded in self._optimizers.values())
 
     def model_state_dict(self, model: Module) -> dict[str, Any]:
-        return self.stage.model_state_dict(model)
+        return self.stage.model_state_dict(model, committing=self._committing)
 
     def load_model_state_dict(self, model: Module, state: Mapping[str, Any], strict: bool = True) -> None:
         self.stage.load_model_state_dict(model, state, strict)
 
     def teardown(self, optimizers: Sequence[Optimizer]) -> None:
         self.stage.detach()
+        self._drop_reducers()
+
+    def abandon(self, optimizers: Sequence[Optimizer]) -> None:
+        """After an elastic reset: the units' parameters left as placeholders, nothing gathered."""
+        self.stage.abandon()
+        self._drop_reducers()
+
+    def _drop_reducers(self) -> None:
         for reducer in self._reducers.values():
             reducer.remove()
         self._reducers.clear()

@@ -29,6 +29,7 @@ from hvd_plugins.core.comm.counters import CommCounters, Scope
 from hvd_plugins.core.comm.in_flight import InFlight, finish_all
 from hvd_plugins.core.comm.partners import PartnerAlltoall, PartnerGroup, finish_allgather, start_allgather
 from hvd_plugins.core.comm.wire import nbytes
+from hvd_plugins.core.sync.meta import make_parameter_real
 from hvd_plugins.core.sync.parts import PART_FORMAT
 from hvd_plugins.core.sync.sharded.partition import ShardedBucket, Signature
 
@@ -155,8 +156,7 @@ class ShardedOptimizer(Optimizer):
         device, the slice is first made real on ``device`` (the same Parameter, which the inner optimizer holds)."""
         bucket, piece = self.buckets[index], self.slices[index]
         if piece.is_meta:
-            real = torch.empty(piece.shape, dtype=piece.dtype, device=device)
-            torch.utils.swap_tensors(piece, Parameter(real, requires_grad=piece.requires_grad))
+            make_parameter_real(piece, device)
         with torch.no_grad():
             bucket.read_slice([p.detach() for p in bucket.parameters], piece.data)
 
@@ -237,23 +237,23 @@ class ShardedOptimizer(Optimizer):
         )
 
     # ------------------------------------------------------------------ parts
-    def part(self) -> dict[str, Any]:
-        """This worker's part of the state, with the layout ``consolidate`` needs to make it whole (no collective)."""
+    def part(self, with_values: bool = False) -> dict[str, Any]:
+        """This worker's part of the state, with the layout ``consolidate`` needs to make it whole (no collective);
+        ``with_values`` adds the slices of the parameters they alone hold (a unit's, under ``shard="parameters"``)."""
         indices = self.parameter_indices()
         buckets = []
         for bucket, piece in zip(self.buckets, self.slices, strict=True):
             own = self.inner.state.get(piece, {}) if self.inner is not None else {}
-            buckets.append(
-                {
-                    "group": bucket.group_index,
-                    "parameters": [indices[id(p)] for p in bucket.parameters],
-                    "shapes": [list(shape) for shape in bucket.shapes],
-                    "numel": bucket.layout.numel,
-                    "state": {
-                        key: value.clone() if isinstance(value, torch.Tensor) else value for key, value in own.items()
-                    },
-                }
-            )
+            saved = {
+                "group": bucket.group_index,
+                "parameters": [indices[id(p)] for p in bucket.parameters],
+                "shapes": [list(shape) for shape in bucket.shapes],
+                "numel": bucket.layout.numel,
+                "state": {key: copy_of(value) for key, value in own.items()},
+            }
+            if with_values and bucket.unit is not None:
+                saved["values"] = piece.detach().clone()
+            buckets.append(saved)
         groups = []
         for group in self.param_groups:
             saved = {key: value for key, value in group.items() if key != "params"}
@@ -295,6 +295,19 @@ class ShardedOptimizer(Optimizer):
             }
             if own:
                 self.inner.state[piece] = own
+
+    def load_values(self, values: Mapping[int, torch.Tensor]) -> None:
+        """The slices of the parameters they alone hold (a unit's) from whole ``values`` by state index: an elastic
+        commit's, after a reset laid the units out over the new world."""
+        if not values:
+            return
+        indices = self.parameter_indices()
+        for bucket, piece in zip(self.buckets, self.slices, strict=True):
+            if bucket.unit is None:
+                continue
+            wholes = [values[indices[id(p)]].to(piece.device, piece.dtype) for p in bucket.parameters]
+            with torch.no_grad():
+                bucket.read_slice(wholes, piece.data)
 
     # ------------------------------------------------------------------ consolidated state
     def state_dict(self) -> dict[str, Any]:
@@ -391,6 +404,11 @@ class ShardedOptimizer(Optimizer):
 def is_shaped(value: Any) -> bool:
     """Whether a piece of optimizer state lives with its parameter's elements (not a scalar such as a step count)."""
     return isinstance(value, torch.Tensor) and value.dim() > 0
+
+
+def copy_of(value: Any) -> Any:
+    """A piece of optimizer state as it is now (a tensor cloned, a plain value as it is)."""
+    return value.clone() if isinstance(value, torch.Tensor) else value
 
 
 def scalar_of(value: Any) -> Any:

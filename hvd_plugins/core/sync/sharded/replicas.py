@@ -63,6 +63,23 @@ def whole_state(state: Mapping[str, Any], parts: Sequence[Mapping[str, Any]]) ->
     return whole
 
 
+def whole_values(parts: Sequence[Mapping[str, Any]]) -> dict[int, torch.Tensor]:
+    """The whole values of the parameters whose slices the parts keep (a unit's, ``shard="parameters"``), by their
+    index in the optimizer's state; empty where the parts keep none."""
+    ordered = sorted(parts, key=lambda part: part["rank"])
+    values: dict[int, torch.Tensor] = {}
+    for index, bucket in enumerate(ordered[0]["buckets"]):
+        if "values" not in bucket:
+            continue
+        whole = torch.cat([part["buckets"][index]["values"] for part in ordered])
+        offset = 0
+        for parameter, shape in zip(bucket["parameters"], bucket["shapes"], strict=True):
+            count = int(torch.Size(shape).numel())
+            values[int(parameter)] = whole[offset : offset + count].reshape(shape)
+            offset += count
+    return values
+
+
 # ---------------------------------------------------------------------- who keeps whose copy
 def holder_ring(topology: Topology) -> tuple[int, ...]:
     """Every rank once, first local ranks 0 of each host, then local ranks 1, ...: neighbours are on other hosts."""

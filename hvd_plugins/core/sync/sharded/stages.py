@@ -35,10 +35,14 @@ from hvd_plugins.core.comm.reducer import BucketOperation
 from hvd_plugins.core.comm.topology import NodeGroups
 from hvd_plugins.core.comm.two_level import TwoLevelSum
 from hvd_plugins.core.comm.world import broadcast_from_root, max_over_world, sum_over_world, world_rank
-from hvd_plugins.core.sync.meta import has_meta_tensors, materialize, real_tensors
+from hvd_plugins.core.sync.meta import materialize, real_tensors
 from hvd_plugins.core.sync.sharded.optimizer import ShardedOptimizer
 from hvd_plugins.core.sync.sharded.partition import ShardedBucket, Signature, partition, partition_by_units
 from hvd_plugins.core.sync.sharded.units import ShardedUnits, Unit, UnitPolicy, find_units, unit_owners
+
+UNITS_IN_PARTS_KEY = "hvd_plugins_units_in_optimizer_parts"
+"""Marks the model state of an elastic commit under ``shard="parameters"``: it holds what no unit owns, and the
+units' values are the slices kept with the commit's optimizer parts."""
 
 BUCKETS_IN_FLIGHT = 2
 """ZeRO-2: buckets reduce-scattered at once; a third lands the oldest first. Each bucket in flight holds about
@@ -122,7 +126,12 @@ class ShardStage(ABC):
         """At a fit's end: the model as the user gave it (whole), no hook left."""
         return None
 
-    def model_state_dict(self, model: Module) -> dict[str, Any]:
+    def abandon(self) -> None:
+        """After an elastic reset: as ``detach``, but no collective may run (the old world is gone)."""
+        self.detach()
+
+    def model_state_dict(self, model: Module, committing: bool = False) -> dict[str, Any]:
+        """The model's state for a checkpoint, or, ``committing``, for an elastic commit."""
         return model.state_dict()
 
     def load_model_state_dict(self, model: Module, state: Mapping[str, Any], strict: bool) -> None:
@@ -299,10 +308,7 @@ class ParameterStage(GradientStage):
         self._optimizers = list(optimizers)
         for sharded in self._optimizers:
             relay(sharded)
-        if has_meta_tensors(model):
-            self._install_from_meta(model)
-        else:
-            self._install()
+        self._install_from_root(model)
 
     def _pieces(self) -> dict[int, list[tuple[ShardedOptimizer, int]]]:
         """Unit index -> the (sharded optimizer, bucket index) of each of its buckets."""
@@ -323,10 +329,11 @@ class ParameterStage(GradientStage):
         self._units = ShardedUnits(units, self.reshard_after_forward)
         self._units.install()
 
-    def _install_from_meta(self, model: Module) -> None:
-        """A model built on the meta device made real one unit at a time: each unit's parameters, once real, take
-        rank 0's values, fill this worker's slices and are freed before the next unit is made; what no unit owns is
-        made whole, then rank 0's too. No worker holds more of the model than one unit and what no unit owns."""
+    def _install_from_root(self, model: Module) -> None:
+        """Rank 0's model, one unit at a time: each unit's parameters, made real where they are on the meta device,
+        take rank 0's values, fill this worker's slices and are freed before the next unit is made; what no unit
+        owns is made whole, then rank 0's too. A worker whose model was built on the meta device never holds more
+        of it than one unit and what no unit owns; every worker runs the same broadcasts, whatever was real."""
         pieces = self._pieces()
         units: dict[int, Unit] = {}
 
@@ -371,12 +378,27 @@ class ParameterStage(GradientStage):
             self._units.remove()
         self._units, self._owners, self._model, self._optimizers = None, None, None, []
 
-    def model_state_dict(self, model: Module) -> dict[str, Any]:
+    def abandon(self) -> None:
+        """The units' parameters left placeholders, gathering nothing: the next setup makes them real a unit at a
+        time and the commit's slices (kept with the optimizer parts) give them their values."""
+        if self._units is not None:
+            self._units.abandon()
+        self._units, self._owners, self._model, self._optimizers = None, None, None, []
+
+    def model_state_dict(self, model: Module, committing: bool = False) -> dict[str, Any]:
         """The whole state, gathered unit by unit (a collective): rank 0, which writes checkpoints, keeps a copy of
-        each unit's parameters, one unit whole at a time; the other workers' states hold those as they are."""
+        each unit's parameters, one unit whole at a time; the other workers' states hold those as they are.
+
+        In an elastic commit, no gather: the state of what no unit owns, marked ``UNITS_IN_PARTS_KEY``; the units'
+        values are this worker's slices, which the commit keeps with the optimizer parts (and a copy elsewhere)."""
         if self._units is None:
             return model.state_dict()
         names = self._parameter_names(model)
+        if committing:
+            owned = {name for unit in self._units.units for p in unit.parameters() for name in names.get(id(p), [])}
+            state = {key: value for key, value in model.state_dict().items() if key not in owned}
+            state[UNITS_IN_PARTS_KEY] = True
+            return state
         keep = world_rank() == 0
         gathered: dict[str, torch.Tensor] = {}
         for unit in self._units.units:
@@ -393,17 +415,23 @@ class ParameterStage(GradientStage):
         """A whole state loaded one unit at a time, each worker keeping its slices of it: what no unit owns is
         loaded as a module loads it, then each unit is gathered, takes its values, its slices, and is freed."""
         if self._units is None:
-            model.load_state_dict(state, strict=strict)
+            model.load_state_dict({k: v for k, v in state.items() if k != UNITS_IN_PARTS_KEY}, strict=strict)
             return
         names = self._parameter_names(model)
         owned = {name for unit in self._units.units for p in unit.parameters() for name in names.get(id(p), [])}
         result = model.load_state_dict({k: v for k, v in state.items() if k not in owned}, strict=False)
-        missing = [key for key in result.missing_keys if key not in owned] + sorted(owned - set(state))
-        if strict and (missing or result.unexpected_keys):
+        in_parts = bool(state.get(UNITS_IN_PARTS_KEY))
+        unexpected = [key for key in result.unexpected_keys if key != UNITS_IN_PARTS_KEY]
+        missing = [key for key in result.missing_keys if key not in owned]
+        if not in_parts:
+            missing += sorted(owned - set(state))
+        if strict and (missing or unexpected):
             raise RuntimeError(
                 f"Error(s) in loading state_dict for {type(model).__name__}: missing keys {missing}, "
-                f"unexpected keys {result.unexpected_keys}"
+                f"unexpected keys {unexpected}"
             )
+        if in_parts:
+            return  # an elastic commit: the units' slices come with its optimizer parts (``load_values``)
         for unit in self._units.units:
             unit.gather()
             with torch.no_grad():

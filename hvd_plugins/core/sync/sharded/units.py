@@ -29,6 +29,7 @@ from hvd_plugins.core.comm.in_flight import finish_all
 from hvd_plugins.core.comm.partners import PartnerAlltoall, start_allgather
 from hvd_plugins.core.comm.wire import nbytes
 from hvd_plugins.core.config import UnitPolicy, policy_picks
+from hvd_plugins.core.sync.meta import leave_placeholder
 from hvd_plugins.core.sync.sharded.optimizer import ShardedOptimizer
 
 DEFAULT_UNIT_PARAMETERS = 100_000
@@ -213,6 +214,18 @@ class Unit:
             parameter.data = parameter.data.clone()
         self.flats.clear()
 
+    def abandon(self) -> None:
+        """The slices went with the old world (an elastic reset): no collective may run. Each parameter is left a
+        placeholder of its shape (``meta.leave_placeholder``) and the flat buffers let go; a commit's slices give
+        the next layout its values."""
+        self._pending = None
+        for sharded, index in self.pieces:
+            bucket = sharded.buckets[index]
+            for parameter, shape in zip(bucket.parameters, bucket.shapes, strict=True):
+                leave_placeholder(parameter, shape)
+        self.flats.clear()
+        self.whole = False
+
     def take_slices(self) -> None:
         """The slices from the whole parameters as they are now (a loaded model state): the unit must be whole."""
         assert self.whole
@@ -231,7 +244,9 @@ class ShardedUnits:
         self._handles: list[RemovableHandle] = []
         self._order: list[Unit] = []
         """The units in the order the last whole forward ran them: whose gather to start next (prefetch)."""
+        self._position: dict[int, int] = {}  # unit index -> its place in ``_order``
         self._running: list[Unit] = []  # the order of the forward running now
+        self._ran: set[int] = set()  # the indices of ``_running``'s units
 
     def install(self) -> None:
         """Hook every unit and free its parameters: from now on only the slices hold them."""
@@ -250,9 +265,14 @@ class ShardedUnits:
             handle.remove()
         self._handles.clear()
 
-    def gather_all(self) -> None:
+    def abandon(self) -> None:
+        """Unhooked, every unit's parameters placeholders, with no collective (the world they were split over is
+        gone)."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
         for unit in self.units:
-            unit.gather()
+            unit.abandon()
 
     def free_all(self) -> None:
         for unit in self.units:
@@ -264,18 +284,21 @@ class ShardedUnits:
             unit.gather()
             if in_backward():
                 return  # a recompute (activation checkpointing): the order of forward is not this
-            if unit in self._running:  # a new forward: the last one's order is known
-                self._order, self._running = self._running, []
+            if unit.index in self._ran:  # a new forward: the last one's order is known
+                self._order, self._running, self._ran = self._running, [], set()
+                self._position = {each.index: place for place, each in enumerate(self._order)}
             self._running.append(unit)
+            self._ran.add(unit.index)
             self._prefetch(unit, 1)
 
         return eager(gather)
 
     def _prefetch(self, unit: Unit, direction: int) -> None:
         """Start the gather of the unit that runs after ``unit`` (forward: ``direction`` 1; backward: -1)."""
-        if unit not in self._order:
+        place = self._position.get(unit.index)
+        if place is None:
             return
-        position = self._order.index(unit) + direction
+        position = place + direction
         if 0 <= position < len(self._order):
             self._order[position].start_gather()
 

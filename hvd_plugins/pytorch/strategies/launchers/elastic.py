@@ -18,6 +18,7 @@ from typing_extensions import override
 
 from hvd_plugins.core.backend.module import horovod_torch
 from hvd_plugins.core.elastic.attempts import run_attempts
+from hvd_plugins.core.training_state import shape_placeholders_
 from hvd_plugins.fabric.lightning_internals import (
     TrainerLauncher,
     end_fit_in_place,
@@ -73,6 +74,7 @@ class HorovodElasticLauncher(TrainerLauncher):
         self.elastic.resets += 1
         self.forget_world()  # first: what follows prints as the new rank
         end_fit_in_place(trainer)  # as between two fits: hooks of the old optimizers go, the model goes to the CPU
+        shape_placeholders_(trainer.lightning_module)  # sharded units' (ZeRO-3): made real again at the next setup
         forget_fit_loaders(trainer)  # their samplers were the old world's
         log.info(
             f"elastic reset {self.elastic.resets}: {old_size} -> {new_size} workers; this worker is rank "

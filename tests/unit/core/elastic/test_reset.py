@@ -12,13 +12,13 @@ from hvd_plugins.core.elastic.reset import sync_after_reset
 
 
 class FakeSync:
-    """A sync mode as the rule sees it: whether the world shapes it, its teardown and its state."""
+    """A sync mode as the rule sees it: whether the world shapes it, its teardown without collectives, its state."""
 
     def __init__(self, world_shaped: bool) -> None:
         self.world_shaped = world_shaped
         self.torn_down: list[Sequence[Optimizer]] = []
 
-    def teardown(self, optimizers: Sequence[Optimizer]) -> None:
+    def abandon(self, optimizers: Sequence[Optimizer]) -> None:
         self.torn_down.append(optimizers)
 
     def state_dict(self) -> dict[str, Any]:
@@ -33,7 +33,7 @@ def _optimizer_with_allreduces_in_flight(fake_horovod: Callable[..., Any]) -> An
     return optimizer
 
 
-def test_a_sync_shaped_by_the_world_is_torn_down_and_dropped_keeping_its_state(fake_horovod) -> None:
+def test_a_sync_shaped_by_the_world_is_abandoned_and_dropped_keeping_its_state(fake_horovod) -> None:
     sync, optimizers = FakeSync(world_shaped=True), [_optimizer_with_allreduces_in_flight(fake_horovod)]
     kept, state = sync_after_reset(sync, optimizers)
     assert kept is None

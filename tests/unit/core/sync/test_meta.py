@@ -8,7 +8,14 @@ import pytest
 import torch
 from torch import nn
 
-from hvd_plugins.core.sync.meta import check_materializable, has_meta_tensors, materialize, real_tensors
+from hvd_plugins.core.sync.meta import (
+    check_materializable,
+    has_meta_tensors,
+    leave_placeholder,
+    materialize,
+    placeholders_to_meta,
+    real_tensors,
+)
 
 
 class Block(nn.Module):
@@ -103,3 +110,18 @@ def test_a_module_without_reset_parameters_is_refused_by_name() -> None:
 def test_real_tensors_leave_out_meta_and_freed_ones() -> None:
     real, freed, meta = torch.ones(2), torch.empty(0), torch.empty(2, device="meta")
     assert real_tensors([real, freed, meta]) == [real]
+
+
+def test_a_placeholder_keeps_its_shape_and_parameter_and_becomes_meta_again() -> None:
+    model = Tiny()
+    weight = model.head.weight
+    weight.note = "the user's"  # type: ignore[attr-defined]
+    leave_placeholder(weight, weight.shape)
+    assert weight.numel() == 0 and not has_meta_tensors(model)
+    assert placeholders_to_meta(model)
+    assert model.head.weight is weight, "the same Parameter: optimizers and hooks still hold it"
+    assert weight.is_meta and weight.shape == (10, 6) and weight.requires_grad
+    assert weight.note == "the user's"  # type: ignore[attr-defined]
+    assert not placeholders_to_meta(model), "a placeholder turns into a meta tensor once"
+    materialize(model, torch.device("cpu"))
+    assert not has_meta_tensors(model) and model.head.weight.shape == (10, 6)

@@ -8,6 +8,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+import torch
 from lightning.pytorch.trainer.states import TrainerFn
 
 from hvd_plugins.fabric.lightning_internals import names_the_commit
@@ -33,7 +34,8 @@ class FakeTrainer:
         self.fit_loop = SimpleNamespace(
             _combined_loader="old world's training loader", epoch_loop=SimpleNamespace(val_loop=val_loop)
         )
-        self.lightning_module = SimpleNamespace(on_elastic_reset=self._hook("module"))
+        self.lightning_module = torch.nn.Linear(2, 2)  # a model, with the reset hook a LightningModule may define
+        self.lightning_module.on_elastic_reset = self._hook("module")  # type: ignore[assignment]
         self.callbacks = [SimpleNamespace(on_elastic_reset=self._hook("callback")), SimpleNamespace()]
 
     def _hook(self, owner: str) -> Callable[..., None]:
