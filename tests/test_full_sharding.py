@@ -107,6 +107,10 @@ def test_fully_sharded_training_equals_unsharded_and_holds_only_what_no_unit_own
         found = report_of(four[rank], check_equal_to_unsharded)[case]
         assert found["difference"] <= TOLERANCE, found
         assert found["held"] < found["whole"], found  # the Blocks' parameters are slices between computations
+        # param_dtype="bf16" gathers the units in bfloat16 ("auto" does so on GPUs under bf16-mixed); the Blocks'
+        # linear layers compute in bfloat16 under autocast either way: the same values
+        gathered = "torch.bfloat16" if case == "bf16_gathers" else "torch.float32"
+        assert found["computed_in"] == [gathered], found
 
 
 def test_validation_predict_and_a_whole_checkpoint_that_resumes_sharded(four: dict[int, dict[str, Any]]) -> None:
@@ -124,6 +128,7 @@ def test_validation_predict_and_a_whole_checkpoint_that_resumes_sharded(four: di
         ("state_dict_types_disagree", ["state_dict_type='full' and shard_checkpoint='parts' disagree"]),
         ("policy_without_full_sharding", ["auto_wrap_policy={", "works only with shard='parameters'"]),
         ("no_unit", ["shard='parameters' found no unit in UnitNet", "auto_wrap_policy={Block}"]),
+        ("half_norms_on_cpu", ["param_dtype='bfloat16' gathers the units in half", "['blocks.1']", "'full'"]),
     ],
 )
 def test_what_full_sharding_cannot_do_is_refused_before_training(

@@ -10,12 +10,15 @@ from __future__ import annotations
 
 from collections.abc import Callable, Collection
 from dataclasses import asdict, dataclass, fields
-from typing import Any, Literal, get_args
+from typing import TYPE_CHECKING, Any, Literal, Union, get_args
 
 from hvd_plugins.core.backend.stall import DEFAULT_STALL_TIMEOUT_SECONDS, validate_stall_timeout
 from hvd_plugins.core.comm.compression import compressor_by_name
 from hvd_plugins.core.cpu_threads import validate_cpu_threads
 from hvd_plugins.core.sync.daso.config import DasoConfig
+
+if TYPE_CHECKING:
+    import torch
 
 CompressionName = Literal["none", "fp16", "bf16"]
 """How gradients travel: ``"none"`` (their own dtype), ``"fp16"`` or ``"bf16"`` (float16 or bfloat16 on the wire)."""
@@ -34,6 +37,13 @@ descendants' units aside; where none does, each child of the model that holds pa
 ShardCheckpoint = Literal["full", "parts"]
 StateDictType = Literal["full", "sharded"]
 """``full``: a checkpoint holds the whole optimizer state, by rank 0; ``parts``: every worker writes its part."""
+ParamDtype = Literal["auto", "full", "bf16", "fp16"]
+PARAM_DTYPES: tuple[str, ...] = get_args(ParamDtype)
+"""``param_dtype``: the dtype ``shard="parameters"`` gathers units in to compute. ``"auto"``: on GPUs ``"bf16"`` under
+``precision="bf16-mixed"`` (``"fp16"`` under ``"16-mixed"``), else ``"full"``, the parameters' own. A torch dtype
+(``torch.bfloat16``, ``torch.float16``, ``torch.float32``) or None (the parameters' own) is taken too."""
+ParamDtypeArgument = Union[ParamDtype, "torch.dtype", None]  # a string: torch is not imported here
+DTYPE_NAMES = {"torch.bfloat16": "bf16", "torch.float16": "fp16", "torch.float32": "full", "None": "full"}
 HierarchicalImpl = Literal["portable", "native"]
 """``portable``: this package's two-level allreduce, on every build; ``native``: Horovod's (MPI + NCCL)."""
 Megabytes = float | Literal["auto"]
@@ -107,6 +117,9 @@ class HorovodConfig:
     reshard_after_forward: bool = True
     """With ``shard="parameters"``: free a unit's gathered parameters after its forward (gather again for its
     backward); False keeps them from forward to backward: fewer gathers, more memory."""
+    param_dtype: ParamDtype = "auto"
+    """With ``shard="parameters"``: the dtype units are gathered in to compute (see PARAM_DTYPES); the slices the
+    optimizer steps stay in the parameters' own dtype."""
     hierarchical_impl: HierarchicalImpl = "portable"
     """``"portable"`` (every build) or ``"native"`` (Horovod's own, with the MPI controller and NCCL)."""
     compress_node_local: bool = False
@@ -191,6 +204,7 @@ class HorovodConfig:
                 f"auto_wrap_policy={{{describe_policy(self.auto_wrap_policy)}}} works only with shard='parameters', "
                 f"not shard={self.shard!r}"
             )
+        self._take_param_dtype()
         if self.shard != "parameters" and not self.reshard_after_forward:
             raise ValueError(
                 f"reshard_after_forward=False works only with shard='parameters', not shard={self.shard!r}"
@@ -263,6 +277,29 @@ class HorovodConfig:
             )
         if self.sparse_as_dense:
             raise ValueError(f"sparse_as_dense=True does not work with shard={self.shard!r}: it has no sparse path")
+
+    def _take_param_dtype(self) -> None:
+        """``param_dtype`` as one of PARAM_DTYPES (a torch dtype or None by its name), and only where units exist."""
+        value = DTYPE_NAMES.get(str(self.param_dtype), self.param_dtype) if self.param_dtype != "auto" else "auto"
+        if value not in PARAM_DTYPES:
+            raise ValueError(
+                f"param_dtype={self.param_dtype!r} is not supported; choose one of {list(PARAM_DTYPES)}, "
+                "torch.bfloat16, torch.float16, torch.float32 or None"
+            )
+        if value not in ("auto", "full") and self.shard != "parameters":
+            raise ValueError(
+                f"param_dtype={self.param_dtype!r} works only with shard='parameters', not shard={self.shard!r}: "
+                "only units are gathered"
+            )
+        object.__setattr__(self, "param_dtype", value)
+
+    def gather_dtype(self, precision: str | None, on_gpu: bool) -> str:
+        """The dtype ``shard="parameters"`` gathers units in under Lightning's ``precision``: ``"full"`` (the
+        parameters' own), ``"bf16"`` or ``"fp16"``. ``"auto"`` halves only on GPUs: on the CPU autocast runs
+        normalization layers in float32 without casting their weights, and torch refuses half weights there."""
+        if self.param_dtype != "auto":
+            return self.param_dtype
+        return {"bf16-mixed": "bf16", "16-mixed": "fp16"}.get(str(precision), "full") if on_gpu else "full"
 
     @staticmethod
     def argument_names() -> tuple[str, ...]:

@@ -16,6 +16,7 @@ from hvd_plugins.core.backend.bfloat16 import require_bfloat16_for
 from hvd_plugins.core.backend.module import horovod_torch
 from hvd_plugins.core.comm.buffers import finish_buffer_average, start_buffer_average
 from hvd_plugins.core.comm.parameters import indexed_optimizer_parameters
+from hvd_plugins.core.comm.world import broadcast_from_root
 from hvd_plugins.core.sync.base import GradientSync
 from hvd_plugins.core.sync.meta import has_meta_tensors, materialize, placeholders_to_meta
 
@@ -35,14 +36,12 @@ def named_parameters_for(optimizer: Optimizer, model: Module, prefix: str) -> li
     return named
 
 
-def broadcast_module_(model: Module, root_rank: int = 0) -> None:
-    """Give every worker ``root_rank``'s parameters and buffers (those on the meta device wait for a sync mode
-    that makes them real); a bfloat16 model on a Horovod that cannot send bfloat16 stops here, before the first
-    collective, with the command that builds one that can."""
-    hvd = horovod_torch()
-    require_bfloat16_for(model, hvd)
-    real = {name: tensor for name, tensor in model.state_dict().items() if not tensor.is_meta}
-    hvd.broadcast_parameters(real, root_rank=root_rank)
+def broadcast_module_(model: Module) -> None:
+    """Give every worker rank 0's parameters and buffers (those on the meta device wait for a sync mode that makes
+    them real); a bfloat16 model on a Horovod that cannot send bfloat16 stops here, before the first collective,
+    with the command that builds one that can."""
+    require_bfloat16_for(model, horovod_torch())
+    broadcast_from_root([tensor for tensor in model.state_dict().values() if not tensor.is_meta], "module")
 
 
 def move_module_(model: Module, device: torch.device) -> None:

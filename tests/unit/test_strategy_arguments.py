@@ -37,7 +37,7 @@ NOT_DEFAULT: dict[str, Any] = {
 }
 """A value other than the default for every field that combines with the others (``shard`` needs the flat sync:
 its own test below)."""
-ALONE = {"shard", "shard_checkpoint", "state_dict_type", "auto_wrap_policy", "reshard_after_forward"}
+ALONE = {"shard", "shard_checkpoint", "state_dict_type", "auto_wrap_policy", "reshard_after_forward", "param_dtype"}
 
 
 def _arguments(strategy: type) -> set[str]:
@@ -94,5 +94,11 @@ def test_the_unit_settings_land_in_their_fields_and_need_full_sharding(strategy:
         strategy(shard="gradients", auto_wrap_policy={torch.nn.Linear})
     with pytest.raises(ValueError, match="reshard_after_forward=False works only with shard='parameters'"):
         strategy(reshard_after_forward=False)
+    assert strategy(shard="parameters", param_dtype=torch.bfloat16).config.param_dtype == "bf16"
+    assert strategy(shard="parameters", param_dtype=None).config.param_dtype == "full"
+    with pytest.raises(ValueError, match="param_dtype='bf16' works only with shard='parameters', not shard='gradi"):
+        strategy(shard="gradients", param_dtype="bf16")
+    with pytest.raises(ValueError, match=r"param_dtype=torch.float64 is not supported; choose one of \['auto'"):
+        strategy(shard="parameters", param_dtype=torch.float64)
     with pytest.raises(ValueError, match=r"auto_wrap_policy='Block' must be a set of module classes"):
         strategy(shard="parameters", auto_wrap_policy="Block")

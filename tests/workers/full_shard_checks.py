@@ -36,8 +36,10 @@ class Block(nn.Module):
         super().__init__()
         self.inner = nn.Linear(width, width)
         self.outer = nn.Linear(width, width)
+        self.computed_in: set[str] = set()  # the dtypes its weights had while it computed
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.computed_in.add(str(self.inner.weight.dtype))
         return x + self.outer(torch.tanh(self.inner(x)))
 
 
@@ -145,12 +147,13 @@ def parameters_of(module: nn.Module) -> torch.Tensor:
 
 
 def fit(shard: str, module: pl.LightningModule, epochs: int = 5, **options: Any) -> tuple[Any, Any, list[int]]:
-    names = ("compression", "op", "reshard_after_forward", "sync", "activation_checkpointing_policy")
+    names = ("compression", "op", "reshard_after_forward", "param_dtype", "sync", "activation_checkpointing_policy")
     strategy_options = {k: options.pop(k) for k in names if k in options}
     if shard == "parameters":
         strategy_options["auto_wrap_policy"] = {Block}
     else:
         strategy_options.pop("reshard_after_forward", None)
+        strategy_options.pop("param_dtype", None)
     held, ckpt_path = HeldParameters(), options.pop("ckpt_path", None)
     trainer = strategy_trainer(
         strategy=HorovodStrategy(shard=shard, bucket_mb=0.0005, **strategy_options),
@@ -168,10 +171,12 @@ def difference(make: Any, **options: Any) -> dict[str, Any]:
     reference, _, whole = fit("none", make(), **dict(options))
     sharded, _, held = fit("parameters", make(), **dict(options))
     expected = parameters_of(reference)
+    blocks = [module for module in sharded.modules() if isinstance(module, Block)]
     return {
         "difference": float((parameters_of(sharded) - expected).abs().max() / expected.abs().max()),
         "held": max(held),
         "whole": max(whole),
+        "computed_in": sorted(set().union(*(block.computed_in for block in blocks))),
     }
 
 
@@ -181,7 +186,8 @@ CASES: dict[str, tuple[Any, dict[str, Any]]] = {
     "clip_norm": (lambda: UnitNet("adamw"), {"gradient_clip_val": 0.05}),
     "clip_value": (lambda: UnitNet("sgd"), {"gradient_clip_val": 0.01, "gradient_clip_algorithm": "value"}),
     "accumulation": (lambda: UnitNet("adamw"), {"accumulate_grad_batches": 2}),
-    "bf16_mixed": (lambda: UnitNet("adamw"), {"precision": "bf16-mixed"}),
+    "bf16_mixed": (lambda: UnitNet("adamw"), {"precision": "bf16-mixed"}),  # "auto": float32 gathers on the CPU
+    "bf16_gathers": (lambda: UnitNet("sgd"), {"precision": "bf16-mixed", "param_dtype": "bf16"}),
     "frozen_base": (lambda: UnitNet("adamw", frozen=True), {}),
     "tied_embedding": (TinyLM, {}),
     "keep_until_backward": (lambda: UnitNet("adamw"), {"reshard_after_forward": False}),
@@ -345,28 +351,38 @@ def check_resumed_at_another_world_size() -> dict[str, float]:
 @checks.register
 def check_refusals() -> dict[str, str]:
     """What full sharding cannot do says so before training, naming the value."""
-    found = {}
-    for name, make in {
-        "daso": lambda: HorovodStrategy(shard="parameters", sync="daso"),
-        "state_dict_types_disagree": lambda: HorovodStrategy(
-            shard="parameters", shard_checkpoint="parts", state_dict_type="full"
+    return {
+        "daso": refusal(lambda: HorovodStrategy(shard="parameters", sync="daso")),
+        "state_dict_types_disagree": refusal(
+            lambda: HorovodStrategy(shard="parameters", shard_checkpoint="parts", state_dict_type="full")
         ),
-        "policy_without_full_sharding": lambda: HorovodStrategy(shard="gradients", auto_wrap_policy={Block}),
-    }.items():
-        try:
-            make()
-            found[name] = "accepted"
-        except ValueError as error:
-            found[name] = str(error)
+        "policy_without_full_sharding": refusal(lambda: HorovodStrategy(shard="gradients", auto_wrap_policy={Block})),
+        "no_unit": refusal(lambda: fit_one_epoch(UnitNet(), auto_wrap_policy={nn.Conv2d})),
+        "half_norms_on_cpu": refusal(
+            lambda: fit_one_epoch(NormNet(), auto_wrap_policy={nn.LayerNorm}, param_dtype="bf16"),
+        ),
+    }
+
+
+class NormNet(UnitNet):
+    """UnitNet with a LayerNorm between its Blocks."""
+
+    def build(self) -> None:
+        super().build()
+        self.blocks = nn.Sequential(Block(), nn.LayerNorm(WIDTH), Block())
+
+
+def fit_one_epoch(module: pl.LightningModule, **strategy_options: Any) -> None:
+    strategy_trainer(strategy=HorovodStrategy(shard="parameters", **strategy_options), max_epochs=1).fit(module)
+
+
+def refusal(attempt: Any) -> str:
+    """The ValueError ``attempt()`` raises, as text; ``"accepted"`` when it raises none."""
     try:
-        trainer = strategy_trainer(
-            strategy=HorovodStrategy(shard="parameters", auto_wrap_policy={nn.Conv2d}), max_epochs=1
-        )
-        trainer.fit(UnitNet())
-        found["no_unit"] = "accepted"
+        attempt()
     except ValueError as error:
-        found["no_unit"] = str(error)
-    return found
+        return str(error)
+    return "accepted"
 
 
 if __name__ == "__main__":

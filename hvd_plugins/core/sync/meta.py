@@ -95,11 +95,12 @@ def replace_values(parameter: Parameter, values: torch.Tensor) -> None:
     torch.utils.swap_tensors(parameter, new)
 
 
-def leave_placeholder(parameter: Parameter, shape: torch.Size) -> None:
+def leave_placeholder(parameter: Parameter, shape: torch.Size, dtype: torch.dtype | None = None) -> None:
     """``parameter`` an empty tensor that remembers ``shape``: a unit's parameter whose slices went with an old world
     (an elastic reset). ``placeholders_to_meta`` turns it into a meta tensor of that shape, made real as a model
-    built on the meta device is, and a commit's slices give it its values."""
-    parameter.data = torch.empty(0, dtype=parameter.dtype, device=parameter.device)
+    built on the meta device is, and a commit's slices give it its values. ``dtype``: its slices' (a unit gathered
+    in bfloat16 to compute keeps float32 masters), else its own."""
+    parameter.data = torch.empty(0, dtype=dtype or parameter.dtype, device=parameter.device)
     setattr(parameter, PLACEHOLDER_SHAPE, torch.Size(shape))
 
 

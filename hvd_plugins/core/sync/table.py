@@ -24,11 +24,15 @@ from hvd_plugins.core.sync.sharded.mode import ShardedGradientSync
 log = logging.getLogger(__name__)
 
 
+GATHER_DTYPES: dict[str, torch.dtype | None] = {"full": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+"""``HorovodConfig.gather_dtype`` names and the dtype units are gathered in (None: the parameters' own)."""
+
+
 def make_gradient_sync(
-    config: HorovodConfig, counters: CommCounters, device: torch.device | None = None
+    config: HorovodConfig, counters: CommCounters, device: torch.device | None = None, precision: str | None = None
 ) -> GradientSync:
-    """The gradient sync ``config.sync`` names, for a model on ``device``. Node-aware modes learn the layout here:
-    a collective."""
+    """The gradient sync ``config.sync`` names, for a model on ``device`` trained at Lightning's ``precision``.
+    Node-aware modes learn the layout here: a collective."""
     compressor = compressor_by_name(config.compression)
     match config.sync, config.hierarchical_impl:
         case ("allreduce" | "hierarchical", _) if config.shard != "none":
@@ -50,6 +54,7 @@ def make_gradient_sync(
                 auto_wrap_policy=config.auto_wrap_policy,
                 reshard_after_forward=config.reshard_after_forward,
                 device=device,
+                param_dtype=GATHER_DTYPES[config.gather_dtype(precision, device is not None and device.type == "cuda")],
             )
         case ("allreduce", _) | ("hierarchical", "native"):  # native: Horovod's own two-level allreduce
             scope = Scope.CROSS_NODE if spans_nodes() else Scope.NODE_LOCAL

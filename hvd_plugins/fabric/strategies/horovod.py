@@ -42,6 +42,7 @@ from hvd_plugins.core.config import (
     HierarchicalImpl,
     HorovodConfig,
     Megabytes,
+    ParamDtypeArgument,
     Shard,
     StallTimeout,
     SyncMode,
@@ -50,7 +51,6 @@ from hvd_plugins.core.config import (
 from hvd_plugins.core.recompute import checkpoint_activations
 from hvd_plugins.core.sync.base import GradientSync
 from hvd_plugins.core.sync.guards import SyncGuards
-from hvd_plugins.core.sync.table import make_gradient_sync
 from hvd_plugins.core.training_state import (
     broadcast_module_,
     broadcast_optimizer_state_,
@@ -101,6 +101,8 @@ class HorovodStrategy(HorovodStrategyShared, ParallelStrategy):
             those over the workers.
         auto_wrap_policy: with ``shard="parameters"``, the module classes (or a function of a module) that are units.
         reshard_after_forward: with ``shard="parameters"``, free a unit's parameters after its forward (default).
+        param_dtype: with ``shard="parameters"``, gather units in this dtype to compute: ``"auto"`` (bf16 under
+            ``precision="bf16-mixed"`` on GPUs), ``"full"``/None, ``"bf16"``/``torch.bfloat16``, ``"fp16"``.
         activation_checkpointing_policy: modules (classes) whose activations backward recomputes instead of keeping.
         hierarchical_impl: ``"portable"`` (every build) or ``"native"`` (MPI + NCCL only).
         compress_node_local: with ``sync="hierarchical"``, compress the node-local legs too.
@@ -129,6 +131,7 @@ class HorovodStrategy(HorovodStrategyShared, ParallelStrategy):
         shard: Shard = "none",
         auto_wrap_policy: UnitPolicy = None,
         reshard_after_forward: bool = True,
+        param_dtype: ParamDtypeArgument = "auto",
         activation_checkpointing_policy: UnitPolicy = None,
         hierarchical_impl: HierarchicalImpl = "portable",
         compress_node_local: bool = False,
@@ -160,6 +163,7 @@ class HorovodStrategy(HorovodStrategyShared, ParallelStrategy):
             shard=shard,
             auto_wrap_policy=auto_wrap_policy,
             reshard_after_forward=reshard_after_forward,
+            param_dtype=param_dtype,
             activation_checkpointing_policy=activation_checkpointing_policy,
             hierarchical_impl=hierarchical_impl,
             compress_node_local=compress_node_local,
@@ -259,8 +263,7 @@ class HorovodStrategy(HorovodStrategyShared, ParallelStrategy):
 
     def _wrap(self, optimizers: list[Optimizer], module: Module, schedulers: Sequence[Any] = ()) -> list[Optimizer]:
         if self.gradient_sync is None:
-            self.gradient_sync = make_gradient_sync(self.config, self.comm_counters, self.root_device)
-            self.gradient_sync.load_state_dict(self._restored_sync_state)
+            self.gradient_sync = self._build_gradient_sync(self.precision)  # a collective
         self.gradient_sync.refuse_grad_scaler(getattr(self.precision, "scaler", None))
         first = len(self._wrapped)
         wrapped = wrap_optimizers(self.gradient_sync, optimizers, module, schedulers, first_index=first)

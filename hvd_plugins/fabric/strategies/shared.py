@@ -25,12 +25,14 @@ from hvd_plugins.core.backend.module import horovod_torch
 from hvd_plugins.core.backend.runner import local_launch_size
 from hvd_plugins.core.backend.startup import init_horovod
 from hvd_plugins.core.comm import collectives
+from hvd_plugins.core.comm.counters import CommCounters
 from hvd_plugins.core.comm.topology import Topology
 from hvd_plugins.core.config import HorovodConfig
 from hvd_plugins.core.elastic.reset import sync_after_reset
 from hvd_plugins.core.sync.base import GradientSync
 from hvd_plugins.core.sync.guards import SyncGuards
 from hvd_plugins.core.sync.parts import read_parts_beside, write_parts_beside
+from hvd_plugins.core.sync.table import make_gradient_sync
 from hvd_plugins.core.training_state import broadcast_optimizer_state_
 from hvd_plugins.core.worker import prepare_worker
 from hvd_plugins.fabric.lightning_internals import given_checkpoint_io, optimizers_to_device, set_checkpoint_io
@@ -50,6 +52,7 @@ class HorovodStrategyShared(ABC):
     config: HorovodConfig
     gradient_sync: GradientSync | None
     _restored_sync_state: dict[str, Any]  # for the gradient sync the next setup builds
+    comm_counters: CommCounters
     _environment: HorovodEnvironment
     _guards: SyncGuards
     world_size: int
@@ -87,6 +90,14 @@ class HorovodStrategyShared(ABC):
         for optimizer in optimizers:
             with self._guards.waiting("gradient allreduce"):
                 self.gradient_sync.before_backward(optimizer)
+
+    def _build_gradient_sync(self, precision: object) -> GradientSync:
+        """The sync mode of the config, for a model on this worker's device trained under Lightning's ``precision``
+        plugin, with the state a checkpoint or a reset left (node-aware modes learn the layout: a collective)."""
+        name = getattr(precision, "precision", None)
+        sync = make_gradient_sync(self.config, self.comm_counters, self.root_device, name)
+        sync.load_state_dict(self._restored_sync_state)
+        return sync
 
     # ------------------------------------------------------------------ elastic resets
     def forget_world(self) -> None:

@@ -42,6 +42,7 @@ from hvd_plugins.core.config import (
     HierarchicalImpl,
     HorovodConfig,
     Megabytes,
+    ParamDtypeArgument,
     Shard,
     ShardCheckpoint,
     StallTimeout,
@@ -59,7 +60,6 @@ from hvd_plugins.core.recompute import checkpoint_activations
 from hvd_plugins.core.sync.base import GradientSync
 from hvd_plugins.core.sync.daso.config import DasoConfig
 from hvd_plugins.core.sync.guards import SyncGuards
-from hvd_plugins.core.sync.table import make_gradient_sync
 from hvd_plugins.core.training_state import prepare_module_, scale_learning_rates_, wrap_optimizers
 from hvd_plugins.fabric.lightning_internals import (
     CheckpointPath,
@@ -104,6 +104,7 @@ class HorovodStrategy(HorovodStrategyShared, UnitInit):
         shard: ``"none"``; ``"optimizer"`` (ZeRO-1), ``"gradients"`` (ZeRO-2), ``"parameters"`` (ZeRO-3) split those.
         shard_checkpoint, state_dict_type: sharded checkpoints whole (``"full"``) or in ``"parts"`` (``"sharded"``).
         auto_wrap_policy, reshard_after_forward: ``shard="parameters"``'s units (module classes), freed after forward?
+        param_dtype: the dtype ``shard="parameters"`` gathers units in: ``"auto"`` (bf16-mixed on GPUs: bf16), "full".
         activation_checkpointing_policy: modules (classes) whose activations backward recomputes instead of keeping.
         hierarchical_impl: ``"portable"`` (every build) or ``"native"`` (MPI + NCCL only).
         compress_node_local: with ``sync="hierarchical"``, compress the node-local legs too.
@@ -141,6 +142,7 @@ class HorovodStrategy(HorovodStrategyShared, UnitInit):
         state_dict_type: StateDictType | None = None,
         auto_wrap_policy: UnitPolicy = None,
         reshard_after_forward: bool = True,
+        param_dtype: ParamDtypeArgument = "auto",
         activation_checkpointing_policy: UnitPolicy = None,
         hierarchical_impl: HierarchicalImpl = "portable",
         compress_node_local: bool = False,
@@ -239,8 +241,7 @@ class HorovodStrategy(HorovodStrategyShared, UnitInit):
         self._graph_cuts.open()  # until teardown: graphs torch.compile captures meanwhile end at gradient buckets
         attach_horovod_metric_sync(self.model)
         if self.gradient_sync is None:
-            self.gradient_sync = make_gradient_sync(self.config, self.comm_counters, self.root_device)  # a collective
-            self.gradient_sync.load_state_dict(self._restored_sync_state)
+            self.gradient_sync = self._build_gradient_sync(self.precision_plugin)  # a collective
         if fitting:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()

@@ -42,3 +42,21 @@ def test_an_activation_checkpointing_policy_is_classes_or_a_function_named_alike
     assert config.fingerprint()["activation_checkpointing_policy"] == "torch.nn.modules.linear.Linear"
     with pytest.raises(ValueError, match=r"activation_checkpointing_policy=3 must be a set of module classes"):
         HorovodConfig(activation_checkpointing_policy=3)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("param_dtype", "precision", "on_gpu", "gathered"),
+    [
+        ("auto", "bf16-mixed", True, "bf16"),
+        ("auto", "16-mixed", True, "fp16"),
+        ("auto", "32-true", True, "full"),
+        ("auto", "bf16-mixed", False, "full"),  # the CPU: autocast's float32 norms refuse half weights
+        ("bf16", "32-true", False, "bf16"),
+        ("full", "bf16-mixed", True, "full"),
+    ],
+)
+def test_units_are_gathered_in_half_by_default_only_under_mixed_precision_on_gpus(
+    param_dtype: str, precision: str, on_gpu: bool, gathered: str
+) -> None:
+    config = HorovodConfig(shard="parameters", param_dtype=param_dtype)  # type: ignore[arg-type]
+    assert config.gather_dtype(precision, on_gpu) == gathered

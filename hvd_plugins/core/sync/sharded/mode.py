@@ -76,6 +76,7 @@ class ShardedGradientSync(GradientSync):
         auto_wrap_policy: UnitPolicy = None,
         reshard_after_forward: bool = True,
         device: torch.device | None = None,
+        param_dtype: torch.dtype | None = None,
     ) -> None:
         if shard not in SHARD_STAGES:
             raise ValueError(f"shard={shard!r} is not a sharded mode; choose one of {list(SHARD_STAGES)}")
@@ -108,7 +109,8 @@ class ShardedGradientSync(GradientSync):
             bucket_bytes,
             device or torch.device("cpu"),
         )
-        self.stage: ShardStage = SHARD_STAGES[shard].build(route, auto_wrap_policy, reshard_after_forward)
+        stage = SHARD_STAGES[shard]
+        self.stage: ShardStage = stage.build(route, auto_wrap_policy, reshard_after_forward, param_dtype)
         self.copies = size // self.world.size
         """How many workers hold each slice (the number of nodes when sharded inside the node, else 1)."""
         self._committing = False

@@ -38,7 +38,14 @@ from hvd_plugins.core.comm.world import broadcast_from_root, max_over_world, sum
 from hvd_plugins.core.sync.meta import materialize, real_tensors
 from hvd_plugins.core.sync.sharded.optimizer import ShardedOptimizer
 from hvd_plugins.core.sync.sharded.partition import ShardedBucket, Signature, partition, partition_by_units
-from hvd_plugins.core.sync.sharded.units import ShardedUnits, Unit, UnitPolicy, find_units, unit_owners
+from hvd_plugins.core.sync.sharded.units import (
+    ShardedUnits,
+    Unit,
+    UnitPolicy,
+    find_units,
+    norms_in_units,
+    unit_owners,
+)
 
 UNITS_IN_PARTS_KEY = "hvd_plugins_units_in_optimizer_parts"
 """Marks the model state of an elastic commit under ``shard="parameters"``: it holds what no unit owns, and the
@@ -93,7 +100,9 @@ class ShardStage(ABC):
         self.route = route
 
     @classmethod
-    def build(cls, route: ShardRoute, policy: UnitPolicy, reshard_after_forward: bool) -> ShardStage:
+    def build(
+        cls, route: ShardRoute, policy: UnitPolicy, reshard_after_forward: bool, param_dtype: torch.dtype | None
+    ) -> ShardStage:
         """The stage for ``route``; the unit settings matter to ``shard="parameters"`` only."""
         return cls(route)
 
@@ -202,7 +211,7 @@ class GradientStage(ShardStage):
 
         def scatter(index: int, flat: torch.Tensor, name: str) -> InFlight[torch.Tensor | None] | None:
             bucket, piece = sharded.buckets[index], sharded.slices[index]
-            padded = bucket.layout.padded(flat)
+            padded = bucket.layout.padded(flat.to(piece.dtype))  # gradients of a unit gathered in half: as the slice
             for parameter in bucket.parameters:
                 parameter.grad = None  # the flat copy travels; the whole gradients go at once
 
@@ -262,9 +271,17 @@ class ParameterStage(GradientStage):
 
     shard = "parameters"
 
-    def __init__(self, route: ShardRoute, policy: UnitPolicy = None, reshard_after_forward: bool = True) -> None:
+    def __init__(
+        self,
+        route: ShardRoute,
+        policy: UnitPolicy = None,
+        reshard_after_forward: bool = True,
+        param_dtype: torch.dtype | None = None,
+    ) -> None:
         super().__init__(route)
         self.policy, self.reshard_after_forward = policy, reshard_after_forward
+        self.param_dtype = param_dtype
+        """The dtype units are gathered in to compute (half the bytes under ``bf16-mixed``); None: the slices'."""
         self._model: Module | None = None
         self._owners: dict[int, int] | None = None  # parameter id -> unit, once attached
         self._names: list[tuple[str, Module]] = []
@@ -272,8 +289,10 @@ class ParameterStage(GradientStage):
         self._units: ShardedUnits | None = None
 
     @classmethod
-    def build(cls, route: ShardRoute, policy: UnitPolicy, reshard_after_forward: bool) -> ShardStage:
-        return cls(route, policy, reshard_after_forward)
+    def build(
+        cls, route: ShardRoute, policy: UnitPolicy, reshard_after_forward: bool, param_dtype: torch.dtype | None
+    ) -> ShardStage:
+        return cls(route, policy, reshard_after_forward, param_dtype)
 
     def lay_out(self, optimizer: Optimizer, signature: Signature | None = None) -> list[ShardedBucket]:
         if self._owners is None:
@@ -298,6 +317,7 @@ class ParameterStage(GradientStage):
                 "name the classes of its blocks, for example auto_wrap_policy={Block}"
             )
         self._owners = unit_owners(model, [module for _, module in self._names])
+        self._refuse_half_norms_on_cpu(model, self._owners)
         owned = [p for sharded in optimizers for group in sharded.param_groups for p in group["params"]]
         if optimizers and not any(id(p) in self._owners for p in owned):
             raise ValueError(
@@ -310,6 +330,19 @@ class ParameterStage(GradientStage):
             relay(sharded)
         self._install_from_root(model)
 
+    def _refuse_half_norms_on_cpu(self, model: Module, owners: dict[int, int]) -> None:
+        """Half gathers on the CPU where a unit holds a normalization layer: autocast runs it in float32 there
+        without casting its weights, and torch refuses the mix mid-forward. Say so at setup instead."""
+        if self.param_dtype is None or self.route.device.type != "cpu":
+            return
+        if norms := norms_in_units(model, owners):
+            raise ValueError(
+                f"param_dtype={str(self.param_dtype).removeprefix('torch.')!r} gathers the units in half precision, "
+                f"but on the CPU autocast runs normalization layers in float32 without casting their weights, and "
+                f"the units hold {norms[:3]}{' ...' if len(norms) > 3 else ''}: use param_dtype='full' on the CPU "
+                "(the default, 'auto', does), or keep normalization layers out of the units"
+            )
+
     def _pieces(self) -> dict[int, list[tuple[ShardedOptimizer, int]]]:
         """Unit index -> the (sharded optimizer, bucket index) of each of its buckets."""
         pieces: dict[int, list[tuple[ShardedOptimizer, int]]] = {}
@@ -321,7 +354,7 @@ class ParameterStage(GradientStage):
 
     def _unit(self, index: int, pieces: Sequence[tuple[ShardedOptimizer, int]]) -> Unit:
         name, module = self._names[index]
-        return Unit(index, name, module, pieces, self.route.counters, self.route.scope)
+        return Unit(index, name, module, pieces, self.route.counters, self.route.scope, self.param_dtype)
 
     def _install(self) -> None:
         pieces = self._pieces()
@@ -402,7 +435,7 @@ class ParameterStage(GradientStage):
         keep = world_rank() == 0
         gathered: dict[str, torch.Tensor] = {}
         for unit in self._units.units:
-            unit.gather()
+            unit.gather(full=True)
             for parameter in unit.parameters() if keep else ():
                 copy = parameter.detach().clone()
                 gathered.update((name, copy) for name in names.get(id(parameter), []))
@@ -433,7 +466,7 @@ class ParameterStage(GradientStage):
         if in_parts:
             return  # an elastic commit: the units' slices come with its optimizer parts (``load_values``)
         for unit in self._units.units:
-            unit.gather()
+            unit.gather(full=True)
             with torch.no_grad():
                 for parameter in unit.parameters():
                     key = next((name for name in names.get(id(parameter), []) if name in state), None)

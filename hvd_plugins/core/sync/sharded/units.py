@@ -110,6 +110,21 @@ def unit_owners(model: Module, units: Sequence[Module]) -> dict[int, int]:
     return owners
 
 
+NORMALIZATIONS: tuple[type[Module], ...] = (
+    torch.nn.LayerNorm, torch.nn.GroupNorm, torch.nn.modules.batchnorm._BatchNorm, torch.nn.RMSNorm,
+)  # fmt: skip
+"""Layers that autocast runs in float32 on the CPU without casting their weights: half weights there fail."""
+
+
+def norms_in_units(model: Module, owners: dict[int, int]) -> list[str]:
+    """The normalization layers of ``model`` whose weights a unit owns (names in the model)."""
+    return [
+        name
+        for name, module in model.named_modules()
+        if isinstance(module, NORMALIZATIONS) and any(id(p) in owners for p in module.parameters(recurse=False))
+    ]
+
+
 class Unit:
     """One unit's sharded parameters, gathered whole from their slices and freed again together.
 
@@ -127,10 +142,14 @@ class Unit:
         pieces: Sequence[tuple[ShardedOptimizer, int]],
         counters: CommCounters,
         scope: Scope,
+        compute_dtype: torch.dtype | None = None,
     ) -> None:
         self.index, self.name, self.module = index, name, module
         self.pieces = list(pieces)  # (sharded optimizer, bucket index) of every bucket of this unit
         self.counters, self.scope = counters, scope
+        self.compute_dtype = compute_dtype
+        """The dtype the unit is gathered in to compute (``param_dtype``; None: the slices' own)."""
+        self.masters = [sharded.slices[i].dtype for sharded, i in self.pieces]  # each bucket's slice dtype
         self.accumulated = 0
         self.trainable = sum(len(sharded.buckets[i].parameters) for sharded, i in self.pieces)
         """Parameters whose gradients backward accumulates in this unit: when all have, the unit is freed."""
@@ -158,15 +177,28 @@ class Unit:
             for parameter, offset, shape in zip(bucket.parameters, bucket.offsets, bucket.shapes, strict=True):
                 parameter.data = flat[offset : offset + shape.numel()].view(shape)
 
-    def start_gather(self) -> None:
+    def _dtypes(self, full: bool) -> list[torch.dtype]:
+        """Each bucket's gather dtype: the slices' own when ``full``, else the compute dtype where one is set."""
+        return [master if full or self.compute_dtype is None else self.compute_dtype for master in self.masters]
+
+    def start_gather(self, full: bool = False) -> None:
         """Start allgathering every bucket's slices into its flat buffer (refilled); ``gather`` finishes it. A
-        gather started early (prefetched) moves while the unit before it computes."""
-        if self.whole or self._pending is not None:
-            return
+        gather started early (prefetched) moves while the unit before it computes. ``full``: in the slices' own
+        dtype even where the unit computes in another (a checkpoint, a load, the end of the fit)."""
+        wanted = self._dtypes(full)
+        if [flat.dtype for flat in self.flats] == wanted and (self.whole or self._pending is not None):
+            return  # whole, or on its way, in the dtype wanted
+        if self._pending is not None:
+            self._finish()  # every worker started that gather: finish it alike before the next
+        self.free()  # whole in the other dtype
+        for position, dtype in enumerate(wanted):
+            old = self.flats[position]
+            if old.dtype != dtype:  # a new buffer: views autograd saved are of a finished step
+                self.flats[position] = torch.empty(old.numel(), dtype=dtype, device=old.device)
         pending: list[PartnerAlltoall | None] = []
         for (sharded, index), flat in zip(self.pieces, self.flats, strict=True):
             flat.untyped_storage().resize_(flat.numel() * flat.element_size())
-            piece, world = sharded.slices[index].detach(), sharded.world
+            piece, world = sharded.slices[index].detach().to(flat.dtype), sharded.world
             if world is None or world.size == 1:
                 flat.data.copy_(piece)
                 pending.append(None)
@@ -175,11 +207,16 @@ class Unit:
             self.counters.record(self.scope, nbytes(piece) * (world.size - 1))
         self._pending = pending
 
-    def gather(self) -> None:
-        """Every bucket's slices allgathered into its flat buffer, which the parameters view again."""
-        if self.whole:
+    def gather(self, full: bool = False) -> None:
+        """Every bucket's slices allgathered into its flat buffer, which the parameters view again (``full``: in the
+        slices' own dtype, see ``start_gather``)."""
+        if self.whole and [flat.dtype for flat in self.flats] == self._dtypes(full):
             return
-        self.start_gather()
+        self.start_gather(full)
+        self._finish()
+
+    def _finish(self) -> None:
+        """The gather started last, landed in the flat buffers, which the parameters view."""
         assert self._pending is not None
         started = [operation for operation in self._pending if operation is not None]
         with self.counters.waiting():
@@ -198,18 +235,19 @@ class Unit:
     def free(self) -> None:
         """The whole parameters dropped, their memory too; the slices stay (the Parameters hold empty tensors)."""
         if self._pending is not None:
-            self.gather()  # a prefetched gather the step did not use: every worker finishes it alike
+            self._finish()  # a prefetched gather the step did not use: every worker finishes it alike
         if not self.whole:
             return
-        for parameter in self.parameters():
-            parameter.data = torch.empty(0, dtype=parameter.dtype, device=parameter.device)
+        for (sharded, index), master in zip(self.pieces, self.masters, strict=True):
+            for parameter in sharded.buckets[index].parameters:  # empty, in the dtype of its slices
+                parameter.data = torch.empty(0, dtype=master, device=parameter.device)
         for flat in self.flats:
             flat.untyped_storage().resize_(0)
         self.whole = False
 
     def release(self) -> None:
         """Whole for good (a fit's end): each parameter a tensor of its own, the flat buffers let go."""
-        self.gather()
+        self.gather(full=True)
         for parameter in self.parameters():
             parameter.data = parameter.data.clone()
         self.flats.clear()
@@ -219,16 +257,17 @@ class Unit:
         placeholder of its shape (``meta.leave_placeholder``) and the flat buffers let go; a commit's slices give
         the next layout its values."""
         self._pending = None
-        for sharded, index in self.pieces:
+        for (sharded, index), master in zip(self.pieces, self.masters, strict=True):
             bucket = sharded.buckets[index]
             for parameter, shape in zip(bucket.parameters, bucket.shapes, strict=True):
-                leave_placeholder(parameter, shape)
+                leave_placeholder(parameter, shape, master)
         self.flats.clear()
         self.whole = False
 
     def take_slices(self) -> None:
-        """The slices from the whole parameters as they are now (a loaded model state): the unit must be whole."""
-        assert self.whole
+        """The slices from the whole parameters as they are now (a loaded model state): the unit must be whole, in
+        the slices' own dtype."""
+        assert self.whole and [flat.dtype for flat in self.flats] == self.masters
         for sharded, index in self.pieces:
             bucket = sharded.buckets[index]
             with torch.no_grad():

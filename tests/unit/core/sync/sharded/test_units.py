@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import threading
+from typing import Any
 
 import pytest
 import torch
@@ -16,6 +17,7 @@ from torch import nn
 
 from hvd_plugins.core.comm.compression import NoCompression
 from hvd_plugins.core.comm.counters import CommCounters
+from hvd_plugins.core.sync.sharded import units as units_module
 from hvd_plugins.core.sync.sharded.mode import ShardedGradientSync
 from hvd_plugins.core.sync.sharded.units import DEFAULT_UNIT_PARAMETERS, find_units, unit_owners
 from hvd_plugins.pytorch.callbacks.memory import training_state_mb
@@ -172,15 +174,15 @@ def test_the_next_units_gather_starts_while_the_one_before_computes(monkeypatch:
     events: dict[int, list[tuple[str, int]]] = {}
     own_start, own_gather = Unit.start_gather, Unit.gather
 
-    def start(unit: Unit) -> None:
+    def start(unit: Unit, full: bool = False) -> None:
         if not unit.whole and unit._pending is None:
             events.setdefault(threading.get_ident(), []).append(("start", unit.index))
-        own_start(unit)
+        own_start(unit, full)
 
-    def gather(unit: Unit) -> None:
+    def gather(unit: Unit, full: bool = False) -> None:
         if not unit.whole:
             events.setdefault(threading.get_ident(), []).append(("gather", unit.index))
-        own_gather(unit)
+        own_gather(unit, full)
 
     monkeypatch.setattr(Unit, "start_gather", start)
     monkeypatch.setattr(Unit, "gather", gather)
@@ -209,3 +211,66 @@ def test_the_next_units_gather_starts_while_the_one_before_computes(monkeypatch:
             assert forward.index(("start", index)) < forward.index(("gather", index)), found
         for index in range(units - 1):  # backward runs the units in reverse: started by the one after
             assert backward.index(("start", index)) < backward.index(("gather", index)), found
+
+
+def test_units_gathered_in_bfloat16_compute_there_and_step_their_float64_slices(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``param_dtype=torch.bfloat16``: each unit computes with its slices rounded to bfloat16, gathered in half the
+    bytes, while the slices stay float64 masters: equal to training whose forward and backward use a bfloat16 copy
+    of float64 weights, the gradients summed in float64, as FSDP's mixed precision trains."""
+    job = ThreadedJob(nodes=1, workers_per_node=2).install(monkeypatch)
+    model = integer_model(3, 5, 4, 2)
+    data = [[integer_inputs(rank, step, rows=4, features=3, bound=2) / 3 for rank in range(2)] for step in range(3)]
+    reference = copy.deepcopy(model)
+    optimizer = torch.optim.SGD(reference.parameters(), lr=LR, momentum=0.5)
+    for step in range(3):
+        gradients = []
+        for rank in range(2):
+            copied = copy.deepcopy(reference).bfloat16()
+            copied(data[step][rank].bfloat16()).sum().backward()
+            gradients.append([p.grad.double() for p in copied.parameters()])
+        for parameter, (first, second) in zip(reference.parameters(), zip(*gradients, strict=True), strict=True):
+            parameter.grad = (first + second) / 2
+        optimizer.step()
+
+    sent: dict[str, set[torch.dtype]] = {}  # by thread: each rank's gathers
+    own_allgather = units_module.start_allgather
+
+    def allgather(piece: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        sent.setdefault(threading.current_thread().name, set()).add(piece.dtype)
+        return own_allgather(piece, *args, **kwargs)
+
+    monkeypatch.setattr(units_module, "start_allgather", allgather)
+
+    def train(hvd: RankHorovod) -> dict[str, object]:
+        mine, counters = copy.deepcopy(model), CommCounters()
+        sync = ShardedGradientSync(
+            "parameters", NoCompression(), "average", counters, 64, auto_wrap_policy=frozenset({nn.Linear}),
+            param_dtype=torch.bfloat16,
+        )  # fmt: skip
+        optimizer = sync.wrap(torch.optim.SGD(mine.parameters(), lr=LR, momentum=0.5), list(mine.named_parameters()))
+        sync.setup(mine, [optimizer], None)
+        seen: set[torch.dtype] = set()
+        sent[threading.current_thread().name] = set()  # from here: training's
+        mine[0].register_forward_pre_hook(lambda module, args: seen.add(module.weight.dtype))  # after the gather
+        train_synced(sync, optimizer, mine, lambda step: data[step][hvd.rank()].bfloat16(), 3)
+        slices = {piece.dtype for piece in optimizer.slices}
+        gathered = set(sent[threading.current_thread().name])  # the units' gathers while training: 2 bytes each
+        state = sync.model_state_dict(mine)  # a checkpoint's values: the float64 slices, not their rounding
+        sync.teardown([optimizer])
+        return {
+            "seen": seen,
+            "slices": slices,
+            "gathered": gathered,
+            "state": [state[name].clone() for name, _ in model.named_parameters()] if hvd.rank() == 0 else None,
+            "after_fit": [p.detach().clone() for p in mine.parameters()],
+        }
+
+    expected = [p.detach() for p in reference.parameters()]
+    for found in job.run(train):
+        assert found["seen"] == found["gathered"] == {torch.bfloat16} and found["slices"] == {torch.float64}
+        assert all(p.dtype == torch.float64 for p in found["after_fit"])
+        assert all(torch.equal(a, b) for a, b in zip(found["after_fit"], expected, strict=True))
+        if found["state"] is not None:
+            assert all(torch.equal(a, b) for a, b in zip(found["state"], expected, strict=True))
