@@ -5,13 +5,15 @@
 
 Reads the checkpoint and every part file beside it (``last.ckpt.optimizer-part-<rank>-of-<workers>``),
 joins each optimizer's slices into the state of the whole optimizer, and writes a checkpoint that a
-single process, or a job of any number of workers, sharded or not, resumes from. It holds the whole
-optimizer state in this process's memory once.
+single process, or a job of any number of workers, sharded or not, resumes from. The checkpoint and
+the parts are read memory-mapped and each parameter's state is joined on its own: the process holds
+the whole optimizer state once (what it writes), never the parts as well.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -32,7 +34,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as error:
         print(f"hvd_plugins.consolidate: {error}", file=sys.stderr)
         return 2
-    torch.save(checkpoint, output)
+    written = output.with_name(f".{output.name}.partial")  # the input stays mapped while this is written
+    torch.save(checkpoint, written)
+    os.replace(written, output)
     print(f"wrote {output}: {len(checkpoint['optimizer_states'])} optimizer state(s) made whole")
     return 0
 

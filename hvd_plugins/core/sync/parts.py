@@ -42,9 +42,12 @@ def parts_marker(workers: int, optimizers: int) -> dict[str, Any]:
     return {"format": PARTS_MARKER, "workers": workers, "optimizers": optimizers}
 
 
-def read_parts(checkpoint: str | Path, workers: int, rank: int | None = None) -> list[dict[str, Any]]:
+def read_parts(
+    checkpoint: str | Path, workers: int, rank: int | None = None, mmap: bool = False
+) -> list[dict[str, Any]]:
     """The part files saved with ``checkpoint`` by ``workers`` workers (only ``rank``'s when given), in rank order;
-    each holds ``{"optimizer_parts": [one part per optimizer]}``."""
+    each holds ``{"optimizer_parts": [one part per optimizer]}``. ``mmap``: their tensors mapped from the files,
+    read as they are used, not loaded."""
     ranks = range(workers) if rank is None else [rank]
     found = []
     for each in ranks:
@@ -54,7 +57,7 @@ def read_parts(checkpoint: str | Path, workers: int, rank: int | None = None) ->
                 f"{checkpoint} was saved in parts by {workers} workers, but {path} is missing: keep every part "
                 "file beside the checkpoint (shard_checkpoint='parts')"
             )
-        found.append(torch.load(path, map_location="cpu", weights_only=False))
+        found.append(torch.load(path, map_location="cpu", weights_only=False, mmap=mmap))
     return found
 
 
@@ -71,11 +74,11 @@ def consolidate(parts: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     for index, bucket in enumerate(ordered[0]["buckets"]):
         for key, value in bucket["state"].items():
             if isinstance(value, torch.Tensor) and value.dim() > 0:
-                whole = torch.cat([part["buckets"][index]["state"][key] for part in ordered])[: bucket["numel"]]
+                pieces = [part["buckets"][index]["state"][key] for part in ordered]
                 offset = 0
                 for parameter, shape in zip(bucket["parameters"], bucket["shapes"], strict=True):
                     count = int(torch.Size(shape).numel())
-                    state.setdefault(parameter, {})[key] = whole[offset : offset + count].reshape(shape).clone()
+                    state.setdefault(parameter, {})[key] = joined(pieces, offset, count).reshape(shape)
                     offset += count
             else:
                 for parameter in bucket["parameters"]:
@@ -83,15 +86,30 @@ def consolidate(parts: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     return {"state": state, "param_groups": [dict(group) for group in ordered[0]["param_groups"]]}
 
 
+def joined(pieces: Sequence[torch.Tensor], start: int, count: int) -> torch.Tensor:
+    """Elements ``start`` to ``start + count`` of the workers' equal ``pieces`` laid end to end, copied into one new
+    tensor: no whole bucket is ever made, only what one parameter holds."""
+    whole = torch.empty(count, dtype=pieces[0].dtype)
+    size = pieces[0].numel()
+    copied = 0
+    while copied < count:
+        piece, inside = divmod(start + copied, size)
+        take = min(size - inside, count - copied)
+        whole[copied : copied + take].copy_(pieces[piece][inside : inside + take])
+        copied += take
+    return whole
+
+
 def consolidate_checkpoint(path: str | Path) -> dict[str, Any]:
-    """A checkpoint saved in parts, with its optimizer states made whole (every part file read)."""
-    checkpoint = torch.load(path, map_location="cpu", weights_only=False)
+    """A checkpoint saved in parts, with its optimizer states made whole. The checkpoint and the part files are
+    memory-mapped, so the only memory this takes is the whole optimizer state once, built a parameter at a time."""
+    checkpoint = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
     marker = checkpoint.get("optimizer_states")
     if not is_parts_marker(marker):
         raise ValueError(
             f"{path} holds whole optimizer states already (it was not saved with shard_checkpoint='parts')"
         )
-    per_worker = [parts["optimizer_parts"] for parts in read_parts(path, marker["workers"])]
+    per_worker = [parts["optimizer_parts"] for parts in read_parts(path, marker["workers"], mmap=True)]
     checkpoint["optimizer_states"] = [
         consolidate([parts[index] for parts in per_worker]) for index in range(marker["optimizers"])
     ]

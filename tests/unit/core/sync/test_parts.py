@@ -9,7 +9,7 @@ import torch
 
 from hvd_plugins.core.comm.counters import CommCounters, Scope
 from hvd_plugins.core.comm.partners import PartnerGroup
-from hvd_plugins.core.sync.parts import consolidate, consolidate_checkpoint, part_path, parts_marker
+from hvd_plugins.core.sync.parts import consolidate, consolidate_checkpoint, joined, part_path, parts_marker
 from hvd_plugins.core.sync.sharded.optimizer import ShardedOptimizer
 from hvd_plugins.core.sync.sharded.partition import partition
 
@@ -70,3 +70,9 @@ def test_a_part_of_another_worker_or_layout_is_refused_and_a_missing_part_is_nam
     torch.save({"optimizer_parts": [part]}, part_path(checkpoint, 0, 3))
     with pytest.raises(FileNotFoundError, match="optimizer-part-1-of-3 is missing"):
         consolidate_checkpoint(checkpoint)
+
+
+@pytest.mark.parametrize(("start", "count"), [(0, 12), (2, 7), (4, 4), (11, 1), (5, 0)])
+def test_a_parameters_elements_are_joined_from_the_workers_pieces_across_their_ends(start: int, count: int) -> None:
+    pieces = list(torch.arange(12.0).split(4))
+    assert torch.equal(joined(pieces, start, count), torch.arange(12.0)[start : start + count])
