@@ -13,13 +13,14 @@ machine (``localhost:2`` and ``127.0.0.1:2``), one intra-op thread each, trainin
   next completed step, split into noticing it (the reset), starting Horovod again and restoring
   the commit, and that first step. Steps redone = the step it died at - the commit it resumed from.
 
-- **Sharded** (``--shard optimizer|gradients``): the same runs with the optimizer state split over
-  the workers. A commit keeps each worker's part and a copy of another's; its host memory per worker
-  is compared with 2/N of the whole optimizer state (the aim), and the recovery includes laying the
-  state out again over the two survivors.
+- **Sharded** (``--shard optimizer|gradients|parameters``): the same runs with the optimizer state split
+  over the workers (with ``parameters``, the units' parameters too). A commit keeps each worker's part
+  and a copy of another's; its host memory per worker is compared with 2/N of what the parts hold
+  whole (the aim), and the recovery includes laying it out again over the two survivors.
 
     python benchmarks/elastic.py                      # writes docs/benchmarks/elastic.txt
     python benchmarks/elastic.py --shard gradients    # writes docs/benchmarks/elastic_sharded.txt
+    python benchmarks/elastic.py --shard parameters   # writes docs/benchmarks/elastic_zero3.txt
     python benchmarks/elastic.py --smoke              # a small model, one recovery; writes no report
 """
 
@@ -105,6 +106,8 @@ def worker(args: argparse.Namespace) -> None:
             self.start = time.perf_counter()
 
         def on_train_batch_end(self, trainer: pl.Trainer, module: pl.LightningModule, *rest: Any) -> None:
+            sliced = getattr(trainer.optimizers[0], "sliced_parameter_bytes", None)  # ZeRO-3: the units' slices
+            self.unit_bytes = sliced() * hvd.size() if sliced is not None else 0
             committed = strategy.elastic is not None and len(strategy.elastic.commit_seconds) > self.commits_before
             seconds = time.perf_counter() - self.start
             events.write(
@@ -114,7 +117,8 @@ def worker(args: argparse.Namespace) -> None:
     strategy = HorovodStrategy(commit_every_n_steps=args.commit_every, shard=args.shard)
     module = bench.Classifier(widths[0], widths[1:-1], widths[-1], lr=1e-3)
     module.configure_optimizers = lambda: torch.optim.Adam(module.parameters(), lr=1e-3)  # type: ignore[method-assign]
-    trainer = bench.cpu_trainer(strategy, [Clock()], max_epochs=-1)
+    clock = Clock()
+    trainer = bench.cpu_trainer(strategy, [clock], max_epochs=-1)
     trainer.fit_loop.epoch_loop.max_steps = args.steps
     data = bench.random_classification(BATCH * 4 * 16, widths[0], widths[-1])
     trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=BATCH, shuffle=True))
@@ -129,6 +133,7 @@ def worker(args: argparse.Namespace) -> None:
         copies=elastic.copy_seconds,
         held_bytes=sum(part.numel() for parts in held if parts for part in parts.values()),
         whole_state_bytes=2 * sum(p.numel() * p.element_size() for p in module.parameters()),  # Adam's two moments
+        unit_bytes=getattr(clock, "unit_bytes", 0),  # ZeRO-3 commits the units' slices too
     )
 
 
@@ -168,6 +173,7 @@ def commit_cost(events: list[dict[str, Any]], interval: int) -> dict[str, float]
     return {
         "held_mb": max(e["held_bytes"] for e in ends) / 2**20,
         "whole_state_mb": ends[0]["whole_state_bytes"] / 2**20,
+        "unit_mb": ends[0].get("unit_bytes", 0) / 2**20,
         "workers": float(len(ends)),
         "step_ms": plain * 1e3,
         "commit_ms": commit * 1e3,
@@ -204,7 +210,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3, help="recoveries measured (default 3)")
     parser.add_argument("--steps", type=int, default=0, help="steps per run (default 120, smoke 30)")
     parser.add_argument("--commit-every", type=int, default=0, help=f"default {DEFAULT_COMMIT_EVERY_N_STEPS}, smoke 5")
-    parser.add_argument("--shard", default="none", choices=["none", "optimizer", "gradients"], help="sharded runs")
+    parser.add_argument(
+        "--shard", default="none", choices=["none", "optimizer", "gradients", "parameters"], help="sharded runs"
+    )
     parser.add_argument("--kill-step", type=int, default=-1, help=argparse.SUPPRESS)
     parser.add_argument("--grow-step", type=int, default=-1, help=argparse.SUPPRESS)
     parser.add_argument("--report", type=Path, default=None, help="where to write the report")
@@ -259,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
         f"second slot at step 2, noticed at the next commit"
     )
     table = format_table(["", "measured", ""], rows)
-    name = "elastic.txt" if args.shard == "none" else "elastic_sharded.txt"
+    name = {"none": "elastic.txt", "parameters": "elastic_zero3.txt"}.get(args.shard, "elastic_sharded.txt")
     publish_report(f"{title}\n\n{table}", __file__, argv or sys.argv[1:], args.report, None if args.smoke else name)
     return 0
 
@@ -268,9 +276,12 @@ def held_rows(steady: dict[str, float], shard: str) -> list[list[str]]:
     """Sharded: the optimizer state a commit keeps per worker, against the aim of 2/N of the whole state."""
     if shard == "none":
         return []
-    aim = 2 / steady["workers"] * steady["whole_state_mb"]
+    kept = steady["whole_state_mb"] + steady["unit_mb"]  # ZeRO-3: the units' parameters live in the slices too
+    aim = 2 / steady["workers"] * kept
+    units = [["units' parameters, whole (as slices)", f"{steady['unit_mb']:.3f} MB", ""]] if steady["unit_mb"] else []
     return [
         ["optimizer state, whole", f"{steady['whole_state_mb']:.3f} MB", ""],
+        *units,
         [
             "commit keeps per worker (own part + a copy)",
             f"{steady['held_mb']:.3f} MB",
