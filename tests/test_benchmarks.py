@@ -29,6 +29,7 @@ from benchmarks import (  # noqa: E402
     background_progress,
     comm_volume,
     compiled,
+    consolidate,
     duplex,
     elastic,
     emulated_cluster,
@@ -233,6 +234,16 @@ def test_precisions_smoke_trains_digits_in_each_precision(tmp_path: Path, capsys
     assert "bfloat16" in rows["bf16-true"] and "float32" in rows["32-true"], body
     kib = {label: float(line.split()[-1]) for label, line in rows.items()}
     assert abs(kib["bf16-true"] * 2 - kib["32-true"]) < 0.2 and kib["bf16-mixed, bf16 wire"] == kib["bf16-true"], body
+
+
+# ------------------------------------------------------------------------------------------ consolidate
+def test_consolidate_smoke_the_tool_holds_no_copy_of_the_state(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, printed = run_main(consolidate, ["--smoke", "--report", str(tmp_path / "consolidate.txt")], capsys)
+    assert code == 0, printed
+    tool = printed.split("python -m hvd_plugins.consolidate", 1)[1].split()
+    assert float(tool[2].rstrip("x")) < consolidate.AIM, printed  # its own memory: no copy of the state
 
 
 # ------------------------------------------------------------------------------------------ elastic

@@ -61,8 +61,17 @@ def read_parts(
     return found
 
 
-def consolidate(parts: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
-    """The whole optimizer state (the format of the user's optimizer) from every worker's part, in any order."""
+Allocate = Callable[[int, torch.dtype], torch.Tensor]
+"""Where a consolidated tensor of ``count`` elements lives: in memory (``in_memory``), or in a file."""
+
+
+def in_memory(count: int, dtype: torch.dtype) -> torch.Tensor:
+    return torch.empty(count, dtype=dtype)
+
+
+def consolidate(parts: Sequence[Mapping[str, Any]], allocate: Allocate = in_memory) -> dict[str, Any]:
+    """The whole optimizer state (the format of the user's optimizer) from every worker's part, in any order; each
+    of its tensors made by ``allocate``."""
     ordered = sorted(parts, key=lambda part: part["rank"])
     workers = ordered[0]["workers"]
     if not all(is_part(part) for part in ordered) or [p["rank"] for p in ordered] != list(range(workers)):
@@ -78,7 +87,7 @@ def consolidate(parts: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
                 offset = 0
                 for parameter, shape in zip(bucket["parameters"], bucket["shapes"], strict=True):
                     count = int(torch.Size(shape).numel())
-                    state.setdefault(parameter, {})[key] = joined(pieces, offset, count).reshape(shape)
+                    state.setdefault(parameter, {})[key] = joined(pieces, offset, count, allocate).reshape(shape)
                     offset += count
             else:
                 for parameter in bucket["parameters"]:
@@ -86,10 +95,12 @@ def consolidate(parts: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     return {"state": state, "param_groups": [dict(group) for group in ordered[0]["param_groups"]]}
 
 
-def joined(pieces: Sequence[torch.Tensor], start: int, count: int) -> torch.Tensor:
+def joined(
+    pieces: Sequence[torch.Tensor], start: int, count: int, allocate: Allocate = in_memory
+) -> torch.Tensor:
     """Elements ``start`` to ``start + count`` of the workers' equal ``pieces`` laid end to end, copied into one new
-    tensor: no whole bucket is ever made, only what one parameter holds."""
-    whole = torch.empty(count, dtype=pieces[0].dtype)
+    tensor from ``allocate``: no whole bucket is ever made, only what one parameter holds."""
+    whole = allocate(count, pieces[0].dtype)
     size = pieces[0].numel()
     copied = 0
     while copied < count:
@@ -100,9 +111,10 @@ def joined(pieces: Sequence[torch.Tensor], start: int, count: int) -> torch.Tens
     return whole
 
 
-def consolidate_checkpoint(path: str | Path) -> dict[str, Any]:
-    """A checkpoint saved in parts, with its optimizer states made whole. The checkpoint and the part files are
-    memory-mapped, so the only memory this takes is the whole optimizer state once, built a parameter at a time."""
+def consolidate_checkpoint(path: str | Path, allocate: Allocate = in_memory) -> dict[str, Any]:
+    """A checkpoint saved in parts, with its optimizer states made whole, each tensor by ``allocate``. The checkpoint
+    and the part files are memory-mapped: besides what ``allocate`` gives, this takes one parameter's state at a
+    time."""
     checkpoint = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
     marker = checkpoint.get("optimizer_states")
     if not is_parts_marker(marker):
@@ -111,7 +123,7 @@ def consolidate_checkpoint(path: str | Path) -> dict[str, Any]:
         )
     per_worker = [parts["optimizer_parts"] for parts in read_parts(path, marker["workers"], mmap=True)]
     checkpoint["optimizer_states"] = [
-        consolidate([parts[index] for parts in per_worker]) for index in range(marker["optimizers"])
+        consolidate([parts[index] for parts in per_worker], allocate) for index in range(marker["optimizers"])
     ]
     return checkpoint
 
@@ -135,7 +147,8 @@ def write_parts_beside(
 
 def read_parts_beside(checkpoint: dict[str, Any], filepath: str | Path, world_size: int, rank: int) -> None:
     """Where ``checkpoint`` was saved in parts: put back this worker's own parts where the workers are as many as
-    when it was saved, else the whole states, consolidated from every part."""
+    when it was saved, else the whole states, consolidated from every part (mapped from disk: the whole states
+    are the only copy this worker makes)."""
     marker = checkpoint.get("optimizer_states")
     if not is_parts_marker(marker):
         return
@@ -143,7 +156,7 @@ def read_parts_beside(checkpoint: dict[str, Any], filepath: str | Path, world_si
     if workers == world_size:
         checkpoint["optimizer_states"] = read_parts(filepath, workers, rank)[0]["optimizer_parts"]
         return
-    per_worker = [parts["optimizer_parts"] for parts in read_parts(filepath, workers)]
+    per_worker = [parts["optimizer_parts"] for parts in read_parts(filepath, workers, mmap=True)]
     checkpoint["optimizer_states"] = [
         consolidate([parts[index] for parts in per_worker]) for index in range(marker["optimizers"])
     ]
