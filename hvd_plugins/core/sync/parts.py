@@ -13,7 +13,7 @@ so the strategies save and load without asking which mode runs.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeGuard
 
@@ -84,15 +84,24 @@ def consolidate(parts: Sequence[Mapping[str, Any]], allocate: Allocate = in_memo
         for key, value in bucket["state"].items():
             if isinstance(value, torch.Tensor) and value.dim() > 0:
                 pieces = [part["buckets"][index]["state"][key] for part in ordered]
-                offset = 0
-                for parameter, shape in zip(bucket["parameters"], bucket["shapes"], strict=True):
-                    count = int(torch.Size(shape).numel())
-                    state.setdefault(parameter, {})[key] = joined(pieces, offset, count, allocate).reshape(shape)
-                    offset += count
+                for parameter, whole in per_parameter(bucket, pieces, allocate):
+                    state.setdefault(parameter, {})[key] = whole
             else:
                 for parameter in bucket["parameters"]:
                     state.setdefault(parameter, {})[key] = value.clone() if isinstance(value, torch.Tensor) else value
     return {"state": state, "param_groups": [dict(group) for group in ordered[0]["param_groups"]]}
+
+
+def per_parameter(
+    bucket: Mapping[str, Any], pieces: Sequence[torch.Tensor], allocate: Allocate = in_memory
+) -> Iterator[tuple[int, torch.Tensor]]:
+    """Each parameter of a part's ``bucket`` (its state index) and its whole tensor, joined from the workers' equal
+    ``pieces`` of the bucket's flat layout, one parameter at a time."""
+    offset = 0
+    for parameter, shape in zip(bucket["parameters"], bucket["shapes"], strict=True):
+        count = int(torch.Size(shape).numel())
+        yield int(parameter), joined(pieces, offset, count, allocate).reshape(shape)
+        offset += count
 
 
 def joined(

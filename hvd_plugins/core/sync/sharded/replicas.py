@@ -29,7 +29,7 @@ import torch
 from hvd_plugins.core.comm.topology import Topology
 from hvd_plugins.core.comm.world import gather_over_world, send_one_way, sum_over_world, world_rank, world_size
 from hvd_plugins.core.sync.base import OWN_PARTS_KEY
-from hvd_plugins.core.sync.parts import consolidate
+from hvd_plugins.core.sync.parts import consolidate, per_parameter
 
 COMMIT_FORMAT = "hvd_plugins.sharded_commit/1"
 """Marks what an elastic commit keeps of one sharded optimizer: the parts this worker holds."""
@@ -69,14 +69,8 @@ def whole_values(parts: Sequence[Mapping[str, Any]]) -> dict[int, torch.Tensor]:
     ordered = sorted(parts, key=lambda part: part["rank"])
     values: dict[int, torch.Tensor] = {}
     for index, bucket in enumerate(ordered[0]["buckets"]):
-        if "values" not in bucket:
-            continue
-        whole = torch.cat([part["buckets"][index]["values"] for part in ordered])
-        offset = 0
-        for parameter, shape in zip(bucket["parameters"], bucket["shapes"], strict=True):
-            count = int(torch.Size(shape).numel())
-            values[int(parameter)] = whole[offset : offset + count].reshape(shape)
-            offset += count
+        if "values" in bucket:
+            values.update(per_parameter(bucket, [part["buckets"][index]["values"] for part in ordered]))
     return values
 
 

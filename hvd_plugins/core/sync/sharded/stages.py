@@ -428,7 +428,7 @@ class ParameterStage(GradientStage):
             return model.state_dict()
         names = self._parameter_names(model)
         if committing:
-            owned = {name for unit in self._units.units for p in unit.parameters() for name in names.get(id(p), [])}
+            owned = self._owned_names(names)
             state = {key: value for key, value in model.state_dict().items() if key not in owned}
             state[UNITS_IN_PARTS_KEY] = True
             return state
@@ -451,7 +451,7 @@ class ParameterStage(GradientStage):
             model.load_state_dict({k: v for k, v in state.items() if k != UNITS_IN_PARTS_KEY}, strict=strict)
             return
         names = self._parameter_names(model)
-        owned = {name for unit in self._units.units for p in unit.parameters() for name in names.get(id(p), [])}
+        owned = self._owned_names(names)
         result = model.load_state_dict({k: v for k, v in state.items() if k not in owned}, strict=False)
         in_parts = bool(state.get(UNITS_IN_PARTS_KEY))
         unexpected = [key for key in result.unexpected_keys if key != UNITS_IN_PARTS_KEY]
@@ -481,6 +481,11 @@ class ParameterStage(GradientStage):
                     parameter.copy_(value)
             unit.take_slices()
             unit.free()
+
+    def _owned_names(self, names: Mapping[int, list[str]]) -> set[str]:
+        """The state dict names of the units' parameters (``names``: ``_parameter_names``)."""
+        assert self._units is not None
+        return {name for unit in self._units.units for p in unit.parameters() for name in names.get(id(p), [])}
 
     @staticmethod
     def _parameter_names(model: Module) -> dict[int, list[str]]:

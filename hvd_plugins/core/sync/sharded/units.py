@@ -210,10 +210,9 @@ class Unit:
     def gather(self, full: bool = False) -> None:
         """Every bucket's slices allgathered into its flat buffer, which the parameters view again (``full``: in the
         slices' own dtype, see ``start_gather``)."""
-        if self.whole and [flat.dtype for flat in self.flats] == self._dtypes(full):
-            return
-        self.start_gather(full)
-        self._finish()
+        self.start_gather(full)  # nothing when already whole in that dtype
+        if self._pending is not None:
+            self._finish()
 
     def _finish(self) -> None:
         """The gather started last, landed in the flat buffers, which the parameters view."""
