@@ -141,9 +141,12 @@ def revert_sync_batchnorm(module: Module) -> Module:
 
 
 def _replace(module: _BatchNorm, kind: type[AnyBatchNorm]) -> AnyBatchNorm:
-    replacement = kind(module.num_features, module.eps, module.momentum, module.affine, module.track_running_stats)
-    replacement.load_state_dict(module.state_dict())
+    """A ``kind`` layer that takes over ``module``'s own parameters and buffers (the same tensors, so an optimizer,
+    a sharded unit or an elastic placeholder that holds them sees no change)."""
+    with torch.device("meta"):  # its own tensors are replaced at once: none is allocated
+        replacement = kind(module.num_features, module.eps, module.momentum, module.affine, module.track_running_stats)
+    replacement._parameters = dict(module._parameters)
+    replacement._buffers = dict(module._buffers)
+    replacement._non_persistent_buffers_set = set(module._non_persistent_buffers_set)
     replacement.train(module.training)
-    floating = [tensor for tensor in module.state_dict().values() if tensor.is_floating_point()]
-    reference = floating[0] if floating else torch.empty(0)
-    return replacement.to(device=reference.device, dtype=reference.dtype)  # keep the precision's dtype
+    return replacement

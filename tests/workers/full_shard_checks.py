@@ -175,6 +175,8 @@ def difference(make: Any, **options: Any) -> dict[str, Any]:
     return {
         "difference": float((parameters_of(sharded) - expected).abs().max() / expected.abs().max()),
         "held": max(held),
+        "held_after_step": min(held),  # every unit freed, the model's own too (embedding, head) after a step
+        "frozen": sum(p.numel() for p in sharded.parameters() if not p.requires_grad),
         "whole": max(whole),
         "computed_in": sorted(set().union(*(block.computed_in for block in blocks))),
     }
@@ -238,8 +240,9 @@ def check_validation_predict_and_checkpoint() -> dict[str, Any]:
         trainer.fit(module, ckpt_path=str(results["parameters"]["path"]))
         resumed[shard] = parameters_of(module)
     return {
-        "validated": max(
-            abs(a - b) for a, b in zip(results["none"]["validated"], results["parameters"]["validated"], strict=True)
+        "validated": max(  # relative to the loss, as the parameters' differences are to the largest parameter
+            abs(a - b) / abs(a)
+            for a, b in zip(results["none"]["validated"], results["parameters"]["validated"], strict=True)
         ),
         "predicted": float((results["none"]["predicted"] - results["parameters"]["predicted"]).abs().max()),
         "checkpoint_whole": sorted(saved) == sorted(whole)

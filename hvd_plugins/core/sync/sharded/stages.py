@@ -44,6 +44,7 @@ from hvd_plugins.core.sync.sharded.units import (
     UnitPolicy,
     find_units,
     norms_in_units,
+    outside_units,
     unit_owners,
 )
 
@@ -287,6 +288,7 @@ class ParameterStage(GradientStage):
         self._names: list[tuple[str, Module]] = []
         self._optimizers: list[ShardedOptimizer] = []
         self._units: ShardedUnits | None = None
+        self._triggers: list[Module] = []  # the modules whose forward gathers the model's own unit
 
     @classmethod
     def build(
@@ -298,9 +300,7 @@ class ParameterStage(GradientStage):
         if self._owners is None:
             return super().lay_out(optimizer, signature)  # before the model is known: laid out again at attach
         world = self.route.world
-        return partition_by_units(
-            optimizer, self._owners, world.size, world.index, self.route.bucket_bytes, signature
-        )
+        return partition_by_units(optimizer, self._owners, world.size, world.index, self.route.bucket_bytes, signature)
 
     def attach(
         self, model: Module, optimizers: Sequence[ShardedOptimizer], relay: Callable[[ShardedOptimizer], None]
@@ -316,8 +316,12 @@ class ParameterStage(GradientStage):
                 f"shard='parameters' found no unit in {type(model).__name__} with auto_wrap_policy={self.policy!r}: "
                 "name the classes of its blocks, for example auto_wrap_policy={Block}"
             )
-        self._owners = unit_owners(model, [module for _, module in self._names])
+        modules = [module for _, module in self._names]
+        self._owners = unit_owners(model, modules)
         self._refuse_half_norms_on_cpu(model, self._owners)
+        held, self._triggers = outside_units(model, modules)
+        self._owners.update((key, len(self._names)) for key in held)  # the model's own unit, gathered in full
+        self._names.append(("", model))
         owned = [p for sharded in optimizers for group in sharded.param_groups for p in group["params"]]
         if optimizers and not any(id(p) in self._owners for p in owned):
             raise ValueError(
@@ -354,12 +358,19 @@ class ParameterStage(GradientStage):
 
     def _unit(self, index: int, pieces: Sequence[tuple[ShardedOptimizer, int]]) -> Unit:
         name, module = self._names[index]
-        return Unit(index, name, module, pieces, self.route.counters, self.route.scope, self.param_dtype)
+        own = index == len(self._names) - 1  # small and read across the forward: no half-precision copy
+        dtype = None if own else self.param_dtype
+        return Unit(index, name, module, pieces, self.route.counters, self.route.scope, dtype)
 
     def _install(self) -> None:
         pieces = self._pieces()
-        units = [self._unit(index, pieces[index]) for index in range(len(self._names)) if index in pieces]
-        self._units = ShardedUnits(units, self.reshard_after_forward)
+        self._hook_units({index: self._unit(index, its) for index, its in pieces.items()})
+
+    def _hook_units(self, units: Mapping[int, Unit]) -> None:
+        """``units`` (by index) hooked and freed; the last index is the model's own unit."""
+        own = units.get(len(self._names) - 1)
+        blocks = [units[index] for index in sorted(units) if units[index] is not own]
+        self._units = ShardedUnits(blocks, self.reshard_after_forward, own, self._triggers)
         self._units.install()
 
     def _install_from_root(self, model: Module) -> None:
@@ -388,8 +399,7 @@ class ParameterStage(GradientStage):
             for bucket_index, bucket in enumerate(sharded.buckets):
                 if bucket.unit is None:
                     sharded.fill_slice(bucket_index, self.route.device)
-        self._units = ShardedUnits([units[index] for index in sorted(units)], self.reshard_after_forward)
-        self._units.install()
+        self._hook_units(units)
 
     @contextlib.contextmanager
     def whole_parameters(self) -> Iterator[None]:

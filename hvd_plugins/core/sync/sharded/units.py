@@ -1,8 +1,10 @@
 """``shard="parameters"`` (ZeRO-3): the model's units, whose parameters are whole only while the unit computes.
 
 A unit is a module the policy picks (``auto_wrap_policy``); it owns the trainable parameters registered under
-it and under no unit inside it. A parameter registered under two units (an embedding tied to the output head)
-or outside every unit stays whole on every worker, as with ``shard="gradients"``; so do frozen parameters.
+it and under no unit inside it. What no unit owns forms the model's own unit (an embedding, its tied output
+head, a final norm: ``outside_units``), whole from the first forward of a step to the step's sync, as FSDP's
+root. A parameter registered under two units, or on the model itself, stays whole on every worker, as with
+``shard="gradients"``; so do frozen parameters.
 
 A unit's parameters are buckets of the sharded optimizer (``partition_by_units``), so this worker's slices of
 them are their only copy between computations: the whole parameters are freed (each ``p.data`` an empty
@@ -36,14 +38,13 @@ DEFAULT_UNIT_PARAMETERS = 100_000
 """Without a policy, a module is a unit when it holds this many parameters of its own (its units' aside)."""
 
 
-
 def find_units(model: Module, policy: UnitPolicy) -> list[tuple[str, Module]]:
     """The units of ``model`` by ``policy`` (classes, a function of a module, or None: by size, and where no module
     is that large, each child of the model that holds parameters), in module order. Only modules whose forward
     is called can be units: a container (``nn.ModuleList``) lends its parameters to its parent instead.
 
-    The model itself is never a unit: what no unit owns stays whole. Units may nest; a unit owns what is
-    registered under it and under none of its own units.
+    The model itself is never picked: what no unit owns goes to its own unit (``outside_units``). Units may nest;
+    a unit owns what is registered under it and under none of its own units.
     """
     chosen: list[tuple[str, Module]] = []
 
@@ -87,6 +88,16 @@ def called_children(module: Module, prefix: str = "") -> list[tuple[str, Module]
 
 def unit_owners(model: Module, units: Sequence[Module]) -> dict[int, int]:
     """Parameter id -> index of the unit owning it: registered under that unit (the innermost) and nowhere else."""
+    owners: dict[int, int] = {}
+    for key, units_of in _places(model, units).items():
+        (only,) = units_of if len(units_of) == 1 else (None,)
+        if only is not None:
+            owners[key] = only
+    return owners
+
+
+def _places(model: Module, units: Sequence[Module]) -> dict[int, set[int | None]]:
+    """Parameter id -> the units it is registered under (None: outside every unit), looking through shared modules."""
     index_of = {id(module): index for index, module in enumerate(units)}
     places: dict[int, set[int | None]] = {}
 
@@ -102,12 +113,49 @@ def unit_owners(model: Module, units: Sequence[Module]) -> dict[int, int]:
                 walk(child, index_of.get(id(child), unit), seen)
 
     walk(model, None, set())
-    owners: dict[int, int] = {}
-    for key, units_of in places.items():
-        (only,) = units_of if len(units_of) == 1 else (None,)
-        if only is not None:
-            owners[key] = only
-    return owners
+    return places
+
+
+def outside_units(model: Module, units: Sequence[Module]) -> tuple[set[int], list[Module]]:
+    """What the model's own unit holds: the ids of the parameters registered outside every unit, only on modules
+    whose forward runs (an embedding, a tied output head, a final norm), and the modules whose forward gathers it.
+
+    A parameter registered on the model itself stays whole, as one on a module that is never called (a
+    ``ParameterList``): a Trainer never calls the model's forward (a LightningModule runs ``training_step``), so
+    no hook would gather it before it is read."""
+    places = _places(model, units)
+    unit_ids = {id(module) for module in units}
+    on_model = {id(p) for p in model._parameters.values() if p is not None}
+    holders: dict[int, list[Module]] = {}
+    for module in _modules_outside(model, unit_ids):
+        for parameter in module._parameters.values():
+            if parameter is not None and places.get(id(parameter)) == {None}:
+                holders.setdefault(id(parameter), []).append(module)
+    held = {
+        key
+        for key, modules in holders.items()
+        if key not in on_model and all(runs_forward(module) for module in modules)
+    }
+    triggers = {id(module): module for key in held for module in holders[key]}
+    return held, list(triggers.values())
+
+
+def _modules_outside(model: Module, unit_ids: set[int]) -> list[Module]:
+    """The modules of ``model`` under no unit (each once), the model itself first."""
+    found: list[Module] = []
+    seen: set[int] = set()
+
+    def walk(module: Module) -> None:
+        if id(module) in seen or id(module) in unit_ids:
+            return
+        seen.add(id(module))
+        found.append(module)
+        for child in module._modules.values():
+            if child is not None:
+                walk(child)
+
+    walk(model)
+    return found
 
 
 NORMALIZATIONS: tuple[type[Module], ...] = (
@@ -276,9 +324,21 @@ class Unit:
 class ShardedUnits:
     """The units of one model and the hooks that gather and free them around forward and backward."""
 
-    def __init__(self, units: Sequence[Unit], reshard_after_forward: bool) -> None:
-        self.units = list(units)
+    def __init__(
+        self,
+        units: Sequence[Unit],
+        reshard_after_forward: bool,
+        own: Unit | None = None,
+        triggers: Sequence[Module] = (),
+    ) -> None:
+        self.units = list(units) + ([own] if own is not None else [])
+        """Every unit, the model's own last."""
         self.reshard_after_forward = reshard_after_forward
+        self.own = own
+        """The model's own unit (``outside_units``): gathered by the first forward of ``triggers`` or of a unit and
+        whole until the step's sync, as FSDP keeps its root: its embedding is read again by a tied output head at
+        the end of forward, and backward starts there."""
+        self.triggers = list(triggers)
         self._handles: list[RemovableHandle] = []
         self._order: list[Unit] = []
         """The units in the order the last whole forward ran them: whose gather to start next (prefetch)."""
@@ -288,12 +348,16 @@ class ShardedUnits:
 
     def install(self) -> None:
         """Hook every unit and free its parameters: from now on only the slices hold them."""
+        for module in self.triggers:
+            self._handles.append(module.register_forward_pre_hook(self._before_own_use()))
         for unit in self.units:
+            unit.free()
+            if unit is self.own:
+                continue  # whole until the step's sync (``free_all``), however many backward passes it takes
             self._handles.append(unit.module.register_forward_pre_hook(self._before_forward(unit)))
             self._handles.append(unit.module.register_forward_hook(self._after_forward(unit)))
             for parameter in unit.parameters():
                 self._handles.append(parameter.register_post_accumulate_grad_hook(self._accumulated(unit)))
-            unit.free()
 
     def remove(self) -> None:
         """Every unit whole again, each parameter a tensor of its own, and unhooked."""
@@ -316,8 +380,19 @@ class ShardedUnits:
         for unit in self.units:
             unit.free()
 
+    def _before_own_use(self) -> Callable[..., None]:
+        def gather(module: Module, args: Any) -> None:
+            self._gather_own()
+
+        return eager(gather)
+
+    def _gather_own(self) -> None:
+        if self.own is not None and not self.own.whole:
+            self.own.gather()
+
     def _before_forward(self, unit: Unit) -> Callable[..., None]:
         def gather(module: Module, args: Any) -> None:
+            self._gather_own()  # the model's forward may read its own parameters without calling their modules
             unit.accumulated = 0  # a backward that left some parameters without gradients counted them short
             unit.gather()
             if in_backward():

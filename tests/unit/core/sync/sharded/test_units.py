@@ -19,7 +19,7 @@ from hvd_plugins.core.comm.compression import NoCompression
 from hvd_plugins.core.comm.counters import CommCounters
 from hvd_plugins.core.sync.sharded import units as units_module
 from hvd_plugins.core.sync.sharded.mode import ShardedGradientSync
-from hvd_plugins.core.sync.sharded.units import DEFAULT_UNIT_PARAMETERS, find_units, unit_owners
+from hvd_plugins.core.sync.sharded.units import DEFAULT_UNIT_PARAMETERS, find_units, outside_units, unit_owners
 from hvd_plugins.pytorch.callbacks.memory import training_state_mb
 from unit.integer_training import integer_inputs, integer_model, train_synced
 from unit.threaded_horovod import RankHorovod, ThreadedJob
@@ -76,6 +76,20 @@ def test_a_weight_tied_across_units_or_to_the_root_stays_with_no_unit() -> None:
     owners = unit_owners(model, units)
     assert id(model.embed.weight) not in owners  # under the root and under the head
     assert owners[id(model.blocks[0].weight)] == 0 and owners[id(model.blocks[1].bias)] == 1
+
+
+def test_what_no_unit_owns_is_the_models_own_unit_gathered_by_the_forward_of_its_modules() -> None:
+    """The tied embedding outside the blocks is sharded with the model's own unit, gathered when the embedding or
+    the head runs; what sits on the model itself or on a module never called stays whole."""
+    model = Tied()
+    model.scale = nn.Parameter(torch.ones(1))  # the model's forward may never run (a LightningModule's)
+    model.extra = nn.ParameterList([nn.Parameter(torch.ones(2))])  # never called: no hook could gather it
+    blocks = [module for _, module in find_units(model, frozenset({nn.Sequential}))]
+    held, triggers = outside_units(model, blocks)
+    assert held == {id(model.embed.weight)}
+    assert triggers == [model.embed, model.head]
+    linears = [module for _, module in find_units(model, frozenset({nn.Linear}))]
+    assert outside_units(model, linears) == (set(), [])  # tied to the head, a unit: in two places, whole
 
 
 def rank_data(rank: int, step: int) -> torch.Tensor:
