@@ -382,6 +382,8 @@ class ShardedUnits:
 
     def _before_own_use(self) -> Callable[..., None]:
         def gather(module: Module, args: Any) -> None:
+            if self.own is not None and not self.own.whole and self._order and not in_backward():
+                self._order[0].start_gather()  # the first unit's gather moves while the embedding computes
             self._gather_own()
 
         return eager(gather)
@@ -422,7 +424,8 @@ class ShardedUnits:
             needing = [t for t in tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad]
             for tensor in needing:
                 tensor.register_hook(self._before_backward(unit))
-            if not needing or self.reshard_after_forward:
+            last = bool(self._order) and self._order[-1] is unit  # backward needs it first: no gather to wait for
+            if not needing or (self.reshard_after_forward and not last):
                 unit.free()
 
         return eager(after)
