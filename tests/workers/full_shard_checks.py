@@ -108,16 +108,33 @@ class ConfiguredNet(UnitNet):
             self.built_on_meta = any(p.is_meta for p in self.parameters())
 
 
-class TinyLM(pl.LightningModule):
-    """Token embedding tied to the output head, two Blocks between: the tied weight is in no unit."""
+class TiedHead(Block):
+    """A Block (a unit) that ends in an output head whose weight is another module's."""
 
-    def __init__(self) -> None:
+    def __init__(self, weight: nn.Parameter) -> None:
+        super().__init__()
+        self.head = nn.Linear(WIDTH, VOCABULARY, bias=False)
+        self.head.weight = weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(super().forward(x))
+
+
+class TinyLM(pl.LightningModule):
+    """Token embedding tied to the output head, two Blocks between: the tied weight is in no one unit (outside
+    every unit, or ``into_unit``: in the last Block and in the embedding outside it)."""
+
+    def __init__(self, into_unit: bool = False) -> None:
         super().__init__()
         torch.manual_seed(4)
         self.embed = nn.Embedding(VOCABULARY, WIDTH)
-        self.blocks = nn.Sequential(Block(), Block())
-        self.head = nn.Linear(WIDTH, VOCABULARY, bias=False)
-        self.head.weight = self.embed.weight
+        if into_unit:
+            self.blocks = nn.Sequential(Block(), TiedHead(self.embed.weight))
+            self.head = nn.Identity()
+        else:
+            self.blocks = nn.Sequential(Block(), Block())
+            self.head = nn.Linear(WIDTH, VOCABULARY, bias=False)
+            self.head.weight = self.embed.weight
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         (tokens,) = batch
@@ -192,6 +209,7 @@ CASES: dict[str, tuple[Any, dict[str, Any]]] = {
     "bf16_gathers": (lambda: UnitNet("sgd"), {"precision": "bf16-mixed", "param_dtype": "bf16"}),
     "frozen_base": (lambda: UnitNet("adamw", frozen=True), {}),
     "tied_embedding": (TinyLM, {}),
+    "tied_into_a_unit": (lambda: TinyLM(into_unit=True), {}),
     "keep_until_backward": (lambda: UnitNet("adamw"), {"reshard_after_forward": False}),
     "activation_checkpointing": (lambda: UnitNet("adamw"), {"activation_checkpointing_policy": {Block}}),
     "hybrid_inside_nodes": (lambda: UnitNet("adamw", scheduler=True), {"sync": "hierarchical"}),

@@ -1,9 +1,9 @@
 """``shard="parameters"`` (ZeRO-3): the model's units, whose parameters are whole only while the unit computes.
 
 A unit is a module the policy picks (``auto_wrap_policy``); it owns the trainable parameters registered under
-it and under no unit inside it. What no unit owns forms the model's own unit (an embedding, its tied output
-head, a final norm: ``outside_units``), whole from the first forward of a step to the step's sync, as FSDP's
-root. A parameter registered under two units, or on the model itself, stays whole on every worker, as with
+it and under no unit inside it. What no one unit owns forms the model's own unit (an embedding and the output
+head tied to it, a final norm: ``outside_units``), whole from the first forward of a step to the step's sync,
+as FSDP's root. A parameter registered on the model itself stays whole on every worker, as with
 ``shard="gradients"``; so do frozen parameters.
 
 A unit's parameters are buckets of the sharded optimizer (``partition_by_units``), so this worker's slices of
@@ -117,26 +117,30 @@ def _places(model: Module, units: Sequence[Module]) -> dict[int, set[int | None]
 
 
 def outside_units(model: Module, units: Sequence[Module]) -> tuple[set[int], list[Module]]:
-    """What the model's own unit holds: the ids of the parameters registered outside every unit, only on modules
-    whose forward runs (an embedding, a tied output head, a final norm), and the modules whose forward gathers it.
+    """What the model's own unit holds: the ids of the parameters no one unit owns (registered outside every unit,
+    or under two places: an embedding and the output head tied to it), and the modules whose forward gathers it:
+    those that register such a parameter (a unit too, which may hold nothing else).
 
-    A parameter registered on the model itself stays whole, as one on a module that is never called (a
-    ``ParameterList``): a Trainer never calls the model's forward (a LightningModule runs ``training_step``), so
-    no hook would gather it before it is read."""
+    A parameter registered on the model itself stays whole, as one on a module outside the units that is never
+    called (a ``ParameterList``): a Trainer never calls the model's forward (a LightningModule runs
+    ``training_step``), so no hook would gather it before it is read."""
     places = _places(model, units)
     unit_ids = {id(module) for module in units}
     on_model = {id(p) for p in model._parameters.values() if p is not None}
-    holders: dict[int, list[Module]] = {}
+    holders: dict[int, list[Module]] = {}  # parameter id -> the modules outside the units that register it
     for module in _modules_outside(model, unit_ids):
         for parameter in module._parameters.values():
-            if parameter is not None and places.get(id(parameter)) == {None}:
+            if parameter is not None:
                 holders.setdefault(id(parameter), []).append(module)
     held = {
         key
-        for key, modules in holders.items()
-        if key not in on_model and all(runs_forward(module) for module in modules)
+        for key, where in places.items()
+        if len(where) > 1 or where == {None}
+        if key not in on_model and all(runs_forward(module) for module in holders.get(key, []))
     }
-    triggers = {id(module): module for key in held for module in holders[key]}
+    inside = [units[index] for key in held for index in places[key] if index is not None]  # tied into a unit
+    triggers = {id(module): module for key in held for module in holders.get(key, [])}
+    triggers.update((id(module), module) for module in inside)
     return held, list(triggers.values())
 
 

@@ -79,8 +79,8 @@ def test_a_weight_tied_across_units_or_to_the_root_stays_with_no_unit() -> None:
 
 
 def test_what_no_unit_owns_is_the_models_own_unit_gathered_by_the_forward_of_its_modules() -> None:
-    """The tied embedding outside the blocks is sharded with the model's own unit, gathered when the embedding or
-    the head runs; what sits on the model itself or on a module never called stays whole."""
+    """The tied embedding, outside the blocks or tied into a unit, is sharded with the model's own unit, gathered
+    when the embedding or a unit runs; what sits on the model itself or on a module never called stays whole."""
     model = Tied()
     model.scale = nn.Parameter(torch.ones(1))  # the model's forward may never run (a LightningModule's)
     model.extra = nn.ParameterList([nn.Parameter(torch.ones(2))])  # never called: no hook could gather it
@@ -89,7 +89,7 @@ def test_what_no_unit_owns_is_the_models_own_unit_gathered_by_the_forward_of_its
     assert held == {id(model.embed.weight)}
     assert triggers == [model.embed, model.head]
     linears = [module for _, module in find_units(model, frozenset({nn.Linear}))]
-    assert outside_units(model, linears) == (set(), [])  # tied to the head, a unit: in two places, whole
+    assert outside_units(model, linears) == ({id(model.embed.weight)}, [model.embed, model.head])  # a unit too
 
 
 def rank_data(rank: int, step: int) -> torch.Tensor:
