@@ -256,7 +256,7 @@ class Unit:
                 pending.append(None)
                 continue
             pending.append(start_allgather(piece, world, NoCompression(), f"{sharded.name}.unit{self.index}.{index}"))
-            self.counters.record(self.scope, nbytes(piece) * (world.size - 1))
+            self.counters.record(self.scope, nbytes(piece))  # the payload handed over, as ZeRO-2's gather counts it
         self._pending = pending
 
     def gather(self, full: bool = False) -> None:
