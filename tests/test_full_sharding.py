@@ -28,6 +28,7 @@ from full_shard_checks import (
     check_refusals,
     check_resumed_at_another_world_size,
     check_validation_predict_and_checkpoint,
+    check_without_fit_and_with_the_default_units,
 )
 from hvd_launch import LIGHTNING_PACKAGES, TWO_NODES, run_job
 
@@ -121,6 +122,19 @@ def test_validation_predict_and_a_whole_checkpoint_that_resumes_sharded(four: di
         assert found["validated"] <= 1e-5 and found["predicted"] <= 1e-5, found
         assert found["checkpoint_whole"], found
         assert found["resumed"] <= TOLERANCE, found
+
+
+def test_validate_and_predict_without_fit_run_sharded_and_default_units_train_a_head_tied_by_use(
+    four: dict[int, dict[str, Any]],
+) -> None:
+    """``trainer.validate`` and ``trainer.predict`` alone shard the model (no optimizer): the same results as
+    unsharded with nothing held whole after a batch. With no policy, a GPT whose head reads the embedding's weight
+    (``norm(h) @ embed.weight.t()``) trains as unsharded: the embedding belongs to the model's own unit."""
+    for rank in range(4):
+        found = report_of(four[rank], check_without_fit_and_with_the_default_units)
+        assert found["validated"] <= 1e-5 and found["predicted"] <= 1e-5, found
+        assert found["held"] == 0 < found["whole"], found
+        assert found["tied"] <= TOLERANCE, found
 
 
 @pytest.mark.parametrize(

@@ -23,6 +23,7 @@ from sharded_fabric_checks import (
     check_equal_to_unsharded,
     check_full_sharding,
     check_no_backward_sync_accumulation_equals_unsharded,
+    check_zero3_in_users_orders,
 )
 
 COVERS = (
@@ -151,3 +152,37 @@ def test_a_fully_sharded_fabric_loop_trains_as_unsharded_holding_no_whole_unit(
         assert meta_norms == pytest.approx(unsharded_norms, rel=TOLERANCE)  # built on the meta device
         whole, held, meta_held = found["held"]
         assert whole > 0 and held == 0 and meta_held == 0, found["held"]  # every Linear a unit: only slices
+
+
+@pytest.mark.parametrize("case", ["tied_model_first", "attention"])
+def test_zero3_default_units_train_as_unsharded_in_the_order_users_set_up(
+    four: dict[int, dict[str, Any]], case: str
+) -> None:
+    """No policy: the repeated blocks are units and the rest the model's own unit, so a head tied by use and
+    ``nn.MultiheadAttention`` (which reads ``out_proj.weight`` itself) train; ``fabric.setup(model)`` then
+    ``fabric.setup_optimizers`` (litgpt's order, built in ``init_module(empty_init=True)``) works;
+    ``model.state_dict()`` gives every worker the whole tensors, and a prediction after the steps matches
+    unsharded."""
+    for rank in range(WORKERS):
+        found = report_of(four[rank], check_zero3_in_users_orders)[case]
+        assert found["difference"] <= TOLERANCE and found["predicted"] <= TOLERANCE, found
+        on_model = 16 * 32 if case == "tied_model_first" else 0  # TiedGPT.position, registered on the model itself
+        assert found["held_after_step"] == on_model < found["whole"], found
+
+
+def test_zero3_evaluates_with_no_optimizer_sharded_from_its_first_forward(four: dict[int, dict[str, Any]]) -> None:
+    """``fabric.setup(model)`` and no optimizer: the model is sharded at its first forward, predicts as unsharded,
+    and after a forward that records no gradient holds nothing whole but what is registered on the model itself."""
+    for rank in range(WORKERS):
+        found = report_of(four[rank], check_zero3_in_users_orders)["evaluate_alone"]
+        assert found["predicted"] <= TOLERANCE and found["held"] == 16 * 32, found
+
+
+def test_zero3_names_a_parameter_read_outside_its_unit_and_the_fix(four: dict[int, dict[str, Any]]) -> None:
+    """A policy that makes ``nn.MultiheadAttention``'s ``out_proj`` a unit of its own: the first forward stops with a
+    note naming the parameter, its unit and the fix."""
+    for rank in range(WORKERS):
+        text = report_of(four[rank], check_zero3_in_users_orders)["freed_read"]
+        for words in ("blocks.0.attention.out_proj.weight", "unit 'blocks.0.attention.out_proj'", "never called",
+                      "auto_wrap_policy=None"):  # fmt: skip
+            assert words in text, text

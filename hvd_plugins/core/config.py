@@ -32,8 +32,9 @@ Shard = Literal["none", "optimizer", "gradients", "parameters"]
 parameters of the model's units too, each gathered whole only while it computes (ZeRO-3)."""
 UnitPolicy = Collection[type] | Callable[[Any], bool] | None
 """Which modules are units of ``shard="parameters"``: module classes (as Lightning's ``FSDPStrategy`` takes
-them), a function of a module, or None for every module that holds 100,000 parameters or more of its own (its
-descendants' units aside; where none does, each child of the model that holds parameters)."""
+them), a function of a module, or None for the model's repeated blocks (the members of a ``ModuleList`` or
+``Sequential`` of one class, or the classes of Hugging Face's ``_no_split_modules``); what no unit holds is the
+model's own unit, whole for the whole forward and backward."""
 ShardCheckpoint = Literal["full", "parts"]
 StateDictType = Literal["full", "sharded"]
 """``full``: a checkpoint holds the whole optimizer state, by rank 0; ``parts``: every worker writes its part."""

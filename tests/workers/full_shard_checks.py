@@ -166,9 +166,10 @@ def parameters_of(module: nn.Module) -> torch.Tensor:
 def fit(shard: str, module: pl.LightningModule, epochs: int = 5, **options: Any) -> tuple[Any, Any, list[int]]:
     names = ("compression", "op", "reshard_after_forward", "param_dtype", "sync", "activation_checkpointing_policy")
     strategy_options = {k: options.pop(k) for k in names if k in options}
-    if shard == "parameters":
+    if shard == "parameters" and not options.pop("default_units", False):
         strategy_options["auto_wrap_policy"] = {Block}
     else:
+        options.pop("default_units", None)
         strategy_options.pop("reshard_after_forward", None)
         strategy_options.pop("param_dtype", None)
     held, ckpt_path = HeldParameters(), options.pop("ckpt_path", None)
@@ -267,6 +268,76 @@ def check_validation_predict_and_checkpoint() -> dict[str, Any]:
         and all(torch.equal(saved[name], whole[name]) for name in whole),
         "resumed": float((resumed["parameters"] - resumed["none"]).abs().max() / resumed["none"].abs().max()),
         "path": str(results["parameters"]["path"]),
+    }
+
+
+class TiedByUse(pl.LightningModule):
+    """A GPT that ties its head by use, ``norm(h) @ embed.weight.t()``: an embedding, a position parameter, a
+    two-layer ``nn.TransformerEncoder`` and a ``LayerNorm`` (no policy: the encoder's layers are the units)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(8)
+        self.embed = nn.Embedding(VOCABULARY, WIDTH)
+        self.position = nn.Parameter(torch.randn(1, 8, WIDTH) * 0.02)
+        layer = nn.TransformerEncoderLayer(WIDTH, 2, 2 * WIDTH, dropout=0.0, batch_first=True)
+        self.body = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+        self.norm = nn.LayerNorm(WIDTH)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.body(self.embed(tokens) + self.position[:, : tokens.shape[1]])
+        return self.norm(h) @ self.embed.weight.t()
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        (tokens,) = batch
+        logits = self(tokens[:, :-1])
+        return nn.functional.cross_entropy(logits.reshape(-1, VOCABULARY), tokens[:, 1:].reshape(-1))
+
+    def train_dataloader(self) -> DataLoader:
+        generator = torch.Generator().manual_seed(6)
+        return DataLoader(TensorDataset(torch.randint(0, VOCABULARY, (SAMPLES // 4, 6), generator=generator)), 8)
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+
+
+class HeldAtEachBatch(pl.Callback):
+    """The parameter elements this worker holds whole at the end of every validation and predict batch."""
+
+    def __init__(self) -> None:
+        self.held: list[int] = []
+
+    def on_validation_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        self.held.append(sum(p.numel() for p in pl_module.parameters()))
+
+    def on_predict_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        self.held.append(sum(p.numel() for p in pl_module.parameters()))
+
+
+@checks.register
+def check_without_fit_and_with_the_default_units() -> dict[str, Any]:
+    """``trainer.validate`` and ``trainer.predict`` with no fit before, sharded, with no policy (the three Blocks are
+    the units): the same losses and predictions as unsharded, and nothing whole after each batch. Then a GPT that
+    ties its head by use trains with the default units as unsharded."""
+    x, y = regression_data(64, seed=7)
+    found: dict[str, Any] = {}
+    for shard in ("none", "parameters"):
+        module, held = UnitNet("sgd"), HeldAtEachBatch()
+        trainer = strategy_trainer(
+            strategy=HorovodStrategy(shard=shard), max_epochs=1, precision="32-true", callbacks=[held]
+        )
+        trainer.validate(module, DataLoader(TensorDataset(x.float(), y.float()), batch_size=8))
+        predicted = torch.cat(trainer.predict(module, DataLoader(TensorDataset(x.float()), batch_size=8)))
+        found[shard] = {"validated": module.validated, "predicted": predicted, "held": held.held}
+        tied, _, _ = fit(shard, TiedByUse(), epochs=1, default_units=True)
+        found[shard]["tied"] = parameters_of(tied)
+    plain, sharded = found["none"], found["parameters"]
+    return {
+        "validated": max(abs(a - b) / abs(a) for a, b in zip(plain["validated"], sharded["validated"], strict=True)),
+        "predicted": float((plain["predicted"] - sharded["predicted"]).abs().max()),
+        "held": max(sharded["held"]),
+        "whole": max(plain["held"]),
+        "tied": float((sharded["tied"] - plain["tied"]).abs().max() / plain["tied"].abs().max()),
     }
 
 

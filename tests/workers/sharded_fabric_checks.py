@@ -23,6 +23,7 @@ from lightning.fabric.plugins.precision import MixedPrecision
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
+from hvd_plugins.core.sync.meta import materialize
 from hvd_plugins.fabric import HorovodStrategy
 from hvd_plugins.fabric.lightning_internals import fabric_optimizer_target
 
@@ -342,6 +343,154 @@ def check_full_sharding() -> dict[str, Any]:
         "norms": [found[stage]["norms"] for stage in ("none", "parameters", "meta")],
         "held": [found[stage]["held"] for stage in ("none", "parameters", "meta")],
     }
+
+
+class TiedGPT(nn.Module):
+    """A GPT that ties its head by use (``norm(h) @ embed.weight.t()``): embedding, position parameter, a two-layer
+    ``nn.TransformerEncoder``, a final norm. Built in ``fabric.init_module(empty_init=True)`` it is on the meta
+    device: ``reset_parameters`` of its own makes it real."""
+
+    def __init__(self, vocab: int = 48, width: int = 32) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width)
+        self.position = nn.Parameter(torch.zeros(1, 16, width))
+        layer = nn.TransformerEncoderLayer(width, 2, 2 * width, dropout=0.0, batch_first=True)
+        self.body = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+        self.norm = nn.LayerNorm(width)
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.position, std=0.02)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.body(self.embed(tokens) + self.position[:, : tokens.shape[1]])
+        return self.norm(h) @ self.embed.weight.t()
+
+
+class AttentionBlock(nn.Module):
+    """``LayerNorm``, torch's ``nn.MultiheadAttention`` (which reads ``out_proj.weight`` without calling it), an MLP."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.attention = nn.MultiheadAttention(width, 2, batch_first=True)
+        self.mlp = nn.Sequential(nn.Linear(width, 2 * width), nn.GELU(), nn.Linear(2 * width, width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm(x)
+        x = x + self.attention(h, h, h, need_weights=False)[0]
+        return x + self.mlp(x)
+
+
+class AttentionGPT(nn.Module):
+    """Embedding, three ``AttentionBlock`` in a ``ModuleList``, a separate output head."""
+
+    def __init__(self, vocab: int = 48, width: int = 32) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width)
+        self.blocks = nn.ModuleList(AttentionBlock(width) for _ in range(3))
+        self.head = nn.Linear(width, vocab)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def token_batches(steps: int, vocab: int = 48) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """This worker's share of ``steps`` batches of 2 sequences of 12 tokens (each worker its own, alike each run)."""
+    generator = torch.Generator().manual_seed(11 + hvd.rank())
+    data = torch.randint(0, vocab, (steps, 2, 13), generator=generator)
+    return [(row[:, :-1], row[:, 1:]) for row in data]
+
+
+def built_empty(fabric: Fabric, make: Any, shard: str) -> nn.Module:
+    """``make()`` in ``fabric.init_module(empty_init=True)`` (on the meta device, made real as the model is sharded);
+    unsharded, on the meta device made real here, which draws the same values (each worker its own: rank 0's win)."""
+    torch.manual_seed(5 + hvd.rank())
+    if shard == "parameters":
+        with fabric.init_module(empty_init=True):
+            return make()
+    with torch.device("meta"):
+        model = make()
+    materialize(model, torch.device("cpu"))
+    return model
+
+
+def run_order(shard: str, make: Any, order: str, steps: int = 4) -> dict[str, Any]:
+    """Train ``make()`` with the default units for ``steps`` steps, set up in ``order``: ``"model_first"``
+    (``fabric.setup(model)``, then ``fabric.setup_optimizers`` over ``model.parameters()``, as litgpt does, built in
+    ``init_module(empty_init=True)``) or ``"together"``; then predict under ``no_grad``. The gathered parameters are
+    rank 0's to compare."""
+    fabric = Fabric(strategy=HorovodStrategy(shard=shard, bucket_mb=SMALL_BUCKETS_MB), accelerator="cpu")
+    fabric.launch()
+    if order == "model_first":
+        model = fabric.setup(built_empty(fabric, make, shard))
+        optimizer = fabric.setup_optimizers(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+    else:
+        torch.manual_seed(5)
+        module = make()
+        model, optimizer = fabric.setup(module, torch.optim.SGD(module.parameters(), lr=0.1, momentum=0.9))
+    held = []
+    for tokens, targets in token_batches(steps):
+        logits = model(tokens)
+        fabric.backward(nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1)))
+        optimizer.step()
+        optimizer.zero_grad()
+        held.append(sum(p.numel() for p in model.parameters()))
+    with torch.no_grad():
+        predicted = model(token_batches(1)[0][0])
+    state = model.state_dict()  # whole tensors, gathered one unit at a time (a collective)
+    return {
+        "parameters": torch.cat([state[n].detach().reshape(-1).double() for n, _ in model.module.named_parameters()]),
+        "predicted": predicted.double(),
+        "held_after_step": min(held),
+        "whole": sum(state[name].numel() for name, _ in model.module.named_parameters()),
+    }
+
+
+def evaluate_alone(shard: str, make: Any) -> dict[str, Any]:
+    """``fabric.setup(model)`` and no optimizer at all: a forward under ``no_grad``, sharded at its first use."""
+    fabric = Fabric(strategy=HorovodStrategy(shard=shard, bucket_mb=SMALL_BUCKETS_MB), accelerator="cpu")
+    fabric.launch()
+    model = fabric.setup(built_empty(fabric, make, shard))
+    with torch.no_grad():
+        predicted = model(token_batches(1)[0][0])
+    return {"predicted": predicted.double(), "held": sum(p.numel() for p in model.parameters())}
+
+
+@checks.register(time_limit=TIME_LIMIT)
+def check_zero3_in_users_orders() -> dict[str, Any]:
+    """``shard="parameters"`` with the default units (no policy) on a GPT that ties its head by use and on one built
+    of ``nn.MultiheadAttention`` blocks; set up model first (litgpt's order) and together; predicting after the
+    steps, and evaluating with no optimizer ever set up: every result as unsharded."""
+    found: dict[str, Any] = {}
+    for name, make, order in (("tied_model_first", TiedGPT, "model_first"), ("attention", AttentionGPT, "together")):
+        plain, sharded = run_order("none", make, order), run_order("parameters", make, order)
+        found[name] = {
+            "difference": relative(sharded["parameters"], plain["parameters"]),
+            "predicted": relative(sharded["predicted"], plain["predicted"]),
+            "held_after_step": sharded["held_after_step"],
+            "whole": plain["whole"],
+        }
+    plain, sharded = evaluate_alone("none", TiedGPT), evaluate_alone("parameters", TiedGPT)
+    found["evaluate_alone"] = {"predicted": relative(sharded["predicted"], plain["predicted"]), "held": sharded["held"]}
+    found["freed_read"] = freed_read_error()
+    return found
+
+
+def freed_read_error() -> str:
+    """``auto_wrap_policy={nn.Linear}`` on ``AttentionGPT``: ``out_proj`` is a unit that ``nn.MultiheadAttention``
+    reads without calling it. The first forward fails on every worker alike; its error and notes, as text."""
+    fabric = Fabric(strategy=HorovodStrategy(shard="parameters", auto_wrap_policy={nn.Linear}), accelerator="cpu")
+    fabric.launch()
+    module = AttentionGPT()
+    model, _ = fabric.setup(module, torch.optim.SGD(module.parameters(), lr=0.1))
+    try:
+        model(token_batches(1)[0][0])
+    except RuntimeError as error:
+        return "\n".join([str(error), *getattr(error, "__notes__", [])])
+    return "no error"
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ the same object (``torch.utils.swap_tensors``), so optimizers built over the met
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 import torch
 from torch.nn import Module, Parameter
@@ -27,7 +28,7 @@ def has_meta_tensors(module: Module, recurse: bool = True) -> bool:
 def check_materializable(model: Module) -> None:
     """Refuse, before any is made real, a model with meta tensors in a module that cannot initialize them."""
     for name, module in model.named_modules():
-        if has_meta_tensors(module, recurse=False) and not callable(getattr(module, "reset_parameters", None)):
+        if has_meta_tensors(module, recurse=False) and initializer(module) is None:
             tensors = (*module.named_parameters(recurse=False), *module.named_buffers(recurse=False))
             own = [key for key, tensor in tensors if tensor.is_meta]
             raise ValueError(
@@ -57,13 +58,25 @@ def materialize(
         seen.add(id(module))
         if has_meta_tensors(module, recurse=False):
             make_real(module, device)
-            module.reset_parameters()  # type: ignore[operator]
+            reset = initializer(module)
+            assert reset is not None  # check_materializable
+            reset()
         for child in module.children():
             visit(child)
         if finished is not None and id(module) in unit_index:
             finished(unit_index[id(module)])
 
     visit(model)
+
+
+def initializer(module: Module) -> Callable[[], Any] | None:
+    """How ``module`` fills its own parameters: ``reset_parameters()``, or torch's private ``_reset_parameters()``
+    where a layer has only that (``nn.MultiheadAttention``, whose ``in_proj_weight`` is its own)."""
+    for name in ("reset_parameters", "_reset_parameters"):
+        method = getattr(module, name, None)
+        if callable(method):
+            return method
+    return None
 
 
 def make_real(module: Module, device: torch.device) -> None:
@@ -102,6 +115,17 @@ def leave_placeholder(parameter: Parameter, shape: torch.Size, dtype: torch.dtyp
     in bfloat16 to compute keeps float32 masters), else its own."""
     parameter.data = torch.empty(0, dtype=dtype or parameter.dtype, device=parameter.device)
     setattr(parameter, PLACEHOLDER_SHAPE, torch.Size(shape))
+
+
+def meta_to_placeholders(model: Module, device: torch.device) -> None:
+    """Every meta parameter of ``model`` a placeholder on ``device`` (``leave_placeholder``): a model built on the meta
+    device and set up before its optimizer, which Fabric refuses to build over meta parameters. The optimizer holds
+    the same objects, which ``placeholders_to_meta`` turns back before they are made real a unit at a time."""
+    for parameter in model.parameters():
+        if parameter.is_meta:
+            shape = parameter.shape
+            replace_values(parameter, torch.empty(0, dtype=parameter.dtype, device=device))
+            setattr(parameter, PLACEHOLDER_SHAPE, shape)
 
 
 def placeholders_to_meta(model: Module) -> bool:

@@ -28,6 +28,7 @@ from lightning.fabric.utilities.distributed import ReduceOp
 from torch import Tensor
 from torch.nn import Module
 from torch.optim import Optimizer
+from torch.utils.hooks import RemovableHandle
 from typing_extensions import override
 
 from hvd_plugins.core.backend import capabilities
@@ -54,9 +55,11 @@ from hvd_plugins.core.sync.guards import SyncGuards
 from hvd_plugins.core.training_state import (
     broadcast_module_,
     broadcast_optimizer_state_,
+    hold_meta_for_optimizer_,
     move_module_,
     param_groups_kept,
     prepare_module_,
+    shape_placeholders_,
     wrap_optimizers,
 )
 from hvd_plugins.fabric.lightning_internals import (
@@ -183,6 +186,9 @@ class HorovodStrategy(HorovodStrategyShared, ParallelStrategy):
         self._graph_cuts = GraphCuts(self.config.bucket_bytes)  # a compiled module's graphs end at gradient buckets
         set_backward_sync_control(self, _HoldAllreduces(self))
         self._wrapped: list[Optimizer] = []  # every optimizer set up so far, in order (names opt0, opt1, ...)
+        self._unsharded: Module | None = None  # shard="parameters": set up, waiting for its optimizer or first use
+        self._shard_on_use: RemovableHandle | None = None
+        self._sharded_module: Module | None = None  # shard="parameters": the module the sync shards
         self._averaged: set[int] = set()  # optimizers whose gradients are averaged for the coming step
         self.holding = False  # inside no_backward_sync: backward only accumulates
 
@@ -235,8 +241,30 @@ class HorovodStrategy(HorovodStrategyShared, ParallelStrategy):
     def setup_module(self, module: Module) -> Module:
         """Every worker starts from rank 0's parameters and buffers. Until teardown, graphs that ``torch.compile``
         captures (``fabric.setup`` compiles the module again after this when it was given compiled) end where a
-        gradient bucket fills, so the syncs that backward's hooks start overlap the rest of backward."""
-        return self._setup_module(module, keep_meta=False)
+        gradient bucket fills, so the syncs that backward's hooks start overlap the rest of backward.
+
+        With ``shard="parameters"`` the module is sharded for the optimizer built on its parameters next
+        (``fabric.setup_optimizers``, the order litgpt and Lightning's FSDP guide use), or, if it runs before any
+        optimizer is set up, at its first forward: a model built on the meta device is made real a unit at a time
+        then, and never whole on a worker."""
+        if not self.config.shards_parameters:
+            return self._setup_module(module, keep_meta=False)
+        module = self._setup_module(module, keep_meta=True)
+        hold_meta_for_optimizer_(module, self.root_device)  # Fabric refuses an optimizer over meta parameters
+        self._forget_unsharded()
+        self._unsharded = module
+        self._shard_on_use = module.register_forward_pre_hook(self._shard_alone)
+        return module
+
+    def _shard_alone(self, module: Module, args: Any) -> None:
+        """The first forward of a module set up without an optimizer: shard it now, for none."""
+        with torch.inference_mode(False), torch.enable_grad():  # the slices must train later
+            self._wrap([], module)
+
+    def _forget_unsharded(self) -> None:
+        if self._shard_on_use is not None:
+            self._shard_on_use.remove()
+        self._unsharded, self._shard_on_use = None, None
 
     def _setup_module(self, module: Module, keep_meta: bool) -> Module:
         """As ``setup_module``; with ``keep_meta``, a model built on the meta device stays so for the sync mode,
@@ -253,15 +281,24 @@ class HorovodStrategy(HorovodStrategyShared, ParallelStrategy):
         """Rank 0's module everywhere, each optimizer wrapped; ``scheduler`` (Fabric 2.4 added it) now drives the
         wrapped optimizer it was built on."""
         module = self._setup_module(module, keep_meta=self.config.shards_parameters)
+        if self.config.shards_parameters:
+            self._forget_unsharded()
+            self._sharded_module = module
         schedulers = [given for given in scheduler if given is not None]
         return (module, self._wrap(optimizers, module, schedulers), *scheduler)
 
     @override
     def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
-        """An optimizer set up without its module (``fabric.setup_optimizers``): positional allreduce names."""
-        return self._wrap([optimizer], Module())[0]
+        """An optimizer set up without its module (``fabric.setup_optimizers``): positional allreduce names. With
+        ``shard="parameters"`` the module set up before it is sharded for it here."""
+        module = self._unsharded if self._unsharded is not None else self._sharded_module
+        return self._wrap([optimizer], module if module is not None else Module())[0]
 
     def _wrap(self, optimizers: list[Optimizer], module: Module, schedulers: Sequence[Any] = ()) -> list[Optimizer]:
+        if self.config.shards_parameters and (module is self._unsharded or module is self._sharded_module):
+            self._forget_unsharded()
+            self._sharded_module = module
+            shape_placeholders_(module)  # made real a unit at a time as the sync shards it
         if self.gradient_sync is None:
             self.gradient_sync = self._build_gradient_sync(self.precision)  # a collective
         self.gradient_sync.refuse_grad_scaler(getattr(self.precision, "scaler", None))
@@ -385,6 +422,7 @@ class HorovodStrategy(HorovodStrategyShared, ParallelStrategy):
 
     @override
     def teardown(self) -> None:
+        self._forget_unsharded()
         self._guards.stop_checking()
         self._graph_cuts.close()
         if self.gradient_sync is not None:

@@ -237,7 +237,7 @@ class HorovodStrategy(HorovodStrategyShared, UnitInit):
         if fitting and (sync_layers := layer_sync(self)) is not None:  # as DDP: while fitting, reverted at teardown
             self.model = sync_layers.apply(self.model)
         checkpoint_activations(self.model, self.config.activation_checkpointing_policy)
-        prepare_module_(self.model, self.root_device, keep_meta=fitting and self.config.shards_parameters)
+        prepare_module_(self.model, self.root_device, keep_meta=self.config.shards_parameters)
         self._graph_cuts.open()  # until teardown: graphs torch.compile captures meanwhile end at gradient buckets
         attach_horovod_metric_sync(self.model)
         if self.gradient_sync is None:
@@ -256,6 +256,8 @@ class HorovodStrategy(HorovodStrategyShared, UnitInit):
             RequeueOnPreemption.install(trainer, slurm_job_id() if self.config.auto_requeue else None)
             if self.elastic is not None:
                 ElasticCommitCallback.install(trainer, self.elastic, self.checkpoint_content)  # after the loop events
+        elif self.config.shards_parameters:  # validate, test, predict: sharded too, with no optimizer
+            self.gradient_sync.setup(self.model, [], total_epochs=None)
 
     @override
     def setup_optimizers(self, trainer: pl.Trainer) -> None:

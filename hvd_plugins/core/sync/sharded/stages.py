@@ -17,6 +17,7 @@ nodes among the workers of one local rank (sharded inside the node).
 from __future__ import annotations
 
 import contextlib
+import logging
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -25,6 +26,7 @@ from typing import Any
 import torch
 from torch.nn import Module
 from torch.optim import Optimizer
+from torch.utils.hooks import RemovableHandle
 
 from hvd_plugins.core.comm.compression import Compressor, NoCompression
 from hvd_plugins.core.comm.counters import CommCounters, Scope
@@ -35,6 +37,7 @@ from hvd_plugins.core.comm.reducer import BucketOperation
 from hvd_plugins.core.comm.topology import NodeGroups
 from hvd_plugins.core.comm.two_level import TwoLevelSum
 from hvd_plugins.core.comm.world import broadcast_from_root, max_over_world, sum_over_world, world_rank
+from hvd_plugins.core.config import describe_policy
 from hvd_plugins.core.sync.meta import materialize, real_tensors
 from hvd_plugins.core.sync.sharded.optimizer import ShardedOptimizer
 from hvd_plugins.core.sync.sharded.partition import ShardedBucket, Signature, partition, partition_by_units
@@ -42,11 +45,14 @@ from hvd_plugins.core.sync.sharded.units import (
     ShardedUnits,
     Unit,
     UnitPolicy,
+    describe_units,
     find_units,
     norms_in_units,
     outside_units,
     unit_owners,
 )
+
+log = logging.getLogger(__name__)
 
 UNITS_IN_PARTS_KEY = "hvd_plugins_units_in_optimizer_parts"
 """Marks the model state of an elastic commit under ``shard="parameters"``: it holds what no unit owns, and the
@@ -289,6 +295,9 @@ class ParameterStage(GradientStage):
         self._optimizers: list[ShardedOptimizer] = []
         self._units: ShardedUnits | None = None
         self._triggers: list[Module] = []  # the modules whose forward gathers the model's own unit
+        self._state_hooks: list[RemovableHandle] = []
+        self._raw_state = False  # inside: state_dict and load_state_dict as this worker holds the parameters
+        self._whole_on_rank_zero_only = False  # a checkpoint: only rank 0, which writes it, keeps the gathered copies
 
     @classmethod
     def build(
@@ -310,29 +319,35 @@ class ParameterStage(GradientStage):
                 "shard='parameters' shards one model per strategy; this strategy already shards "
                 f"{type(self._model).__name__}: give each model its own HorovodStrategy"
             )
+        self.detach()  # sharded before (for other optimizers, or none): whole again, sharded anew below
         self._names = find_units(model, self.policy)
-        if not self._names:
+        if not self._names and self.policy is not None:
             raise ValueError(
-                f"shard='parameters' found no unit in {type(model).__name__} with auto_wrap_policy={self.policy!r}: "
-                "name the classes of its blocks, for example auto_wrap_policy={Block}"
+                f"shard='parameters' found no unit in {type(model).__name__} with auto_wrap_policy="
+                f"{{{describe_policy(self.policy)}}}: name the classes of its repeated blocks, for example "
+                "auto_wrap_policy={Block}, or leave auto_wrap_policy=None (the repeated blocks, else the whole model "
+                "as one unit)"
             )
         modules = [module for _, module in self._names]
         self._owners = unit_owners(model, modules)
         self._refuse_half_norms_on_cpu(model, self._owners)
         held, self._triggers = outside_units(model, modules)
         self._owners.update((key, len(self._names)) for key in held)  # the model's own unit, gathered in full
+        if world_rank() == 0:
+            log.info(describe_units(model, self._names, self.policy, len(held)))
         self._names.append(("", model))
         owned = [p for sharded in optimizers for group in sharded.param_groups for p in group["params"]]
-        if optimizers and not any(id(p) in self._owners for p in owned):
+        if optimizers and self._owners and not any(id(p) in self._owners for p in owned):
             raise ValueError(
-                "shard='parameters' found none of the optimizers' parameters in the model's units: set the model "
-                "and its optimizers up together (fabric.setup(model, optimizer)), with the model's own parameters"
+                "shard='parameters' found none of the optimizers' parameters in the model: build the optimizer on "
+                "the parameters of the model set up with it (model.parameters() after fabric.setup(model))"
             )
         self._model = model
         self._optimizers = list(optimizers)
         for sharded in self._optimizers:
             relay(sharded)
         self._install_from_root(model)
+        self._hook_state_dict(model)
 
     def _refuse_half_norms_on_cpu(self, model: Module, owners: dict[int, int]) -> None:
         """Half gathers on the CPU where a unit holds a normalization layer: autocast runs it in float32 there
@@ -371,7 +386,7 @@ class ParameterStage(GradientStage):
         own = units.get(len(self._names) - 1)
         blocks = [units[index] for index in sorted(units) if units[index] is not own]
         self._units = ShardedUnits(blocks, self.reshard_after_forward, own, self._triggers)
-        self._units.install()
+        self._units.install(self._model)
 
     def _install_from_root(self, model: Module) -> None:
         """Rank 0's model, one unit at a time: each unit's parameters, made real where they are on the meta device,
@@ -417,6 +432,7 @@ class ParameterStage(GradientStage):
             self._units.free_all()  # units whose parameters did not all get gradients
 
     def detach(self) -> None:
+        self._unhook_state_dict()
         if self._units is not None:
             self._units.remove()
         self._units, self._owners, self._model, self._optimizers = None, None, None, []
@@ -424,73 +440,122 @@ class ParameterStage(GradientStage):
     def abandon(self) -> None:
         """The units' parameters left placeholders, gathering nothing: the next setup makes them real a unit at a
         time and the commit's slices (kept with the optimizer parts) give them their values."""
+        self._unhook_state_dict()
         if self._units is not None:
             self._units.abandon()
         self._units, self._owners, self._model, self._optimizers = None, None, None, []
 
     def model_state_dict(self, model: Module, committing: bool = False) -> dict[str, Any]:
-        """The whole state, gathered unit by unit (a collective): rank 0, which writes checkpoints, keeps a copy of
-        each unit's parameters, one unit whole at a time; the other workers' states hold those as they are.
+        """The whole state, gathered unit by unit (a collective, ``_whole_state``): rank 0, which writes checkpoints,
+        keeps a copy of each unit's parameters, one unit whole at a time; the other workers' states hold them empty.
 
         In an elastic commit, no gather: the state of what no unit owns, marked ``UNITS_IN_PARTS_KEY``; the units'
         values are this worker's slices, which the commit keeps with the optimizer parts (and a copy elsewhere)."""
         if self._units is None:
             return model.state_dict()
-        names = self._parameter_names(model)
         if committing:
-            owned = self._owned_names(names)
-            state = {key: value for key, value in model.state_dict().items() if key not in owned}
+            owned = self._owned_names(self._parameter_names(model))
+            with self._state_as_held():
+                state = {key: value for key, value in model.state_dict().items() if key not in owned}
             state[UNITS_IN_PARTS_KEY] = True
             return state
-        keep = world_rank() == 0
-        gathered: dict[str, torch.Tensor] = {}
-        for unit in self._units.units:
-            unit.gather(full=True)
-            for parameter in unit.parameters() if keep else ():
-                copy = parameter.detach().clone()
-                gathered.update((name, copy) for name in names.get(id(parameter), []))
-            unit.free()
-        state = model.state_dict()
-        state.update((name, value) for name, value in gathered.items() if name in state)
-        return state
+        self._whole_on_rank_zero_only = True
+        try:
+            return model.state_dict()
+        finally:
+            self._whole_on_rank_zero_only = False
 
     def load_model_state_dict(self, model: Module, state: Mapping[str, Any], strict: bool) -> None:
-        """A whole state loaded one unit at a time, each worker keeping its slices of it: what no unit owns is
-        loaded as a module loads it, then each unit is gathered, takes its values, its slices, and is freed."""
+        """A whole state loaded one unit at a time, each worker keeping its slices of it (``_load_whole``); an
+        elastic commit's state holds what no unit owns, the units' slices come with its optimizer parts."""
         if self._units is None:
             model.load_state_dict({k: v for k, v in state.items() if k != UNITS_IN_PARTS_KEY}, strict=strict)
             return
-        names = self._parameter_names(model)
-        owned = self._owned_names(names)
-        result = model.load_state_dict({k: v for k, v in state.items() if k not in owned}, strict=False)
-        in_parts = bool(state.get(UNITS_IN_PARTS_KEY))
+        if not state.get(UNITS_IN_PARTS_KEY):
+            model.load_state_dict(state, strict=strict)
+            return
+        owned = self._owned_names(self._parameter_names(model))
+        with self._state_as_held():
+            result = model.load_state_dict({k: v for k, v in state.items() if k not in owned}, strict=False)
         unexpected = [key for key in result.unexpected_keys if key != UNITS_IN_PARTS_KEY]
         missing = [key for key in result.missing_keys if key not in owned]
-        if not in_parts:
-            missing += sorted(owned - set(state))
         if strict and (missing or unexpected):
             raise RuntimeError(
                 f"Error(s) in loading state_dict for {type(model).__name__}: missing keys {missing}, "
                 f"unexpected keys {unexpected}"
             )
-        if in_parts:
-            return  # an elastic commit: the units' slices come with its optimizer parts (``load_values``)
+
+    @contextlib.contextmanager
+    def _state_as_held(self) -> Iterator[None]:
+        """Inside, the model's ``state_dict`` and ``load_state_dict`` see the parameters as this worker holds them."""
+        self._raw_state = True
+        try:
+            yield
+        finally:
+            self._raw_state = False
+
+    def _hook_state_dict(self, model: Module) -> None:
+        """The model's own ``state_dict()`` gives whole tensors and ``load_state_dict`` takes them, as FSDP's full
+        state dict does (a collective: every worker calls them): what ``save_pretrained``-style code expects."""
+        self._state_hooks = [
+            model._register_state_dict_hook(self._whole_state),
+            model._register_load_state_dict_pre_hook(self._load_whole, with_module=True),
+        ]
+
+    def _unhook_state_dict(self) -> None:
+        for handle in self._state_hooks:
+            handle.remove()
+        self._state_hooks = []
+
+    def _whole_state(self, model: Module, state: dict[str, Any], prefix: str, metadata: Any) -> None:
+        """``state_dict``'s units' entries replaced by the whole tensors, gathered one unit at a time."""
+        if self._units is None or self._raw_state:
+            return
+        names = self._parameter_names(model)
+        keep = not self._whole_on_rank_zero_only or world_rank() == 0
         for unit in self._units.units:
+            was_whole = unit.whole
+            unit.gather(full=True)
+            for parameter in unit.parameters() if keep else ():
+                copy = parameter.detach().clone()
+                state.update((prefix + name, copy) for name in names.get(id(parameter), []) if prefix + name in state)
+            if not was_whole:
+                unit.free()
+
+    def _load_whole(self, model: Module, state: dict[str, Any], prefix: str, *args: Any) -> None:
+        """Whole tensors of ``state`` taken into the units' slices, one unit at a time; their entries then left as
+        the parameters are held, for the modules' own loading to pass over."""
+        if self._units is None or self._raw_state:
+            return
+        names = self._parameter_names(model)
+        for unit in self._units.units:
+            keys = {
+                id(p): next((prefix + n for n in names.get(id(p), []) if prefix + n in state), None)
+                for p in unit.parameters()
+            }
+            if not any(keys.values()):
+                continue
+            was_whole = unit.whole
             unit.gather(full=True)
             with torch.no_grad():
                 for parameter in unit.parameters():
-                    key = next((name for name in names.get(id(parameter), []) if name in state), None)
+                    key = keys[id(parameter)]
                     if key is None:
                         continue
                     value = state[key]
                     if value.shape != parameter.shape:
                         raise RuntimeError(
-                            f"size mismatch for {key}: the checkpoint holds {tuple(value.shape)}, the model "
+                            f"size mismatch for {key}: the state holds {tuple(value.shape)}, the model "
                             f"{tuple(parameter.shape)}"
                         )
                     parameter.copy_(value)
             unit.take_slices()
-            unit.free()
+            if not was_whole:
+                unit.free()
+            for parameter in unit.parameters():
+                for name in names.get(id(parameter), []):
+                    if prefix + name in state:
+                        state[prefix + name] = parameter.detach()
 
     def _owned_names(self, names: Mapping[int, list[str]]) -> set[str]:
         """The state dict names of the units' parameters (``names``: ``_parameter_names``)."""
@@ -504,6 +569,11 @@ class ParameterStage(GradientStage):
         for name, parameter in model.named_parameters(remove_duplicate=False):
             names.setdefault(id(parameter), []).append(name)
         return names
+
+
+def first_key(names: Sequence[str], prefix: str, state: Mapping[str, Any]) -> str | None:
+    """The first of a parameter's ``names`` (a tied weight has several) that ``state`` holds under ``prefix``."""
+    return next((prefix + name for name in names if prefix + name in state), None)
 
 
 SHARD_STAGES: dict[str, type[ShardStage]] = {

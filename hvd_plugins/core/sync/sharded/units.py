@@ -17,7 +17,9 @@ backward's hooks as ZeRO-2 does. A gather reads the slices as they are, so a ste
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+import logging
+import sys
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -30,60 +32,95 @@ from hvd_plugins.core.comm.counters import CommCounters, Scope
 from hvd_plugins.core.comm.in_flight import finish_all
 from hvd_plugins.core.comm.partners import PartnerAlltoall, start_allgather
 from hvd_plugins.core.comm.wire import nbytes
-from hvd_plugins.core.config import UnitPolicy, policy_picks
+from hvd_plugins.core.config import UnitPolicy, describe_policy, policy_picks
 from hvd_plugins.core.sync.meta import leave_placeholder
 from hvd_plugins.core.sync.sharded.optimizer import ShardedOptimizer
 
-DEFAULT_UNIT_PARAMETERS = 100_000
-"""Without a policy, a module is a unit when it holds this many parameters of its own (its units' aside)."""
+log = logging.getLogger(__name__)
 
 
 def find_units(model: Module, policy: UnitPolicy) -> list[tuple[str, Module]]:
-    """The units of ``model`` by ``policy`` (classes, a function of a module, or None: by size, and where no module
-    is that large, each child of the model that holds parameters), in module order. Only modules whose forward
-    is called can be units: a container (``nn.ModuleList``) lends its parameters to its parent instead.
+    """The units of ``model`` by ``policy`` (module classes or a function of a module), in module order; without a
+    policy, its repeated blocks (``repeated_blocks``). Only modules whose forward is called can be units: a container
+    (``nn.ModuleList``) is never picked, its members may be.
 
-    The model itself is never picked: what no unit owns goes to its own unit (``outside_units``). Units may nest;
-    a unit owns what is registered under it and under none of its own units.
+    The model itself is never picked: what no unit owns goes to its own unit (``outside_units``), gathered for the
+    whole forward and backward, as FSDP's root. Units may nest; a unit owns what is registered under it and under
+    none of its own units.
     """
-    chosen: list[tuple[str, Module]] = []
+    if policy is None:
+        return repeated_blocks(model)
+    chosen = [
+        (name, module)
+        for name, module in model.named_modules()
+        if module is not model and runs_forward(module) and policy_picks(policy, module)
+    ]
+    return chosen
 
-    def own_count(module: Module) -> int:
-        return sum(p.numel() for p in module.parameters(recurse=False))
 
-    def visit(name: str, module: Module, is_root: bool) -> int:
-        """Parameters under ``module`` that no unit at or below it owns (for the size policy)."""
-        left = own_count(module)
-        for child_name, child in module.named_children():
-            left += visit(f"{name}.{child_name}" if name else child_name, child, False)
-        if is_root or not runs_forward(module):
-            return left  # a container (ModuleList, ModuleDict) is never called: its parameters count for its parent
-        if left >= DEFAULT_UNIT_PARAMETERS if policy is None else policy_picks(policy, module):
-            chosen.append((name, module))
-            return 0
-        return left
+def repeated_blocks(model: Module) -> list[tuple[str, Module]]:
+    """The blocks a model repeats, as torchtitan, litgpt and Hugging Face wrap them: the classes the model declares
+    unsplittable (Hugging Face's ``_no_split_modules``), else the members of every ``ModuleList`` or ``Sequential``
+    of two or more modules of one class that holds parameters (the outermost such; their insides are theirs).
+    Everything else belongs to the model's own unit. A model that repeats nothing has no unit but its own: slow, as
+    FSDP wrapping only the root is, and correct whatever its forward reads."""
+    declared = {name for module in model.modules() for name in getattr(module, "_no_split_modules", None) or ()}
+    found: list[tuple[str, Module]] = []
 
-    visit("", model, True)
-    if policy is None and not chosen:  # a small model: its parts that hold parameters
-        chosen = called_children(model)
-    order = {id(module): index for index, (_, module) in enumerate(model.named_modules())}
-    return sorted(chosen, key=lambda unit: order[id(unit[1])])
+    def visit(prefix: str, module: Module) -> None:
+        children = list(module.named_children())
+        if declared:
+            picked = [(f"{prefix}{n}", c) for n, c in children if type(c).__name__ in declared and runs_forward(c)]
+        else:
+            picked = children if _repeats_one_block(module) else []
+            picked = [(f"{prefix}{n}", c) for n, c in picked]
+        found.extend(picked)
+        taken = {id(c) for _, c in picked}
+        for name, child in children:
+            if id(child) not in taken:
+                visit(f"{prefix}{name}.", child)
+
+    visit("", model)
+    return found
+
+
+def _repeats_one_block(module: Module) -> bool:
+    """Whether ``module`` is a ``ModuleList`` or ``Sequential`` of two or more modules of one class, with parameters."""
+    if not isinstance(module, (torch.nn.ModuleList, torch.nn.Sequential)):
+        return False
+    members = list(module.children())
+    return (
+        len(members) >= 2
+        and len({type(member) for member in members}) == 1
+        and runs_forward(members[0])
+        and any(True for _ in module.parameters())
+    )
+
+
+def describe_units(model: Module, units: Sequence[tuple[str, Module]], policy: UnitPolicy, own: int) -> str:
+    """One line: which units were chosen and by what, and how many parameters the model's own unit holds."""
+    how = "its repeated blocks" if policy is None else f"auto_wrap_policy={{{describe_policy(policy)}}}"
+    if not units:
+        return (
+            f"shard='parameters': {type(model).__name__} repeats no block, so the whole model is one unit "
+            f"({own} parameter tensors), gathered for each step; name its blocks in auto_wrap_policy to gather "
+            "less at once"
+        )
+    classes: dict[str, int] = {}
+    for _, module in units:
+        classes[type(module).__name__] = classes.get(type(module).__name__, 0) + 1
+    kinds = ", ".join(f"{count} x {name}" for name, count in classes.items())
+    names = [name for name, _ in units]
+    shown = ", ".join(names[:3]) + (f", ..., {names[-1]}" if len(names) > 4 else "".join(f", {n}" for n in names[3:]))
+    return (
+        f"shard='parameters': {len(units)} units by {how} ({kinds}: {shown}); {own} parameter tensors outside them "
+        "form the model's own unit"
+    )
 
 
 def runs_forward(module: Module) -> bool:
     """Whether calling ``module`` runs a forward of its own (a ModuleList's or ModuleDict's is never called)."""
     return type(module).forward is not Module.forward
-
-
-def called_children(module: Module, prefix: str = "") -> list[tuple[str, Module]]:
-    """The children of ``module`` that hold parameters, looking into containers that are never called."""
-    found: list[tuple[str, Module]] = []
-    for name, child in module.named_children():
-        if not any(True for _ in child.parameters()):
-            continue
-        path = f"{prefix}{name}"
-        found += [(path, child)] if runs_forward(child) else called_children(child, f"{path}.")
-    return found
 
 
 def unit_owners(model: Module, units: Sequence[Module]) -> dict[int, int]:
@@ -349,11 +386,19 @@ class ShardedUnits:
         self._position: dict[int, int] = {}  # unit index -> its place in ``_order``
         self._running: list[Unit] = []  # the order of the forward running now
         self._ran: set[int] = set()  # the indices of ``_running``'s units
+        self._recorded = False
+        """Whether a forward recorded gradients since the last sync (a backward to come reads whole units)."""
 
-    def install(self) -> None:
-        """Hook every unit and free its parameters: from now on only the slices hold them."""
+    def install(self, model: Module | None = None) -> None:
+        """Hook every unit and free its parameters: from now on only the slices hold them. After a forward of
+        ``model`` that records no gradient (evaluation), every unit is freed at once: no sync will free them."""
         for module in self.triggers:
             self._handles.append(module.register_forward_pre_hook(self._before_own_use()))
+        if model is not None:
+            self._handles.append(model.register_forward_hook(self._after_evaluation()))
+            names = {id(p): name for name, p in model.named_parameters(remove_duplicate=False)}
+            for module in {id(m): m for m in (model, *self.triggers, *(u.module for u in self.units))}.values():
+                self._handles.append(module.register_forward_hook(self._explain_failure(names), always_call=True))
         for unit in self.units:
             unit.free()
             if unit is self.own:
@@ -383,6 +428,7 @@ class ShardedUnits:
     def free_all(self) -> None:
         for unit in self.units:
             unit.free()
+        self._recorded = False
 
     def _before_own_use(self) -> Callable[..., None]:
         def gather(module: Module, args: Any) -> None:
@@ -392,7 +438,59 @@ class ShardedUnits:
 
         return eager(gather)
 
+    def _after_evaluation(self) -> Callable[..., None]:
+        def free(module: Module, args: Any, output: Any) -> None:
+            if not torch.is_grad_enabled() and not self._recorded and not in_backward():
+                self.free_all()  # not inside a training step: a backward to come may read what is whole
+
+        return eager(free)
+
+    def _explain_failure(self, names: Mapping[int, str]) -> Callable[..., None]:
+        """On an error raised inside a forward: a note that names the parameters read while their unit was freed."""
+
+        def explain(module: Module, args: Any, output: Any) -> None:
+            error = sys.exc_info()[1]
+            if not isinstance(error, RuntimeError) or getattr(error, EXPLAINED, False):
+                return
+            note = self.freed_read_note(names, error)
+            if note is None:
+                return
+            setattr(error, EXPLAINED, True)
+            if hasattr(error, "add_note"):
+                error.add_note(note)
+            else:  # Python 3.10
+                log.error(note)
+
+        return eager(explain)
+
+    def freed_read_note(self, names: Mapping[int, str], error: BaseException) -> str | None:
+        """Which freed parameters the failing forward may have read (those under the innermost module whose forward
+        raised, in the units not gathered for it first), their units, and the fix; None when every unit is whole."""
+        freed = [unit for unit in self.units if not unit.whole]
+        if not freed:
+            return None
+        inner = innermost_module(error)
+        under = {id(p) for p in inner.parameters()} if inner is not None else None
+        never = [unit for unit in freed if unit is not self.own and unit.index not in self._ran]
+        suspects: list[str] = []
+        for unit in sorted(freed, key=lambda unit: unit not in never):
+            read = [names.get(id(p), "?") for p in unit.parameters() if under is None or id(p) in under]
+            if read:
+                why = "never called, so never gathered" if unit in never else "freed after its own forward"
+                shown = ", ".join(read[:3]) + (", ..." if len(read) > 3 else "")
+                suspects.append(f"{shown} (unit {unit.name or '(the model)'!r}, {type(unit.module).__name__}: {why})")
+        if not suspects:
+            return None
+        return (
+            "shard='parameters': this forward may have read a parameter while its unit was freed (an empty tensor): "
+            f"{'; '.join(suspects[:4])}. A parameter read outside the forward of the unit holding it (a weight tied "
+            "by use, or read by its parent, as nn.MultiheadAttention reads out_proj.weight) needs a unit whose "
+            "forward encloses the read: put the module that reads it in auto_wrap_policy (its block), or leave "
+            "auto_wrap_policy=None (the repeated blocks, and the rest whole for the whole step)."
+        )
+
     def _gather_own(self) -> None:
+        self._recorded = self._recorded or torch.is_grad_enabled()
         if self.own is not None and not self.own.whole:
             self.own.gather()
 
@@ -450,6 +548,22 @@ class ShardedUnits:
         return eager(count)
 
 
+EXPLAINED = "_hvd_plugins_freed_read_explained"
+"""Marks an error that already carries the note naming the freed parameters (each module's hook would add it)."""
+
+
+def innermost_module(error: BaseException) -> Module | None:
+    """The innermost module whose own forward code raised ``error`` (the last frame whose ``self`` is a Module)."""
+    found: Module | None = None
+    trace = error.__traceback__
+    while trace is not None:
+        owner = trace.tb_frame.f_locals.get("self")
+        if isinstance(owner, Module) and trace.tb_frame.f_code.co_name == "forward":
+            found = owner
+        trace = trace.tb_next
+    return found
+
+
 def in_backward() -> bool:
     """Whether autograd's engine is running a backward on this thread (a recompute runs forward inside one)."""
     return torch._C._current_graph_task_id() != -1
@@ -458,5 +572,16 @@ def in_backward() -> bool:
 def eager(hook: Callable[..., None]) -> Callable[..., None]:
     """``hook`` kept out of graphs ``torch.compile`` captures: it runs as written, between them. Traced, the
     freeing of a unit (``parameter.data = ...``) would become a mutation of the graph's inputs, replayed after
-    the graph with the parameters' version bumped, and backward would refuse the weights it saved."""
-    return torch._dynamo.disable(hook, recursive=True)
+    the graph with the parameters' version bumped, and backward would refuse the weights it saved.
+
+    It also runs outside ``torch.inference_mode`` (Lightning's validate and predict loops run in it), with grad mode
+    as it was: a gather's buffers and a freed parameter's empty tensor must stay normal tensors, which Horovod's
+    thread may write and a later training step may save for backward."""
+
+    def outside_inference_mode(*args: Any, **kwargs: Any) -> None:
+        if not torch.is_inference_mode_enabled():
+            return hook(*args, **kwargs)
+        with torch.inference_mode(False), torch.no_grad():
+            return hook(*args, **kwargs)
+
+    return torch._dynamo.disable(outside_inference_mode, recursive=True)

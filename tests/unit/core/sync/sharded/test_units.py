@@ -19,7 +19,7 @@ from hvd_plugins.core.comm.compression import NoCompression
 from hvd_plugins.core.comm.counters import CommCounters
 from hvd_plugins.core.sync.sharded import units as units_module
 from hvd_plugins.core.sync.sharded.mode import ShardedGradientSync
-from hvd_plugins.core.sync.sharded.units import DEFAULT_UNIT_PARAMETERS, find_units, outside_units, unit_owners
+from hvd_plugins.core.sync.sharded.units import find_units, outside_units, unit_owners
 from hvd_plugins.pytorch.callbacks.memory import training_state_mb
 from unit.integer_training import integer_inputs, integer_model, train_synced
 from unit.threaded_horovod import RankHorovod, ThreadedJob
@@ -46,28 +46,54 @@ def test_a_class_policy_picks_every_match_but_the_root_in_module_order() -> None
     assert find_units(nn.Linear(3, 3), frozenset({nn.Linear})) == []  # the model itself is never a unit
 
 
-def test_without_a_policy_a_module_holding_enough_parameters_of_its_own_is_a_unit() -> None:
-    side = int(DEFAULT_UNIT_PARAMETERS**0.5) + 1
-    model = nn.Sequential(nn.Sequential(nn.Linear(side, side), nn.Linear(2, 2)), nn.Linear(2, 2))
-    assert [name for name, _ in find_units(model, None)] == ["0.0"]  # then "0" holds too few of its own
+def test_without_a_policy_the_units_are_the_outermost_repeated_blocks() -> None:
+    """The members of a ModuleList or Sequential of two or more modules of one class; their insides are theirs."""
+    model = nn.Module()
+    model.embed = nn.Embedding(5, 4)
+    model.layers = nn.ModuleList(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)) for _ in range(3))
+    model.head = nn.Linear(4, 5)
+    assert [name for name, _ in find_units(model, None)] == ["layers.0", "layers.1", "layers.2"]
+    encoder = nn.TransformerEncoder(nn.TransformerEncoderLayer(8, 2, 16), 2, enable_nested_tensor=False)
+    assert [name for name, _ in find_units(encoder, None)] == ["layers.0", "layers.1"]
+    assert [name for name, _ in find_units(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)), None)] == ["0", "1"]
 
 
-def test_without_a_policy_a_model_with_no_large_module_makes_a_unit_of_each_child_with_parameters() -> None:
-    model = nn.Sequential(nn.Linear(2, 2), nn.Tanh(), nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 1)))
-    assert [name for name, _ in find_units(model, None)] == ["0", "2"]
+def test_without_a_policy_a_model_that_repeats_nothing_is_its_own_unit() -> None:
+    """Mixed classes, a single block, or repeated modules without parameters: no unit but the model's own."""
+    assert find_units(nn.Sequential(nn.Linear(2, 2), nn.Tanh(), nn.Linear(2, 1)), None) == []
+    assert find_units(nn.Sequential(nn.ModuleList([nn.Linear(2, 2)]), nn.Linear(2, 1)), None) == []
+    assert find_units(nn.Sequential(nn.Sequential(nn.Tanh(), nn.Tanh()), nn.Linear(2, 1)), None) == []
+    model = Tied()
+    blocks = [module for _, module in find_units(model, None)]
+    assert blocks == list(model.blocks)
+    held, _ = outside_units(model, blocks)
+    assert held == {id(model.embed.weight)}  # the head holds the same tensor
 
 
-def test_a_container_that_is_never_called_is_never_a_unit_its_members_are() -> None:
-    """A ModuleList's forward never runs, so no hook would gather it: its blocks are units instead."""
-    side = int((DEFAULT_UNIT_PARAMETERS / 1.6) ** 0.5)  # two of these hold enough for a unit, one does not
-    small = nn.Module()
-    small.blocks = nn.ModuleList([nn.Linear(2, 2), nn.Linear(2, 2)])
-    small.head = nn.Linear(2, 1)
-    assert [name for name, _ in find_units(small, None)] == ["blocks.0", "blocks.1", "head"]
-    large = nn.Module()
-    large.blocks = nn.ModuleList([nn.Linear(side, side), nn.Linear(side, side)])
-    assert sum(p.numel() for p in large.blocks.parameters()) >= DEFAULT_UNIT_PARAMETERS
-    assert [name for name, _ in find_units(large, None)] == ["blocks.0", "blocks.1"]
+def test_without_a_policy_the_classes_a_model_declares_unsplittable_are_its_units() -> None:
+    """Hugging Face's ``_no_split_modules``: the classes named there, wherever they sit."""
+
+    class Layer(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.attention = nn.MultiheadAttention(4, 2)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.attention(x, x, x)[0]
+
+    model = nn.Module()
+    model._no_split_modules = ["Layer"]
+    model.first = Layer()
+    model.rest = nn.ModuleDict({"second": Layer()})
+    assert [name for name, _ in find_units(model, None)] == ["first", "rest.second"]
+
+
+def test_a_policy_that_picks_a_container_never_called_picks_nothing_there() -> None:
+    """A ModuleList's forward never runs, so no hook would gather it."""
+    model = nn.Module()
+    model.blocks = nn.ModuleList([nn.Linear(2, 2), nn.Linear(2, 2)])
+    assert find_units(model, lambda module: isinstance(module, nn.ModuleList)) == []
+    assert [name for name, _ in find_units(model, frozenset({nn.Linear}))] == ["blocks.0", "blocks.1"]
 
 
 def test_a_weight_tied_across_units_or_to_the_root_stays_with_no_unit() -> None:
