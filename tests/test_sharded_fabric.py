@@ -168,6 +168,10 @@ def test_zero3_default_units_train_as_unsharded_in_the_order_users_set_up(
         assert found["difference"] <= TOLERANCE and found["predicted"] <= TOLERANCE, found
         on_model = 16 * 32 if case == "tied_model_first" else 0  # TiedGPT.position, registered on the model itself
         assert found["held_after_step"] == on_model < found["whole"], found
+        # once backward is done, every block's gradients left as slices and the blocks freed: what is whole is the
+        # model's own unit until the step (TiedGPT's embedding and norm, AttentionGPT's embedding and head)
+        assert found["after_backward"]["gradients"] == 0, found
+        assert found["after_backward"]["whole"] < found["whole"] / 2, found
 
 
 def test_zero3_evaluates_with_no_optimizer_sharded_from_its_first_forward(four: dict[int, dict[str, Any]]) -> None:

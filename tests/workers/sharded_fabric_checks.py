@@ -431,10 +431,16 @@ def run_order(shard: str, make: Any, order: str, steps: int = 4) -> dict[str, An
         torch.manual_seed(5)
         module = make()
         model, optimizer = fabric.setup(module, torch.optim.SGD(module.parameters(), lr=0.1, momentum=0.9))
-    held = []
+    held, after_backward = [], []
     for tokens, targets in token_batches(steps):
         logits = model(tokens)
         fabric.backward(nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1)))
+        after_backward.append(
+            {
+                "whole": sum(p.numel() for p in model.parameters()),
+                "gradients": sum(p.grad.numel() for p in model.parameters() if p.grad is not None),
+            }
+        )
         optimizer.step()
         optimizer.zero_grad()
         held.append(sum(p.numel() for p in model.parameters()))
@@ -446,6 +452,7 @@ def run_order(shard: str, make: Any, order: str, steps: int = 4) -> dict[str, An
         "predicted": predicted.double(),
         "held_after_step": min(held),
         "whole": sum(state[name].numel() for name, _ in model.module.named_parameters()),
+        "after_backward": after_backward[0],
     }
 
 
@@ -472,6 +479,7 @@ def check_zero3_in_users_orders() -> dict[str, Any]:
             "predicted": relative(sharded["predicted"], plain["predicted"]),
             "held_after_step": sharded["held_after_step"],
             "whole": plain["whole"],
+            "after_backward": sharded["after_backward"],
         }
     plain, sharded = evaluate_alone("none", TiedGPT), evaluate_alone("parameters", TiedGPT)
     found["evaluate_alone"] = {"predicted": relative(sharded["predicted"], plain["predicted"]), "held": sharded["held"]}

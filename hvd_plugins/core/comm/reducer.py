@@ -55,9 +55,14 @@ class BucketReducer:
         land_early: bool = False,
         max_in_flight: int | None = None,
         views: bool = False,
+        padded_numels: Sequence[int] | None = None,
     ) -> None:
         self.operation = operation
         self.views = views
+        self.padded_numels = list(padded_numels) if padded_numels is not None else None
+        """Each bucket's flat length, padding included (a sharded mode's layout): the gradients are copied once,
+        into a buffer the operation splits as it is, and nothing writes results back into them (the operation puts
+        its result elsewhere), so a bucket's gradients are let go as soon as it starts."""
         """Hand a bucket of one contiguous gradient to the operation as a view of that gradient, not a copy: the
         operation may then write its result there (an in-place sum), and nothing is copied back. Gradients of
         ``VIEW_ALONE_BYTES`` or more then get buckets of their own."""
@@ -95,14 +100,20 @@ class BucketReducer:
     def start(self, index: int) -> None:
         """Flatten bucket ``index``'s gradients and start its operation; buckets in flight move on meanwhile."""
         gradients = [gradient_to_send(p) for p in self.buckets.buckets[index]]
-        operation = self.operation(index, self._flat(gradients), f"{self.name}.{index}")
+        if self.padded_numels is not None:
+            operation = self.operation(
+                index, flatten_padded(gradients, self.padded_numels[index]), f"{self.name}.{index}"
+            )
+            gradients = []  # its result goes elsewhere: the whole gradients may go once the operation drops them
+        else:
+            operation = self.operation(index, self._flat(gradients), f"{self.name}.{index}")
         self._in_flight[index] = (gradients, operation)
         for earlier, (its_gradients, other) in self._in_flight.items():
             if other is None:
                 continue
             if self.land_early and other.ready():  # arrived: land it now, so its buffers go while backward runs
                 self._land(its_gradients, other.wait())
-                self._in_flight[earlier] = (its_gradients, None)
+                self._in_flight[earlier] = ([], None)  # landed: its gradients are no longer this reducer's to hold
             else:
                 other.progress()
         travelling = [i for i in sorted(self._in_flight) if self._in_flight[i][1] is not None]
@@ -111,7 +122,7 @@ class BucketReducer:
             its_gradients, other = self._in_flight[oldest]
             assert other is not None
             self._land(its_gradients, other.wait())
-            self._in_flight[oldest] = (its_gradients, None)
+            self._in_flight[oldest] = ([], None)
 
     def _flat(self, gradients: list[torch.Tensor]) -> torch.Tensor:
         if self.views and len(gradients) == 1 and gradients[0].is_contiguous():
@@ -152,6 +163,18 @@ class BucketReducer:
         """Drop the hooks: this reducer is done with."""
         self.buckets.remove()
         self._in_flight.clear()
+
+
+def flatten_padded(tensors: Sequence[torch.Tensor], numel: int) -> torch.Tensor:
+    """``tensors`` end to end in one new buffer of ``numel`` elements, zeros after them."""
+    first = tensors[0]
+    flat = torch.empty(numel, dtype=first.dtype, device=first.device)
+    offset = 0
+    for tensor in tensors:
+        flat[offset : offset + tensor.numel()].copy_(tensor.reshape(-1))
+        offset += tensor.numel()
+    flat[offset:].zero_()
+    return flat
 
 
 class OptimizerReducers:

@@ -105,7 +105,10 @@ def replace_values(parameter: Parameter, values: torch.Tensor) -> None:
     its attributes: optimizers, hooks and the model still hold it. ``.data =`` cannot cross to or from meta."""
     new = Parameter(values, requires_grad=parameter.requires_grad)
     new.__dict__.update(parameter.__dict__)  # swap_tensors swaps the attributes too: keep the user's
+    hooks = parameter._post_accumulate_grad_hooks
     torch.utils.swap_tensors(parameter, new)
+    if hooks is not None:  # they stay registered on the old tensor: bind them to the new one, or they never run
+        parameter._post_accumulate_grad_hooks = hooks
 
 
 def leave_placeholder(parameter: Parameter, shape: torch.Size, dtype: torch.dtype | None = None) -> None:

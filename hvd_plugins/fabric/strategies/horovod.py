@@ -381,7 +381,7 @@ class HorovodStrategy(HorovodStrategyShared, ParallelStrategy):
             remainder = super().load_checkpoint(path, state, strict, **kwargs)  # weights_only since Fabric 2.4
         objects = state.values() if isinstance(state, dict) else [state] if state is not None else []
         for obj in objects:
-            if isinstance(obj, Module):
+            if isinstance(obj, Module) and not self.config.shards_parameters:  # sharded: each took its slices
                 broadcast_module_(obj)
             elif isinstance(obj, Optimizer) and self._replicates_optimizer_state:
                 inner = getattr(obj, "optimizer", obj)

@@ -185,6 +185,7 @@ class ShardedGradientSync(GradientSync):
             buckets=[bucket.parameters for bucket in buckets],
             land_early=self.stage.land_early,
             max_in_flight=self.stage.max_in_flight,
+            padded_numels=[bucket.layout.padded_numel for bucket in buckets] if self.stage.land_early else None,
         )
         reducer.armed = self.stage.armed()
         self._reducers[id(sharded)] = reducer

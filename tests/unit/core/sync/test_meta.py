@@ -12,7 +12,9 @@ from hvd_plugins.core.sync.meta import (
     check_materializable,
     has_meta_tensors,
     leave_placeholder,
+    make_parameter_real,
     materialize,
+    meta_to_placeholders,
     placeholders_to_meta,
     real_tensors,
 )
@@ -125,3 +127,27 @@ def test_a_placeholder_keeps_its_shape_and_parameter_and_becomes_meta_again() ->
     assert not placeholders_to_meta(model), "a placeholder turns into a meta tensor once"
     materialize(model, torch.device("cpu"))
     assert not has_meta_tensors(model) and model.head.weight.shape == (10, 6)
+
+
+def test_a_parameter_made_real_keeps_the_hooks_registered_on_it_while_it_was_on_the_meta_device() -> None:
+    """A sync registers its backward hooks on a model still on the meta device; made real a unit at a time, each
+    parameter must keep calling them (else no bucket starts in backward and every gradient is held to the end)."""
+    parameter = torch.nn.Parameter(torch.empty(3, device="meta"))
+    accumulated: list[torch.Tensor] = []
+    parameter.register_post_accumulate_grad_hook(lambda tensor: accumulated.append(tensor.grad))
+    make_parameter_real(parameter, torch.device("cpu"))
+    with torch.no_grad():
+        parameter.fill_(1.0)
+    (parameter * 2).sum().backward()
+    assert len(accumulated) == 1 and torch.equal(accumulated[0], torch.full((3,), 2.0))
+
+
+def test_placeholders_of_a_meta_model_turn_back_into_its_shapes() -> None:
+    """Fabric refuses an optimizer over meta parameters: they wait as empty placeholders that remember their shape."""
+    with torch.device("meta"):
+        model = torch.nn.Linear(3, 2)
+    meta_to_placeholders(model, torch.device("cpu"))
+    assert [tuple(p.shape) for p in model.parameters()] == [(0,), (0,)]
+    assert not any(p.is_meta for p in model.parameters())
+    assert placeholders_to_meta(model)
+    assert [tuple(p.shape) for p in model.parameters()] == [(2, 3), (2,)] and all(p.is_meta for p in model.parameters())

@@ -1,0 +1,228 @@
+"""What a worker's resident memory grows by when a GPT is fully sharded, in each order users set it up.
+
+A GPT of ``TransformerBlock`` s (a ``ModuleList``, so the default units are its blocks; embedding tied to the
+output head) is built in ``init_module(empty_init=True)`` on 4 workers (two emulated hosts of two) and takes a
+few SGD steps on 64 tokens, once per setting:
+
+- ``none``: unsharded, ``fabric.setup(model, optimizer)``;
+- ``together``: ``shard="parameters"``, ``fabric.setup(model, optimizer)``;
+- ``model_first``: ``shard="parameters"``, ``fabric.setup(model)`` then ``fabric.setup_optimizers`` (litgpt's order);
+- ``evaluate``: ``shard="parameters"``, ``fabric.setup(model)`` and forwards under ``no_grad``, no optimizer;
+- ``predict``: ``shard="parameters"``, ``trainer.predict`` alone on a LightningModule built in
+  ``trainer.init_module(empty_init=True)``.
+
+Each worker reads its resident memory (``VmRSS``) before the model is built and after each phase, and its peak
+(``VmHWM``, reset before the build); the table gives the largest growth over the workers. The aim: no worker's
+resident memory grows by the model's float32 bytes under ``shard="parameters"``.
+
+    python benchmarks/zero3_memory.py                 # the 400 M-parameter GPT; writes docs/benchmarks/zero3_memory.txt
+    python benchmarks/zero3_memory.py --smoke         # a tiny GPT: checks that every setting runs
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from hvd_plugins.core.tables import format_table
+from hvd_plugins.testing import benchmarking as bench
+from hvd_plugins.testing.launch import write_rank_file
+from hvd_plugins.testing.reports import publish_report
+
+SETTINGS = ("none", "together", "model_first", "evaluate", "predict")
+MODEL = {"vocab": 50304, "d_model": 1024, "layers": 28, "heads": 16, "context": 64}
+"""About 405 M parameters (pythia-410m's width and vocabulary, 28 blocks): 1.5 GiB in float32."""
+SMOKE_MODEL = {"vocab": 64, "d_model": 16, "layers": 2, "heads": 2, "context": 16}
+HOSTS = "localhost:2,127.0.0.1:2"
+WORKERS = 4
+GIB = 2**30
+
+
+def resident() -> dict[str, int]:
+    """This process's resident bytes now and at their peak since the last reset."""
+    found = {}
+    for line in Path("/proc/self/status").read_text().splitlines():
+        key, _, value = line.partition(":")
+        if key in ("VmRSS", "VmHWM"):
+            found[key] = int(value.split()[0]) * 1024
+    return found
+
+
+def reset_peak() -> None:
+    """The peak resident memory (``VmHWM``) set to what is resident now."""
+    Path("/proc/self/clear_refs").write_text("5")
+
+
+def worker_main(args: argparse.Namespace) -> None:
+    import torch
+    from torch import nn
+
+    bench.one_thread_per_worker()
+    size = json.loads(args.size)
+
+    class GPT(nn.Module):
+        """Token and position embeddings, blocks, a final norm, a head tied to the token embedding."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.embedding = nn.Embedding(size["vocab"], size["d_model"])
+            self.position = nn.Embedding(size["context"], size["d_model"])
+            self.blocks = nn.ModuleList(
+                bench.TransformerBlock(size["d_model"], size["heads"]) for _ in range(size["layers"])
+            )
+            self.norm = nn.LayerNorm(size["d_model"])
+            self.head = nn.Linear(size["d_model"], size["vocab"], bias=False)
+            self.head.weight = self.embedding.weight
+
+        def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+            x = self.embedding(tokens) + self.position(torch.arange(tokens.size(1), device=tokens.device))
+            for block in self.blocks:
+                x = block(x)
+            return self.head(self.norm(x))
+
+    tokens = torch.randint(0, size["vocab"], (1, size["context"] + 1), generator=torch.Generator().manual_seed(0))
+    phases: dict[str, int] = {}
+    reset_peak()
+    start = resident()["VmRSS"]
+
+    def note(phase: str) -> None:
+        phases[phase] = resident()["VmRSS"] - start
+
+    if args.setting == "predict":
+        parameters = predict(GPT, tokens, note)
+    else:
+        parameters = fabric_run(GPT, tokens, args.setting, args.steps, note)
+    import horovod.torch as hvd
+
+    peak = resident()["VmHWM"] - start
+    write_rank_file(args.out, hvd.rank(), {"phases": phases, "peak": peak, "parameters": parameters})
+
+
+def fabric_run(gpt: Any, tokens: Any, setting: str, steps: int, note: Any) -> int:
+    import torch
+    from lightning.fabric import Fabric
+
+    from hvd_plugins.fabric import HorovodStrategy
+
+    shard = "none" if setting == "none" else "parameters"
+    fabric = Fabric(strategy=HorovodStrategy(shard=shard), accelerator="cpu")
+    fabric.launch()
+    with fabric.init_module(empty_init=True):
+        model = gpt()
+    parameters = sum(p.numel() for p in model.parameters())
+    note("built")
+    if setting in ("none", "together"):
+        model, optimizer = fabric.setup(model, torch.optim.SGD(model.parameters(), lr=1e-3))
+        note("set up")
+    else:
+        model = fabric.setup(model)
+        note("set up")
+        if setting == "evaluate":
+            with torch.no_grad():
+                for _ in range(steps):
+                    model(tokens[:, :-1])
+            note("evaluated")
+            return parameters
+        optimizer = fabric.setup_optimizers(torch.optim.SGD(model.parameters(), lr=1e-3))
+        note("optimizer")
+    for step in range(steps):
+        logits = model(tokens[:, :-1])
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), tokens[:, 1:].reshape(-1))
+        fabric.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        note(f"step {step + 1}")
+    return parameters
+
+
+def predict(gpt: Any, tokens: Any, note: Any) -> int:
+    import lightning.pytorch as pl
+    import torch
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from hvd_plugins import HorovodStrategy
+
+    class Predictor(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.gpt = gpt()
+
+        def predict_step(self, batch: Any, batch_idx: int) -> Any:
+            return self.gpt(batch[0]).argmax(-1)
+
+    trainer = pl.Trainer(
+        strategy=HorovodStrategy(shard="parameters"),
+        accelerator="cpu",
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    with trainer.init_module(empty_init=True):
+        module = Predictor()
+    parameters = sum(p.numel() for p in module.parameters())
+    note("built")
+    trainer.predict(module, DataLoader(TensorDataset(tokens[:, :-1].repeat(WORKERS, 1)), batch_size=1))
+    note("predicted")
+    return parameters
+
+
+def run(size: dict[str, Any], steps: int, workdir: Path) -> str:
+    rows: list[list[str]] = []
+    model_bytes = 0
+    for setting in SETTINGS:
+        out = workdir / setting
+        job = bench.horovodrun(
+            [__file__, "--worker", "--setting", setting, "--size", json.dumps(size), "--steps", str(steps)],
+            out,
+            np=WORKERS,
+            hosts=HOSTS,
+            timeout=1800,
+        )
+        if sorted(job.results) != list(range(WORKERS)):
+            rows.append([setting, "failed", job.output[-200:].replace("\n", " "), "", ""])
+            continue
+        reports = [job.results[rank] for rank in range(WORKERS)]
+        model_bytes = 4 * reports[0]["parameters"]
+        peak = max(report["peak"] for report in reports)
+        phases = {
+            phase: max(report["phases"][phase] for report in reports) for phase in reports[0]["phases"]
+        }
+        where = ", ".join(f"{phase} {value / GIB:.2f}" for phase, value in phases.items())
+        verdict = "met" if setting == "none" or peak < model_bytes else "missed"
+        rows.append([setting, f"{peak / GIB:.2f}", f"{peak / model_bytes:.2f}x", where, verdict])
+        print(f"  {setting}: peak growth {peak / GIB:.2f} GiB ({where})", flush=True)
+    header = ("setting", "peak growth GiB", "of the model", "growth after each phase, GiB (largest worker)", "aim")
+    return (
+        f"Model: {model_bytes / 4 / 1e6:.0f} M parameters, {model_bytes / GIB:.2f} GiB in float32; 4 workers on "
+        "two emulated hosts, SGD, batch 1 of 64 tokens.\nResident memory each worker grew by over what it held "
+        "before the model was built (the peak, and after each phase); aim under shard='parameters': less than the "
+        "model's float32 bytes.\n\n" + format_table(header, rows)
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--setting", choices=SETTINGS, help=argparse.SUPPRESS)
+    parser.add_argument("--size", help=argparse.SUPPRESS)
+    parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--steps", type=int, default=3, help="optimizer steps (or forwards) per setting")
+    parser.add_argument("--smoke", action="store_true", help="a tiny GPT: checks that every setting runs")
+    parser.add_argument("--report", type=Path, help="write the report here instead of docs/benchmarks/")
+    args = parser.parse_args(argv)
+    if args.worker:
+        worker_main(args)
+        return 0
+    given = sys.argv[1:] if argv is None else argv
+    with tempfile.TemporaryDirectory() as workdir:
+        text = run(SMOKE_MODEL if args.smoke else MODEL, args.steps, Path(workdir))
+    publish_report(text, __file__, given, args.report, None if args.smoke else "zero3_memory.txt")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
