@@ -141,7 +141,6 @@ def fabric_run(gpt: Any, tokens: Any, setting: str, steps: int, note: Any) -> in
 
 def predict(gpt: Any, tokens: Any, note: Any) -> int:
     import lightning.pytorch as pl
-    import torch
     from torch.utils.data import DataLoader, TensorDataset
 
     from hvd_plugins import HorovodStrategy
@@ -198,7 +197,7 @@ def run(size: dict[str, Any], steps: int, workdir: Path) -> str:
     header = ("setting", "peak growth GiB", "of the model", "growth after each phase, GiB (largest worker)", "aim")
     return (
         f"Model: {model_bytes / 4 / 1e6:.0f} M parameters, {model_bytes / GIB:.2f} GiB in float32; 4 workers on "
-        "two emulated hosts, SGD, batch 1 of 64 tokens.\nResident memory each worker grew by over what it held "
+        f"two emulated hosts, SGD, batch 1 of {size['context']} tokens, {steps} steps.\nResident memory each worker grew by over what it held "
         "before the model was built (the peak, and after each phase); aim under shard='parameters': less than the "
         "model's float32 bytes.\n\n" + format_table(header, rows)
     )
