@@ -187,9 +187,7 @@ def run(size: dict[str, Any], steps: int, workdir: Path) -> str:
         reports = [job.results[rank] for rank in range(WORKERS)]
         model_bytes = 4 * reports[0]["parameters"]
         peak = max(report["peak"] for report in reports)
-        phases = {
-            phase: max(report["phases"][phase] for report in reports) for phase in reports[0]["phases"]
-        }
+        phases = {phase: max(report["phases"][phase] for report in reports) for phase in reports[0]["phases"]}
         where = ", ".join(f"{phase} {value / GIB:.2f}" for phase, value in phases.items())
         verdict = "met" if setting == "none" or peak < model_bytes else "missed"
         rows.append([setting, f"{peak / GIB:.2f}", f"{peak / model_bytes:.2f}x", where, verdict])
@@ -197,7 +195,8 @@ def run(size: dict[str, Any], steps: int, workdir: Path) -> str:
     header = ("setting", "peak growth GiB", "of the model", "growth after each phase, GiB (largest worker)", "aim")
     return (
         f"Model: {model_bytes / 4 / 1e6:.0f} M parameters, {model_bytes / GIB:.2f} GiB in float32; 4 workers on "
-        f"two emulated hosts, SGD, batch 1 of {size['context']} tokens, {steps} steps.\nResident memory each worker grew by over what it held "
+        f"two emulated hosts, SGD, batch 1 of {size['context']} tokens, {steps} steps.\n"
+        "Resident memory each worker grew by over what it held "
         "before the model was built (the peak, and after each phase); aim under shard='parameters': less than the "
         "model's float32 bytes.\n\n" + format_table(header, rows)
     )
