@@ -497,9 +497,17 @@ class ParameterStage(GradientStage):
     def _hook_state_dict(self, model: Module) -> None:
         """The model's own ``state_dict()`` gives whole tensors and ``load_state_dict`` takes them, as FSDP's full
         state dict does (a collective: every worker calls them): what ``save_pretrained``-style code expects."""
+
+        def whole_state(module: Module, state: dict[str, Any], prefix: str, metadata: Any) -> None:
+            self._whole_state(module, state, prefix, metadata)
+
+        def load_whole(module: Module, state: dict[str, Any], prefix: str, *args: Any) -> None:
+            self._load_whole(module, state, prefix, *args)
+
+        # functions, not bound methods: copy.deepcopy(model) (an EMA copy) copies a function as it is, a method's self
         self._state_hooks = [
-            model._register_state_dict_hook(self._whole_state),
-            model._register_load_state_dict_pre_hook(self._load_whole, with_module=True),
+            model._register_state_dict_hook(whole_state),
+            model._register_load_state_dict_pre_hook(load_whole, with_module=True),
         ]
 
     def _unhook_state_dict(self) -> None:
