@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -80,9 +81,13 @@ def test_a_failed_worker_ends_the_whole_job(
     args = ("--case", case, "--victim", str(victim))
     job = run_job("faults_crash.py", *args, np=np, hosts=hosts, out_dir=tmp_path, controller=controller)
     assert_failed(job)
-    if controller == "gloo":
-        code = 137 if case == "kill" else 1
-        assert f"Process {victim} exit with status code {code}" in job.output  # horovodrun names the rank
+    if controller == "gloo" and case == "kill":
+        assert f"Process {victim} exit with status code 137" in job.output  # horovodrun names the rank
+    elif controller == "gloo":
+        # horovodrun names the first process to exit: a raising victim races the others, which stop as soon as its
+        # Horovod goes; the package's own report, checked below, names the victim
+        first = r"Process \d+ exit with status code 1\b|Process name: \d+\s+Exit code: 1\b"
+        assert re.search(first, job.output), job.output[-3000:]
     else:  # mpirun names the rank that ended the job
         assert "mpirun" in job.output and (f"rank {victim}" in job.output or f"process rank {victim}" in job.output)
     if case == "raise":
