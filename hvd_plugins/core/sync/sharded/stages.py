@@ -537,10 +537,7 @@ class ParameterStage(GradientStage):
             return
         names = self._parameter_names(model)
         for unit in self._units.units:
-            keys = {
-                id(p): next((prefix + n for n in names.get(id(p), []) if prefix + n in state), None)
-                for p in unit.parameters()
-            }
+            keys = {id(p): first_key(names.get(id(p), []), prefix, state) for p in unit.parameters()}
             if not any(keys.values()):
                 continue
             was_whole = unit.whole
