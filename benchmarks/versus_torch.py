@@ -55,6 +55,9 @@ OUR_VARIANTS: dict[str, dict[str, Any]] = {
 COUNTERPART = {"flat": "ddp", "zero1": "ddp_zero", "zero2": "fsdp2_keep", "zero3": "fsdp2_reshard"}
 """Each of our variants and the torch variant it is weighed against."""
 NO_COMM = "no_comm"
+CPU_ROLES = ("cpu_main_ms", "cpu_busiest_ms", "cpu_rest_ms")
+"""Per step and worker: the training thread, the busiest other thread (one of Horovod's or of torch's
+process group: negotiation, Gloo's ring and transport) and the other threads together (medians over workers)."""
 
 
 @dataclass(frozen=True)
@@ -165,6 +168,7 @@ def run_worker(args: argparse.Namespace) -> None:
     batches = _batches(sizes, args.batch_size, rank)
     step_ends: list[float] = []
     sent_at_warmup = 0
+    cpu_at_warmup: dict[int, float] = {}
     for step in range(args.steps):
         tokens = batches[step % len(batches)]
         logits = model(tokens[:, :-1])
@@ -178,7 +182,9 @@ def run_worker(args: argparse.Namespace) -> None:
         step_ends.append(time.perf_counter())
         if step + 1 == args.warmup_steps:
             sent_at_warmup = _loopback_bytes()
+            cpu_at_warmup = bench.thread_cpu_seconds()
     timed_steps = args.steps - args.warmup_steps
+    cpu = bench.cpu_by_role(cpu_at_warmup, bench.thread_cpu_seconds(), timed_steps)
     sent = (_loopback_bytes() - sent_at_warmup) / timed_steps / world if rank == 0 else 0.0
     write_rank_file(
         Path(args.out),
@@ -191,6 +197,7 @@ def run_worker(args: argparse.Namespace) -> None:
             "sent_per_step": sent,
             "parameters": sum(p.numel() for p in _model(sizes).parameters()),
             "world": world,
+            **cpu,
         },
     )
 
@@ -213,6 +220,7 @@ def _launch(variant: str, model: Model, world: int, steps: int, warmup: int, out
         "init_rss_mib": max(r["init_rss_mib"] for r in ranks.values()),
         "sent_per_step": ranks[0]["sent_per_step"],
         "parameters": ranks[0]["parameters"],
+        **{key: bench.median([r[key] for r in ranks.values()]) for key in CPU_ROLES},
     }
 
 
@@ -239,6 +247,22 @@ def _median(runs: list[dict[str, Any]], key: str) -> float:
     return bench.median([run[key] for run in runs])
 
 
+def _cost_table(model: Model, worlds: Sequence[int], results: dict) -> str:
+    """Each variant's step time over the no-communication floor, and the CPU its threads used per step."""
+    rows = []
+    for world in worlds:
+        floor_runs = results.get((model.name, world, NO_COMM))
+        floor = _median(floor_runs, "step_s") if floor_runs else None
+        for variant in model.variants:
+            runs = results[(model.name, world, variant)]
+            step = _median(runs, "step_s")
+            over = "-" if floor is None or variant == NO_COMM else f"{(step - floor) * 1000:.0f}"
+            rows.append([str(world), variant, f"{step * 1000:.0f}", over,
+                         *(f"{_median(runs, key):.0f}" for key in CPU_ROLES)])  # fmt: skip
+    headers = ["N", "variant", "step", "over no_comm", "CPU main", "CPU busiest other", "CPU rest"]
+    return format_table(headers, rows)
+
+
 def report(models: Sequence[Model], worlds: Sequence[int], results: dict, repeats: int) -> str:
     sections = []
     for model in models:
@@ -263,11 +287,14 @@ def report(models: Sequence[Model], worlds: Sequence[int], results: dict, repeat
             f"{model.name}: TransformerLM {model.sizes}, {parameters / 1e6:.1f} M parameters, "
             f"{model.batch_size} sequences per worker and step; medians of {repeats}\n" + format_table(headers, rows)
         )
+        sections.append(f"{model.name}: where a step goes, per worker (ms)\n" + _cost_table(model, worlds, results))
     legend = (
         "speed: torch's step time / ours (>= 1.00x: as fast or faster); memory: our peak / torch's (<= 1.00x: as "
         "little or less).\npeak MiB: the largest worker's peak resident memory; idle MiB: the same after import and "
         "setup, before the first step;\nMiB sent/step: loopback bytes per step and worker (all traffic between the "
-        "workers)."
+        "workers).\nwhere a step goes: over no_comm = step time minus the no-communication floor; CPU = CPU time "
+        "per step of the training thread,\nthe busiest other thread (Horovod's or torch's process group's: "
+        "negotiation, Gloo's ring and transport) and the other threads."
     )
     return "\n\n".join([*sections, legend])
 

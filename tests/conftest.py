@@ -57,6 +57,11 @@ TWO_WORKER_VARIANTS = [(package, "gloo") for package in LIGHTNING_PACKAGES] + [(
 """The shared job runs with each Lightning package over Gloo, and over MPI (mpirun under horovodrun --mpi)."""
 
 
+SHARED_JOB_ENV = {"HOROVOD_IDLE_CYCLE_TIME": "2000", "HOROVOD_TIMELINE": "DYNAMIC"}
+"""Idle rounds 2 s apart: a collective whose enqueue failed to wake Horovod's loop would stall every check
+of the shared job by up to 2 s. The timeline starts dynamic, as the idle-loop check records one."""
+
+
 def skip_without_mpi() -> None:
     """Skip (with the reason printed) where horovodrun --mpi cannot run."""
     problem = mpi_launch_problem()
@@ -81,8 +86,9 @@ def two_worker_reports(
         out = tmp_path_factory.mktemp(f"two_worker_checks_{lightning.replace('.', '_')}_{controller}")
         adasum = ("--adasum",) if controller == "mpi" else ()  # Adasum needs MPI; its checks share this launch
         job = run_job(
-            "strategy_features.py", *adasum, np=2, out_dir=out, timeout=900, lightning=lightning, controller=controller
-        ).check()
+            "strategy_features.py", *adasum, np=2, out_dir=out, timeout=900, lightning=lightning,
+            controller=controller, env=SHARED_JOB_ENV,
+        ).check()  # fmt: skip
         assert sorted(job.results) == [0, 1], job.output[-3000:]
         _two_worker_reports[key] = job.results
     return _two_worker_reports[key]

@@ -401,12 +401,18 @@ def test_versus_torch_smoke_runs_torchs_tools_and_ours_side_by_side(
     argv = ["--smoke", "--workers", "2", "--report", str(tmp_path / "versus_torch.txt")]
     code, printed = run_main(versus_torch, argv, capsys)
     assert code == 0, printed[-3000:]
-    rows = {}
-    for line in printed.splitlines():
-        cells = line.split()
-        if cells[:1] == ["2"] and len(cells) > 1 and cells[1] in versus_torch.ALL:
-            rows[cells[1]] = cells[4:] if cells[2] == "vs" else cells[2:]
-    assert sorted(rows) == sorted(versus_torch.ALL), printed
+    speeds, costs = printed.split("tiny: where a step goes", 1)
+    rows, cost_rows = {}, {}
+    for text, table in ((speeds, rows), (costs, cost_rows)):
+        for line in text.splitlines():
+            cells = line.split()
+            if cells[:1] == ["2"] and len(cells) > 1 and cells[1] in versus_torch.ALL:
+                table[cells[1]] = cells[4:] if cells[2] == "vs" else cells[2:]
+    assert sorted(rows) == sorted(versus_torch.ALL) == sorted(cost_rows), printed
+    # Where a step goes: every variant's training thread works; only the workers that talk have time over the floor.
+    for variant, (ms, over, cpu_main, _busiest, _rest) in cost_rows.items():
+        assert float(ms) > 0 and float(cpu_main) > 0, (variant, cost_rows[variant])
+        assert (over == "-") == (variant == versus_torch.NO_COMM), (variant, cost_rows[variant])
     for variant, (ms, speed, peak, idle, memory, _sent) in rows.items():
         assert float(ms) > 0 and float(peak) >= float(idle) > 0, (variant, rows[variant])
         paired = variant in versus_torch.COUNTERPART

@@ -38,6 +38,7 @@ from strategy_loops import (
     check_checkpoint_resume,
     check_collectives,
     check_float16_sum,
+    check_idle_loop,
     check_loops,
     check_metrics,
     check_uneven_data,
@@ -154,6 +155,19 @@ def test_a_rank_waiting_in_a_collective_leaves_the_cpu_to_the_others(features: d
     assert waiting["waited_seconds"] > 0.5, waiting
     # A spinning wait takes about all of it.
     assert waiting["thread_cpu_seconds"] < 0.2 * waiting["waited_seconds"], waiting
+
+
+def test_an_idle_loop_sleeps_and_a_late_collective_wakes_it(features: dict[int, dict]) -> None:
+    coordinator, waiter = both(features, check_idle_loop)  # rank 0 comes half a second late
+    assert coordinator["idle_env"] == waiter["idle_env"] == "2000"
+    assert coordinator["recorded"], coordinator
+    # A second of nothing queued between two allreduces: a stock loop runs hundreds of rounds.
+    assert coordinator["rounds"] <= 6, coordinator
+    # The late rank is answered at once, not at its next idle round (up to 2 s away)...
+    assert coordinator["answered_seconds"] < 0.4, coordinator
+    # ... and the rank that waited for it finishes together with it.
+    assert waiter["answered_seconds"] > 0.4, waiter
+    assert abs(waiter["finished_at"] - coordinator["finished_at"]) < 0.4, (coordinator, waiter)
 
 
 def test_two_workers_on_a_host_share_its_cores_unless_omp_num_threads_says_otherwise(

@@ -10,6 +10,7 @@ The scripts import only this package, so each runs as ``python benchmarks/<name>
 from __future__ import annotations
 
 import inspect
+import os
 import statistics
 import sys
 import time
@@ -75,6 +76,36 @@ def steps_per_second(step_end_times: Sequence[float], warmup_steps: int) -> floa
         raise ValueError(f"need more than {warmup_steps + 1} timed steps, got {len(step_end_times)}")
     timed = step_end_times[warmup_steps:]
     return (len(timed) - 1) / (timed[-1] - timed[0])
+
+
+def thread_cpu_seconds() -> dict[int, float]:
+    """CPU seconds of every thread of this process, by thread id: the scheduler's nanoseconds on a CPU
+    (Linux ``/proc/.../schedstat``), else user + system time in clock ticks (``stat``, 10 ms steps)."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    seconds = {}
+    for tid in os.listdir("/proc/self/task"):
+        task = Path(f"/proc/self/task/{tid}")
+        try:
+            try:
+                seconds[int(tid)] = int((task / "schedstat").read_text().split()[0]) / 1e9
+            except FileNotFoundError:  # a kernel without scheduler statistics
+                fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+                seconds[int(tid)] = (int(fields[11]) + int(fields[12])) / ticks  # utime, stime
+        except OSError:  # the thread ended between the listing and the read
+            continue
+    return seconds
+
+
+def cpu_by_role(start: dict[int, float], end: dict[int, float], steps: int) -> dict[str, float]:
+    """Milliseconds of CPU per step between two ``thread_cpu_seconds`` readings: the main (training)
+    thread, the busiest other thread (for a distributed worker, one of its communication threads) and
+    all other threads together."""
+    used = {tid: end[tid] - start.get(tid, 0.0) for tid in end}
+    main = used.pop(os.getpid(), 0.0)
+    busiest = max(used.values(), default=0.0)
+    rest = sum(used.values()) - busiest
+    per_step = 1000 / steps
+    return {"cpu_main_ms": main * per_step, "cpu_busiest_ms": busiest * per_step, "cpu_rest_ms": rest * per_step}
 
 
 def target_verdict(measured: float, target: float, higher_is_better: bool = True) -> str:

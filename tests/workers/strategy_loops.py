@@ -76,6 +76,33 @@ def check_waiting_without_spinning() -> dict[str, Any]:
 
 
 @checks.register
+def check_idle_loop() -> dict[str, Any]:
+    """Horovod's loop (the build's idle loop; the job sets HOROVOD_IDLE_CYCLE_TIME=2000) runs about no
+    round while nothing is queued, and a rank whose collective comes late is answered at once: its
+    enqueue wakes its loop, and the rank that waited finishes with it."""
+    timeline = out_dir() / "idle_loop_timeline.json"  # rank 0, the coordinator, writes it
+    hvd.start_timeline(str(timeline), mark_cycles=True)
+    hvd.allreduce(torch.ones(1), name="check.idle.first")  # a round: the timeline now records
+    time.sleep(1.0)
+    hvd.allreduce(torch.ones(1), name="check.idle.second")
+    hvd.stop_timeline()
+    late_seconds = 0.5
+    if hvd.rank() == 0:
+        time.sleep(late_seconds)
+    started = time.monotonic()
+    hvd.allreduce(torch.ones(1), name="check.idle.late")
+    finished = time.time()
+    text = timeline.read_text() if hvd.rank() == 0 else ""
+    return {
+        "idle_env": os.environ.get("HOROVOD_IDLE_CYCLE_TIME"),
+        "recorded": "check.idle.first" in text and "check.idle.second" in text,
+        "rounds": text.count("CYCLE_START"),
+        "answered_seconds": time.monotonic() - started,
+        "finished_at": finished,
+    }
+
+
+@checks.register
 def check_metrics() -> dict[str, Any]:
     """A torchmetrics metric logged under Horovod equals the metric over the full data."""
     generator = torch.Generator().manual_seed(5)
