@@ -19,7 +19,15 @@ workers sent each other, the launcher's and Horovod's negotiation included). Our
 ratios to their torch counterpart: speed = torch's step time / ours (>= 1.0 is as fast or faster),
 memory = ours / torch's (<= 1.0 is as little or less). Launch order rotates between repeats.
 
+A second table, where a step's time goes: each variant's time over the no-communication floor and the
+CPU its threads used per step. ``--rounds`` looks inside Horovod instead: the ``flat`` variant runs with
+Horovod's timeline (``HOROVOD_TIMELINE_MARK_CYCLES=1``), once with the loop as the strategy sets it and
+once with a round every cycle (``HOROVOD_IDLE_CYCLE_TIME=0``, as a stock Horovod), and rank 0's timeline
+gives per step the loop's rounds, the allreduces, their wait from enqueue until every worker had them,
+the fusion buffer's copies and Gloo's ring.
+
     python benchmarks/versus_torch.py            # full run: writes docs/benchmarks/versus_torch.txt
+    python benchmarks/versus_torch.py --rounds   # Horovod's timeline: writes docs/benchmarks/sync_rounds.txt
     python benchmarks/versus_torch.py --smoke    # tiny and fast: checks that every variant runs
 """
 
@@ -44,6 +52,7 @@ from hvd_plugins.core.tables import format_table
 from hvd_plugins.testing import benchmarking as bench
 from hvd_plugins.testing.launch import write_rank_file
 from hvd_plugins.testing.reports import publish_report
+from hvd_plugins.testing.timeline import allreduce_breakdown, read_timeline
 
 TORCH_VARIANTS = ("ddp", "ddp_zero", "fsdp2_keep", "fsdp2_reshard")
 OUR_VARIANTS: dict[str, dict[str, Any]] = {
@@ -55,6 +64,9 @@ OUR_VARIANTS: dict[str, dict[str, Any]] = {
 COUNTERPART = {"flat": "ddp", "zero1": "ddp_zero", "zero2": "fsdp2_keep", "zero3": "fsdp2_reshard"}
 """Each of our variants and the torch variant it is weighed against."""
 NO_COMM = "no_comm"
+LOOPS: dict[str, dict[str, str]] = {"sleeps when idle": {}, "every cycle": {"HOROVOD_IDLE_CYCLE_TIME": "0"}}
+"""Horovod's loop as the strategy sets it (a round only while a collective is queued, patch 0017), and a round
+every 1 ms cycle, work or not, as a stock Horovod runs it."""
 CPU_ROLES = ("cpu_main_ms", "cpu_busiest_ms", "cpu_rest_ms")
 """Per step and worker: the training thread, the busiest other thread (one of Horovod's or of torch's
 process group: negotiation, Gloo's ring and transport) and the other threads together (medians over workers)."""
@@ -203,11 +215,13 @@ def run_worker(args: argparse.Namespace) -> None:
 
 
 # ------------------------------------------------------------------------------------------ driver
-def _launch(variant: str, model: Model, world: int, steps: int, warmup: int, out: Path) -> dict[str, Any]:
+def _launch(
+    variant: str, model: Model, world: int, steps: int, warmup: int, out: Path, env: dict[str, str] | None = None
+) -> dict[str, Any]:
     script = [str(Path(__file__).resolve()), f"--worker={variant}", f"--size={json.dumps(model.sizes)}",
               f"--batch-size={model.batch_size}", f"--steps={steps}", f"--warmup-steps={warmup}"]  # fmt: skip
     if variant in OUR_VARIANTS:
-        job = bench.horovodrun(script, out, np=world, timeout=900)
+        job = bench.horovodrun(script, out, np=world, timeout=900, env=env)
     else:
         job = bench.torchrun(script, out, nproc=world, timeout=900)
     job.check(f"{variant} on {model.name}, {world} workers")
@@ -241,6 +255,33 @@ def measure(models: Sequence[Model], worlds: Sequence[int], repeats: int, steps:
                         print(f"  {model.name} N={world} {variant:14s} repeat {repeat + 1}: {step_ms:7.1f} ms/step, "
                               f"{peak:6.0f} MiB", flush=True)  # fmt: skip
     return results
+
+
+def measure_rounds(models: Sequence[Model], worlds: Sequence[int], steps: int, warmup: int) -> str:
+    """The flat sync under Horovod's timeline, with each of ``LOOPS``: one run each, the table of what it read."""
+    rows = []
+    with tempfile.TemporaryDirectory() as scratch:
+        for model in models:
+            for world in worlds:
+                for loop, loop_env in LOOPS.items():
+                    out, timeline = Path(scratch) / f"run{len(rows)}", Path(scratch) / f"timeline{len(rows)}.json"
+                    env = {"HOROVOD_TIMELINE": str(timeline), "HOROVOD_TIMELINE_MARK_CYCLES": "1", **loop_env}
+                    result = _launch("flat", model, world, steps, warmup, out, env)
+                    found = allreduce_breakdown(read_timeline(timeline), steps)
+                    rows.append([model.name, str(world), loop, f"{result['step_s'] * 1000:.0f}",
+                                 f"{found['rounds']:.1f}", f"{found['allreduces']:.1f}", f"{found['negotiate']:.1f}",
+                                 f"{found['copies']:.1f}", f"{found['ring']:.1f}",
+                                 f"{result['cpu_busiest_ms'] + result['cpu_rest_ms']:.0f}"])  # fmt: skip
+                    print("  " + "  ".join(rows[-1]), flush=True)
+    headers = ["model", "N", "Horovod's loop", "ms/step", "rounds", "allreduces", "negotiate ms", "copies ms",
+               "ring ms", "other threads' CPU ms"]  # fmt: skip
+    legend = (
+        f"Per step, from rank 0's timeline ({steps} steps, the first allreduce's enqueue to the last one's end; the "
+        "timeline's writing\nslows the step): rounds of Horovod's loop, gradient allreduces, their wait from enqueue "
+        "until every worker had them (summed),\nthe fusion buffer's copies, Gloo's ring allreduce; other threads' CPU: "
+        "every thread but the training thread, per worker."
+    )
+    return format_table(headers, rows) + "\n\n" + legend
 
 
 def _median(runs: list[dict[str, Any]], key: str) -> float:
@@ -313,6 +354,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3, help="runs of every variant (default 3; medians)")
     parser.add_argument("--models", nargs="+", help="only these models (default: all)")
     parser.add_argument("--variants", nargs="+", choices=ALL, help="only these variants (default: each model's)")
+    parser.add_argument("--rounds", action="store_true", help="the flat sync under Horovod's timeline, both loops")
     parser.add_argument("--report", type=Path, help="write the report here (default docs/benchmarks/versus_torch.txt)")
     args = parser.parse_args(argv)
     if args.worker:
@@ -327,9 +369,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     repeats = 1 if args.smoke else args.repeats
     steps, warmup = (4, 2) if args.smoke else (args.steps, args.warmup_steps)
+    partial = args.smoke or args.models or args.variants
+    if args.rounds:
+        text = measure_rounds(models, args.workers, steps, warmup)
+        publish_report(text, __file__, argv, args.report, None if partial else "sync_rounds.txt")
+        return 0
     results = measure(models, args.workers, repeats, steps, warmup)
     text = report(models, args.workers, results, repeats)
-    partial = args.smoke or args.models or args.variants
     publish_report(text, __file__, argv, args.report, None if partial else "versus_torch.txt")
     return 0
 

@@ -426,3 +426,22 @@ def test_versus_torch_smoke_runs_torchs_tools_and_ours_side_by_side(
         assert float(rows[variant][5]) >= 0.9 * ring_mib - 0.005, (variant, rows[variant], ring_mib)  # 2 decimals
     body = assert_dated_report(tmp_path / "versus_torch.txt", "versus_torch.py", argv)
     assert body.startswith("tiny: TransformerLM") and "speed: torch's step time / ours" in body
+
+
+def test_versus_torch_rounds_reads_horovods_timeline_with_both_loops(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["--smoke", "--rounds", "--workers", "2", "--report", str(tmp_path / "sync_rounds.txt")]
+    code, printed = run_main(versus_torch, argv, capsys)
+    assert code == 0, printed[-3000:]
+    rows = {}
+    for line in printed.splitlines():
+        cells = line.rsplit(None, 7)  # the loop's name has spaces
+        if line.split()[:2] == ["tiny", "2"] and len(cells) == 8:
+            rows[cells[0].split(None, 2)[2]] = [float(cell) for cell in cells[1:]]
+    assert sorted(rows) == sorted(versus_torch.LOOPS), printed
+    for loop, (step_ms, rounds, allreduces, negotiate, copies, ring, cpu) in rows.items():
+        assert step_ms > 0 and rounds > 0 and allreduces >= 1 and ring > 0, (loop, rows[loop])
+        assert negotiate >= 0 and copies >= 0 and cpu >= 0, (loop, rows[loop])
+    body = assert_dated_report(tmp_path / "sync_rounds.txt", "versus_torch.py", argv)
+    assert "rounds of Horovod's loop" in body

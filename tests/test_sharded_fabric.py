@@ -174,6 +174,22 @@ def test_zero3_default_units_train_as_unsharded_in_the_order_users_set_up(
         assert found["after_backward"]["whole"] < found["whole"] / 2, found
 
 
+def test_zero3_local_shards_are_each_workers_part_and_make_the_whole_state(four: dict[int, dict[str, Any]]) -> None:
+    """``fabric.strategy.local_shards()``: every worker's parts, laid end to end, are the whole ``state_dict()``."""
+    for case in ("tied_model_first", "attention"):
+        whole_everywhere = ["position"] if case == "tied_model_first" else []  # registered on the model itself
+        reports = [report_of(four[rank], check_zero3_in_users_orders)[case] for rank in range(WORKERS)]
+        for found in reports:
+            shards = found["shards"]
+            # every sharded parameter, each unit's and the own unit's
+            assert shards["names"] == [n for n in shards["state_names"] if n not in whole_everywhere], shards
+            assert shards["difference"] == 0.0, shards  # no element missed (NaN), every one as the state holds it
+        held = [found["shards"]["held_here"] for found in reports]
+        on_model = 16 * 32 if whole_everywhere else 0
+        assert sum(held) == reports[0]["whole"] - on_model, held
+        assert max(held) - min(held) <= sum(len(f["shards"]["names"]) for f in reports), held  # padding only
+
+
 def test_zero3_evaluates_with_no_optimizer_sharded_from_its_first_forward(four: dict[int, dict[str, Any]]) -> None:
     """``fabric.setup(model)`` and no optimizer: the model is sharded at its first forward, predicts as unsharded,
     and after a forward that records no gradient holds nothing whole but what is registered on the model itself."""

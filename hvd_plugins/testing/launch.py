@@ -24,6 +24,9 @@ TIMEOUT_EXIT_CODE = 124
 GLOO_TIMEOUT_SECONDS = "180"
 """Horovod's default of 30 s to start every worker is too short on a loaded machine."""
 LAUNCHER_ENV_PREFIXES = ("HOROVOD_", "OMPI_", "PMI_")
+LAUNCH_LOG_ENV = "HVD_LAUNCH_LOG"
+"""A file to which every ``run_bounded`` launch appends a line: the test file that launched it (under
+pytest), the command, and its seconds. Counts where a suite's time goes; unset, nothing is written."""
 
 
 class JobFailed(RuntimeError):
@@ -151,7 +154,19 @@ def run_bounded(
         output += f"\n[killed after {timeout:.0f}s]"
         returncode, timed_out = TIMEOUT_EXIT_CODE, True
     results = read_rank_files(out_dir) if out_dir is not None else {}
-    return JobResult(returncode, output, time.monotonic() - start, results, timed_out)
+    seconds = time.monotonic() - start
+    _log_launch(command, seconds)
+    return JobResult(returncode, output, seconds, results, timed_out)
+
+
+def _log_launch(command: Sequence[str], seconds: float) -> None:
+    """One line in ``HVD_LAUNCH_LOG`` (when set): ``test file<TAB>program and first argument<TAB>seconds``."""
+    log = os.environ.get(LAUNCH_LOG_ENV)
+    if not log:
+        return
+    test_file = os.environ.get("PYTEST_CURRENT_TEST", "-").split("::")[0]
+    with open(log, "a") as file:
+        file.write(f"{test_file}\t{' '.join(Path(part).name for part in command[:2])}\t{seconds:.1f}\n")
 
 
 def horovodrun(

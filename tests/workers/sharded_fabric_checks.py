@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import math
 from collections.abc import Iterable
 from typing import Any
 
@@ -453,6 +454,23 @@ def run_order(shard: str, make: Any, order: str, steps: int = 4) -> dict[str, An
         "held_after_step": min(held),
         "whole": sum(state[name].numel() for name, _ in model.module.named_parameters()),
         "after_backward": after_backward[0],
+        "shards": shards_against_state(fabric, state) if shard == "parameters" else None,
+    }
+
+
+def shards_against_state(fabric: Fabric, state: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """Every worker's ``local_shards()`` gathered and laid into whole tensors, against the whole state."""
+    mine = {name: (s.start, s.values.tolist(), tuple(s.shape)) for name, s in fabric.strategy.local_shards().items()}
+    rebuilt: dict[str, torch.Tensor] = {}
+    for worker in hvd.allgather_object(mine):
+        for name, (start, values, shape) in worker.items():
+            flat = rebuilt.setdefault(name, torch.full((math.prod(shape),), float("nan"), dtype=torch.float64))
+            flat[start : start + len(values)] = torch.tensor(values, dtype=torch.float64)
+    return {
+        "names": sorted(rebuilt),
+        "state_names": sorted(name for name, value in state.items() if value.is_floating_point()),
+        "difference": max(float((rebuilt[n] - state[n].double().reshape(-1)).abs().max()) for n in rebuilt),
+        "held_here": sum(len(values) for _, values, _ in mine.values()),
     }
 
 
@@ -480,6 +498,7 @@ def check_zero3_in_users_orders() -> dict[str, Any]:
             "held_after_step": sharded["held_after_step"],
             "whole": plain["whole"],
             "after_backward": sharded["after_backward"],
+            "shards": sharded["shards"],
         }
     plain, sharded = evaluate_alone("none", TiedGPT), evaluate_alone("parameters", TiedGPT)
     found["evaluate_alone"] = {"predicted": relative(sharded["predicted"], plain["predicted"]), "held": sharded["held"]}

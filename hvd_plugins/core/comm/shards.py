@@ -49,3 +49,13 @@ class ShardLayout:
         piece = flat[self.start : self.start + self.shard_numel]
         padding = self.shard_numel - piece.numel()
         return torch.cat([piece, piece.new_zeros(padding)]) if padding else piece.clone()
+
+
+@dataclass(frozen=True)
+class LocalShard:
+    """This worker's part of one parameter: ``values`` (1-D) are elements ``start`` to ``start + values.numel()``
+    of the parameter flattened, whose whole shape is ``shape``. Every worker's parts together make it whole."""
+
+    values: torch.Tensor
+    start: int
+    shape: torch.Size

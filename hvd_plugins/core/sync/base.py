@@ -35,6 +35,7 @@ from torch.nn import Module
 from torch.optim import Optimizer
 
 from hvd_plugins.core.comm.parameters import optimizer_parameters
+from hvd_plugins.core.comm.shards import LocalShard
 from hvd_plugins.core.comm.topology import Topology
 
 OWN_PARTS_KEY = "held"
@@ -154,6 +155,13 @@ class GradientSync(TrainingLoopHooks, ABC):
     def load_model_state_dict(self, model: Module, state: Mapping[str, Any], strict: bool = True) -> None:
         """Take back a whole model state, saved at any world size or by one process."""
         model.load_state_dict(state, strict=strict)
+
+    def local_shards(self) -> dict[str, LocalShard]:
+        """This worker's part of each parameter, where parameters are sharded (``shard="parameters"``)."""
+        raise ValueError(
+            f"local_shards: {type(self).__name__} keeps every parameter whole on every worker; only "
+            "shard='parameters' splits them (model.state_dict() gives them whole)"
+        )
 
     def abandon(self, optimizers: Sequence[Optimizer]) -> None:
         """After an elastic reset, before the mode is dropped: ``teardown`` without any collective (the world it

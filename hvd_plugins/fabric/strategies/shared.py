@@ -26,6 +26,7 @@ from hvd_plugins.core.backend.runner import local_launch_size
 from hvd_plugins.core.backend.startup import init_horovod
 from hvd_plugins.core.comm import collectives
 from hvd_plugins.core.comm.counters import CommCounters
+from hvd_plugins.core.comm.shards import LocalShard
 from hvd_plugins.core.comm.topology import Topology
 from hvd_plugins.core.config import HorovodConfig
 from hvd_plugins.core.elastic.reset import sync_after_reset
@@ -123,6 +124,14 @@ class HorovodStrategyShared(ABC):
     def topology(self) -> Topology | None:
         """Which workers share a node, with a node-aware sync once it is set up (else None)."""
         return self.gradient_sync.topology if self.gradient_sync is not None else None
+
+    def local_shards(self) -> dict[str, LocalShard]:
+        """This worker's part of each parameter under ``shard="parameters"``, by state dict name, after setup: views
+        of the slices its optimizer steps, with where each starts in the flattened parameter and its whole shape.
+        No collective and no copy (``model.state_dict()`` gathers the whole tensors instead)."""
+        if self.gradient_sync is None:
+            raise RuntimeError("local_shards: nothing is set up yet; call it after the strategy set the model up")
+        return self.gradient_sync.local_shards()
 
     def _share_loaded_optimizer_states(self, optimizers: Sequence[Optimizer], prefix: str = "opt") -> None:
         """After a load: rank 0's optimizer states everywhere, where every worker holds the whole state (a sharded

@@ -38,6 +38,7 @@ from torch.optim import Optimizer
 from hvd_plugins.core.comm.compression import Compressor
 from hvd_plugins.core.comm.counters import CommCounters, Scope
 from hvd_plugins.core.comm.reducer import BucketReducer
+from hvd_plugins.core.comm.shards import LocalShard
 from hvd_plugins.core.comm.topology import NodeGroups, discover_topology
 from hvd_plugins.core.comm.world import spans_nodes, world_group, world_size
 from hvd_plugins.core.sync.base import OWN_PARTS_KEY, GradientSync
@@ -53,7 +54,7 @@ from hvd_plugins.core.sync.sharded.replicas import (
     whole_state,
     whole_values,
 )
-from hvd_plugins.core.sync.sharded.stages import SHARD_STAGES, ShardRoute, ShardStage
+from hvd_plugins.core.sync.sharded.stages import SHARD_STAGES, ParameterStage, ShardRoute, ShardStage
 from hvd_plugins.core.sync.sharded.units import UnitPolicy
 
 
@@ -310,6 +311,11 @@ class ShardedGradientSync(GradientSync):
 
     def load_model_state_dict(self, model: Module, state: Mapping[str, Any], strict: bool = True) -> None:
         self.stage.load_model_state_dict(model, state, strict)
+
+    def local_shards(self) -> dict[str, LocalShard]:
+        if not isinstance(self.stage, ParameterStage):
+            return super().local_shards()  # ZeRO-1/2: the parameters stay whole
+        return self.stage.local_shards()
 
     def teardown(self, optimizers: Sequence[Optimizer]) -> None:
         self.stage.detach()

@@ -18,7 +18,7 @@ from torch.nn import Parameter
 from torch.optim import Optimizer
 
 from hvd_plugins.core.comm.buckets import bucket_tensors
-from hvd_plugins.core.comm.shards import ShardLayout
+from hvd_plugins.core.comm.shards import LocalShard, ShardLayout
 
 
 @dataclass(frozen=True)
@@ -57,6 +57,14 @@ class ShardedBucket:
             if low < high:
                 found.append((parameter, slice(low - offset, high - offset), slice(low - begin, high - begin)))
         return found
+
+    def local_shards(self, slice_values: torch.Tensor) -> list[tuple[Parameter, LocalShard]]:
+        """This worker's part of each parameter it holds any of, as views of ``slice_values`` (its slice)."""
+        shapes = {id(parameter): shape for parameter, shape in zip(self.parameters, self.shapes, strict=True)}
+        return [
+            (parameter, LocalShard(slice_values[place], part.start, shapes[id(parameter)]))
+            for parameter, part, place in self._overlaps()
+        ]
 
     def read_slice(self, tensors: Sequence[torch.Tensor | None], into: torch.Tensor) -> torch.Tensor:
         """This worker's slice of the flat vector of ``tensors`` (one per parameter, None as zeros), into ``into``."""

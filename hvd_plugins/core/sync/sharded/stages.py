@@ -34,6 +34,7 @@ from hvd_plugins.core.comm.in_flight import InFlight, Meanwhile, Then
 from hvd_plugins.core.comm.parameters import optimizer_parameters
 from hvd_plugins.core.comm.partners import GroupSum, PartnerGroup, add_in_order, start_reduce_scatter
 from hvd_plugins.core.comm.reducer import BucketOperation
+from hvd_plugins.core.comm.shards import LocalShard
 from hvd_plugins.core.comm.topology import NodeGroups
 from hvd_plugins.core.comm.two_level import TwoLevelSum
 from hvd_plugins.core.comm.world import broadcast_from_root, max_over_world, sum_over_world, world_rank
@@ -561,6 +562,20 @@ class ParameterStage(GradientStage):
                 for name in names.get(id(parameter), []):
                     if prefix + name in state:
                         state[prefix + name] = parameter.detach()
+
+    def local_shards(self) -> dict[str, LocalShard]:
+        """This worker's part of each sharded parameter, by state dict name: views of the slices its optimizer
+        steps (no gather, no copy). Left out: a parameter of which this worker holds no element, and those every
+        worker holds whole (frozen ones, and those registered on the model itself)."""
+        if self._units is None or self._model is None:
+            raise RuntimeError("local_shards: the model is not sharded yet; call it after the strategy set it up")
+        names = self._parameter_names(self._model)
+        shards: dict[str, LocalShard] = {}
+        for unit in self._units.units:
+            for sharded, index in unit.pieces:
+                for parameter, shard in sharded.buckets[index].local_shards(sharded.slices[index].detach()):
+                    shards.update((name, shard) for name in names.get(id(parameter), []))
+        return shards
 
     def _owned_names(self, names: Mapping[int, list[str]]) -> set[str]:
         """The state dict names of the units' parameters (``names``: ``_parameter_names``)."""

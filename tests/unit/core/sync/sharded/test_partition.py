@@ -45,3 +45,20 @@ def test_buckets_never_mix_param_groups_or_dtypes() -> None:
     found = sorted((b.group_index, str(p.dtype)) for b in buckets for p in b.parameters[:1])
     assert found == [(0, "torch.float32"), (0, "torch.float64"), (1, "torch.float32")]
     assert all(len({p.dtype for p in b.parameters}) == 1 for b in buckets)
+
+
+@pytest.mark.parametrize("workers", [1, 3, 4])
+def test_every_workers_local_shards_make_each_parameter_whole_and_view_its_slice(workers: int) -> None:
+    _, optimizer = model_optimizer()
+    layouts = [partition(optimizer, workers, rank, bucket_bytes=64) for rank in range(workers)]
+    for index, bucket in enumerate(layouts[0]):
+        rebuilt = {id(p): torch.full((p.numel(),), float("nan")) for p in bucket.parameters}
+        for rank in range(workers):
+            mine = layouts[rank][index]
+            slice_values = mine.read_slice([p.detach() for p in mine.parameters], torch.empty(mine.layout.shard_numel))
+            for parameter, shard in mine.local_shards(slice_values):
+                assert shard.shape == parameter.shape and shard.values.numel() > 0
+                assert shard.values.untyped_storage().data_ptr() == slice_values.untyped_storage().data_ptr()  # a view
+                rebuilt[id(parameter)][shard.start : shard.start + shard.values.numel()] = shard.values
+        for parameter in bucket.parameters:
+            assert torch.equal(rebuilt[id(parameter)], parameter.detach().reshape(-1))  # no element missed
