@@ -46,27 +46,11 @@ THIS_BUILD = "this build"
 
 
 # ------------------------------------------------------------------------------------------ worker
-def thread_cpu_seconds() -> dict[str, float]:
-    """CPU seconds (user + system) of each thread of this process, by thread id."""
-    ticks = os.sysconf("SC_CLK_TCK")
-    found = {}
-    for task in Path("/proc/self/task").iterdir():
-        try:
-            fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue  # the thread ended
-        found[task.name] = (int(fields[11]) + int(fields[12])) / ticks
-    return found
-
-
 def busiest_other_thread(seconds: float) -> float:
     """The largest share of a core that any thread but the calling one took while it slept ``seconds``."""
-    before = thread_cpu_seconds()
+    before = bench.thread_cpu_seconds()
     time.sleep(seconds)
-    after = thread_cpu_seconds()
-    main = str(os.getpid())  # the main thread's id is the process id
-    shares = [(after[t] - before.get(t, 0.0)) / seconds for t in after if t != main]
-    return max(shares, default=0.0)
+    return bench.cpu_by_role(before, bench.thread_cpu_seconds(), steps=1)["cpu_busiest_ms"] / 1000 / seconds
 
 
 def worker_main(args: argparse.Namespace) -> None:

@@ -67,9 +67,6 @@ NO_COMM = "no_comm"
 LOOPS: dict[str, dict[str, str]] = {"sleeps when idle": {}, "every cycle": {"HOROVOD_IDLE_CYCLE_TIME": "0"}}
 """Horovod's loop as the strategy sets it (a round only while a collective is queued, patch 0017), and a round
 every 1 ms cycle, work or not, as a stock Horovod runs it."""
-CPU_ROLES = ("cpu_main_ms", "cpu_busiest_ms", "cpu_rest_ms")
-"""Per step and worker: the training thread, the busiest other thread (one of Horovod's or of torch's
-process group: negotiation, Gloo's ring and transport) and the other threads together (medians over workers)."""
 
 
 @dataclass(frozen=True)
@@ -234,7 +231,7 @@ def _launch(
         "init_rss_mib": max(r["init_rss_mib"] for r in ranks.values()),
         "sent_per_step": ranks[0]["sent_per_step"],
         "parameters": ranks[0]["parameters"],
-        **{key: bench.median([r[key] for r in ranks.values()]) for key in CPU_ROLES},
+        **{key: bench.median([r[key] for r in ranks.values()]) for key in bench.CPU_ROLES},
     }
 
 
@@ -299,7 +296,7 @@ def _cost_table(model: Model, worlds: Sequence[int], results: dict) -> str:
             step = _median(runs, "step_s")
             over = "-" if floor is None or variant == NO_COMM else f"{(step - floor) * 1000:.0f}"
             rows.append([str(world), variant, f"{step * 1000:.0f}", over,
-                         *(f"{_median(runs, key):.0f}" for key in CPU_ROLES)])  # fmt: skip
+                         *(f"{_median(runs, key):.0f}" for key in bench.CPU_ROLES)])  # fmt: skip
     headers = ["N", "variant", "step", "over no_comm", "CPU main", "CPU busiest other", "CPU rest"]
     return format_table(headers, rows)
 

@@ -96,16 +96,19 @@ def thread_cpu_seconds() -> dict[int, float]:
     return seconds
 
 
+CPU_ROLES = ("cpu_main_ms", "cpu_busiest_ms", "cpu_rest_ms")
+"""The keys of ``cpu_by_role``: the main (training) thread, the busiest other thread (for a distributed worker,
+one of its communication threads: negotiation, Gloo's ring and transport) and all other threads together."""
+
+
 def cpu_by_role(start: dict[int, float], end: dict[int, float], steps: int) -> dict[str, float]:
-    """Milliseconds of CPU per step between two ``thread_cpu_seconds`` readings: the main (training)
-    thread, the busiest other thread (for a distributed worker, one of its communication threads) and
-    all other threads together."""
+    """Milliseconds of CPU per step between two ``thread_cpu_seconds`` readings, by ``CPU_ROLES``."""
     used = {tid: end[tid] - start.get(tid, 0.0) for tid in end}
     main = used.pop(os.getpid(), 0.0)
     busiest = max(used.values(), default=0.0)
     rest = sum(used.values()) - busiest
     per_step = 1000 / steps
-    return {"cpu_main_ms": main * per_step, "cpu_busiest_ms": busiest * per_step, "cpu_rest_ms": rest * per_step}
+    return dict(zip(CPU_ROLES, (main * per_step, busiest * per_step, rest * per_step), strict=True))
 
 
 def target_verdict(measured: float, target: float, higher_is_better: bool = True) -> str:
