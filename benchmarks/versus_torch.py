@@ -111,6 +111,11 @@ def _peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+def _copied_bytes(fabric: Any) -> int:
+    """Gradient bytes our strategy has copied on the training thread so far, into buckets and back (0 for torch)."""
+    return int(fabric.strategy.comm_counters.copied_bytes) if fabric is not None else 0
+
+
 def _batches(sizes: dict[str, int], batch_size: int, rank: int) -> list[torch.Tensor]:
     """A few fixed batches of random tokens, different on every rank (context + 1 tokens: inputs and targets)."""
     generator = torch.Generator().manual_seed(1000 + rank)
@@ -177,6 +182,7 @@ def run_worker(args: argparse.Namespace) -> None:
     batches = _batches(sizes, args.batch_size, rank)
     step_ends: list[float] = []
     sent_at_warmup = 0
+    copied_at_warmup = 0
     cpu_at_warmup: dict[int, float] = {}
     for step in range(args.steps):
         tokens = batches[step % len(batches)]
@@ -191,6 +197,7 @@ def run_worker(args: argparse.Namespace) -> None:
         step_ends.append(time.perf_counter())
         if step + 1 == args.warmup_steps:
             sent_at_warmup = _loopback_bytes()
+            copied_at_warmup = _copied_bytes(fabric)
             cpu_at_warmup = bench.thread_cpu_seconds()
     timed_steps = args.steps - args.warmup_steps
     cpu = bench.cpu_by_role(cpu_at_warmup, bench.thread_cpu_seconds(), timed_steps)
@@ -204,6 +211,7 @@ def run_worker(args: argparse.Namespace) -> None:
             "idle_rss_mib": idle_rss,
             "init_rss_mib": init_rss,
             "sent_per_step": sent,
+            "copied_per_step": (_copied_bytes(fabric) - copied_at_warmup) / timed_steps,
             "parameters": sum(p.numel() for p in _model(sizes).parameters()),
             "world": world,
             **cpu,
@@ -230,6 +238,7 @@ def _launch(
         "peak_rss_mib": max(r["peak_rss_mib"] for r in ranks.values()),
         "init_rss_mib": max(r["init_rss_mib"] for r in ranks.values()),
         "sent_per_step": ranks[0]["sent_per_step"],
+        "copied_per_step": ranks[0].get("copied_per_step", 0.0),
         "parameters": ranks[0]["parameters"],
         **{key: bench.median([r[key] for r in ranks.values()]) for key in bench.CPU_ROLES},
     }
@@ -295,9 +304,10 @@ def _cost_table(model: Model, worlds: Sequence[int], results: dict) -> str:
             runs = results[(model.name, world, variant)]
             step = _median(runs, "step_s")
             over = "-" if floor is None or variant == NO_COMM else f"{(step - floor) * 1000:.0f}"
+            copied = f"{_median(runs, 'copied_per_step') / 2**20:.1f}" if variant in OUR_VARIANTS else "-"
             rows.append([str(world), variant, f"{step * 1000:.0f}", over,
-                         *(f"{_median(runs, key):.0f}" for key in bench.CPU_ROLES)])  # fmt: skip
-    headers = ["N", "variant", "step", "over no_comm", "CPU main", "CPU busiest other", "CPU rest"]
+                         *(f"{_median(runs, key):.0f}" for key in bench.CPU_ROLES), copied])  # fmt: skip
+    headers = ["N", "variant", "step", "over no_comm", "CPU main", "CPU busiest other", "CPU rest", "MiB copied"]
     return format_table(headers, rows)
 
 
@@ -332,7 +342,8 @@ def report(models: Sequence[Model], worlds: Sequence[int], results: dict, repeat
         "setup, before the first step;\nMiB sent/step: loopback bytes per step and worker (all traffic between the "
         "workers).\nwhere a step goes: over no_comm = step time minus the no-communication floor; CPU = CPU time "
         "per step of the training thread,\nthe busiest other thread (Horovod's or torch's process group's: "
-        "negotiation, Gloo's ring and transport) and the other threads."
+        "negotiation, Gloo's ring and transport) and the other threads;\nMiB copied: gradient bytes our strategy "
+        "copied per step on the training thread, into its buckets and back out (comm_counters.copied_bytes)."
     )
     return "\n\n".join([*sections, legend])
 

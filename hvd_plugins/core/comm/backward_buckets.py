@@ -40,6 +40,7 @@ class BackwardBuckets:
         alone_from_bytes: int | None = None,
     ) -> None:
         self.parameters: tuple[torch.Tensor, ...] = tuple(parameters)
+        self.alone_from_bytes = alone_from_bytes
         order = reversed(self.parameters) if backward_order else self.parameters
         self.buckets: list[list[torch.Tensor]] = (
             bucket_tensors(order, bucket_bytes, alone_from_bytes)

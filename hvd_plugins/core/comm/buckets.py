@@ -1,8 +1,8 @@
-"""Flatten many tensors into a few same-dtype buffers and copy results back."""
+"""Which tensors share a bucket: by dtype and device, up to a size (``comm.layout`` lays each bucket out flat)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 
 import torch
 
@@ -30,16 +30,3 @@ def bucket_tensors(
         open_bucket[key] = (members, size + nbytes(tensor))
     buckets.extend(members for members, _ in open_bucket.values() if members)
     return buckets
-
-
-def flatten(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-    return torch.cat([t.reshape(-1) for t in tensors])
-
-
-def unflatten_into(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
-    """Copy consecutive slices of ``flat`` back into ``tensors``."""
-    offset = 0
-    for tensor in tensors:
-        count = tensor.numel()
-        tensor.copy_(flat[offset : offset + count].view_as(tensor))
-        offset += count

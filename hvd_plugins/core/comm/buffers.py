@@ -19,9 +19,9 @@ from torch.nn import Module
 from hvd_plugins.core.backend.bfloat16 import takes_bfloat16
 from hvd_plugins.core.backend.module import horovod_torch
 from hvd_plugins.core.backend.waits import wait_for
-from hvd_plugins.core.comm.buckets import flatten, unflatten_into
 from hvd_plugins.core.comm.counters import CommCounters, Scope
 from hvd_plugins.core.comm.in_flight import InFlight, Meanwhile
+from hvd_plugins.core.comm.layout import flatten, unflatten_into
 from hvd_plugins.core.comm.wire import nbytes
 
 

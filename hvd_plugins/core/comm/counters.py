@@ -28,7 +28,8 @@ class CommCounters:
     the wire), not the ring algorithm's traffic, so they can be checked against
     ``parameters x bytes per element x syncs``. ``calls`` counts tensors submitted; Horovod
     may fuse several of them into one transfer. ``wait_seconds`` is time spent blocked
-    waiting for collectives to finish.
+    waiting for collectives to finish. ``copied_bytes`` and ``view_fallbacks`` tell what the
+    training thread copied to hand gradients over (``comm.reducer``).
     """
 
     node_local_bytes: int = 0
@@ -36,6 +37,10 @@ class CommCounters:
     cross_node_bytes: int = 0
     cross_node_calls: int = 0
     wait_seconds: float = 0.0
+    copied_bytes: int = 0
+    """Gradient bytes copied on the training thread into buckets and results copied back out of them."""
+    view_fallbacks: int = 0
+    """Gradients that could not stay views of their bucket (sparse ones, made dense each step)."""
 
     def record(self, scope: Scope, nbytes: int, calls: int = 1) -> None:
         if scope is Scope.NODE_LOCAL:

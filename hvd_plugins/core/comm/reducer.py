@@ -22,10 +22,12 @@ from torch.nn import Parameter
 from torch.optim import Optimizer
 
 from hvd_plugins.core.comm.backward_buckets import BackwardBuckets
-from hvd_plugins.core.comm.buckets import flatten, unflatten_into
+from hvd_plugins.core.comm.counters import CommCounters
 from hvd_plugins.core.comm.gradients import gradient_to_send
 from hvd_plugins.core.comm.in_flight import InFlight, finish_all
+from hvd_plugins.core.comm.layout import FlatLayout
 from hvd_plugins.core.comm.parameters import optimizer_parameters
+from hvd_plugins.core.comm.wire import nbytes
 
 BucketOperation = Callable[[int, torch.Tensor, str], InFlight[torch.Tensor | None] | None]
 """Starts a mode's operation on bucket ``index``'s flattened gradients (named; the same name on every worker).
@@ -34,14 +36,27 @@ A result as long as the bucket or longer is written back into the gradients; a N
 
 
 VIEW_ALONE_BYTES = 2**20
-"""With ``views``, a gradient of at least this many bytes is a bucket of its own, summed where it lies: no copy in
-or out, and its sum starts the moment backward has it. One more collective to negotiate costs less than two
-passes over a MiB (on a 2-core machine, a model of a few large tensors ran at 0.66x of a hand-written Horovod
-loop with every gradient copied into 32 MiB buckets, and at 1.05x this way); smaller ones share buckets."""
+"""A gradient of at least this many bytes is a bucket of its own, summed where it lies: no copy in or out, and its
+sum starts the moment backward has it. One more collective to negotiate costs less than two passes over a MiB (on a
+2-core machine, a model of a few large tensors ran at 0.66x of a hand-written Horovod loop with every gradient copied
+into 32 MiB buckets, and at 1.05x this way); smaller ones share buckets. Only where ``alone`` is asked for."""
 
 
 class BucketReducer:
-    """One optimizer's trainable ``parameters`` in buckets, each reduced by ``operation`` as backward completes it."""
+    """One optimizer's trainable ``parameters`` in buckets, each reduced by ``operation`` as backward completes it.
+
+    Each bucket has one flat buffer, laid out by its ``FlatLayout``, kept from step to step, and each parameter's
+    gradient is a view of it, as DDP's ``gradient_as_bucket_view``: backward then accumulates into the bucket
+    itself, the operation sums it where it lies, and nothing is copied back. A gradient that is not the view (the
+    first backward after ``zero_grad(set_to_none=True)`` makes a new one, a user replaced it, a sparse one) is
+    copied in once and the view takes its place; ``counters`` count those bytes (``copied_bytes``) and the
+    gradients that could not be kept as views (sparse ones: ``view_fallbacks``).
+
+    ``sharded``: a bucket goes to the workers' slices (ZeRO-2/3): each step its gradients are copied once into a
+    padded buffer the operation splits as it is, and let go as soon as it starts, so no whole gradient outlives the
+    sum; nothing is written back. ``alone``: a gradient of ``VIEW_ALONE_BYTES`` or more is a bucket of its own,
+    handed over as itself.
+    """
 
     def __init__(
         self,
@@ -54,18 +69,12 @@ class BucketReducer:
         buckets: Sequence[Sequence[Parameter]] | None = None,
         land_early: bool = False,
         max_in_flight: int | None = None,
-        views: bool = False,
-        padded_numels: Sequence[int] | None = None,
+        alone: bool = False,
+        layouts: Sequence[FlatLayout] | None = None,
+        counters: CommCounters | None = None,
     ) -> None:
         self.operation = operation
-        self.views = views
-        self.padded_numels = list(padded_numels) if padded_numels is not None else None
-        """Each bucket's flat length, padding included (a sharded mode's layout): the gradients are copied once,
-        into a buffer the operation splits as it is, and nothing writes results back into them (the operation puts
-        its result elsewhere), so a bucket's gradients are let go as soon as it starts."""
-        """Hand a bucket of one contiguous gradient to the operation as a view of that gradient, not a copy: the
-        operation may then write its result there (an in-place sum), and nothing is copied back. Gradients of
-        ``VIEW_ALONE_BYTES`` or more then get buckets of their own."""
+        self.sharded = layouts is not None
         self.land_early = land_early
         """Land a bucket whose operation has arrived as soon as a later bucket starts, while backward runs (its
         buffers go at once); else every bucket lands at ``finish``: backward leaves the gradients as it made them."""
@@ -73,9 +82,16 @@ class BucketReducer:
         """With ``land_early``: at most this many buckets travel at once; starting one more lands the oldest first
         (waiting for it), which bounds the memory of buffers in flight (None: no bound)."""
         self.name = name
-        alone = VIEW_ALONE_BYTES if views else None
-        self.buckets = BackwardBuckets(parameters, bucket_bytes, self.start, passes, backward_order, buckets, alone)
-        self._in_flight: dict[int, tuple[list[torch.Tensor], InFlight[torch.Tensor | None] | None]] = {}
+        self.counters = counters if counters is not None else CommCounters()
+        split_alone = VIEW_ALONE_BYTES if alone else None
+        self.buckets = BackwardBuckets(
+            parameters, bucket_bytes, self.start, passes, backward_order, buckets, split_alone
+        )
+        self.layouts = list(layouts) if layouts is not None else [FlatLayout.of(b) for b in self.buckets.buckets]
+        self._flats: dict[int, torch.Tensor] = {}
+        """Each bucket's flat buffer, which its gradients view (not for sharded buckets, nor a gradient alone)."""
+        self._in_flight: dict[int, InFlight[torch.Tensor | None] | None] = {}
+        self._landing: dict[int, torch.Tensor | None] = {}  # where each started bucket's result goes
 
     @property
     def armed(self) -> bool:
@@ -98,57 +114,82 @@ class BucketReducer:
         return self.buckets.bucket_nbytes()
 
     def start(self, index: int) -> None:
-        """Flatten bucket ``index``'s gradients and start its operation; buckets in flight move on meanwhile."""
-        gradients = [gradient_to_send(p) for p in self.buckets.buckets[index]]
-        if self.padded_numels is not None:
-            operation = self.operation(
-                index, flatten_padded(gradients, self.padded_numels[index]), f"{self.name}.{index}"
-            )
-            gradients = []  # its result goes elsewhere: the whole gradients may go once the operation drops them
-        else:
-            operation = self.operation(index, self._flat(gradients), f"{self.name}.{index}")
-        self._in_flight[index] = (gradients, operation)
-        for earlier, (its_gradients, other) in self._in_flight.items():
+        """Start bucket ``index``'s operation on its flat gradients; buckets in flight move on meanwhile."""
+        flat, landing = self._bucket(index)
+        self._in_flight[index] = self.operation(index, flat, f"{self.name}.{index}")
+        self._landing[index] = landing
+        for earlier, other in self._in_flight.items():
             if other is None:
                 continue
             if self.land_early and other.ready():  # arrived: land it now, so its buffers go while backward runs
-                self._land(its_gradients, other.wait())
-                self._in_flight[earlier] = ([], None)  # landed: its gradients are no longer this reducer's to hold
+                self._land(earlier, other.wait())
+                self._in_flight[earlier] = None
             else:
                 other.progress()
-        travelling = [i for i in sorted(self._in_flight) if self._in_flight[i][1] is not None]
+        travelling = [i for i in sorted(self._in_flight) if self._in_flight[i] is not None]
         while self.land_early and self.max_in_flight is not None and len(travelling) > self.max_in_flight:
             oldest = travelling.pop(0)
-            its_gradients, other = self._in_flight[oldest]
+            other = self._in_flight[oldest]
             assert other is not None
-            self._land(its_gradients, other.wait())
-            self._in_flight[oldest] = ([], None)
+            self._land(oldest, other.wait())
+            self._in_flight[oldest] = None
 
-    def _flat(self, gradients: list[torch.Tensor]) -> torch.Tensor:
-        if self.views and len(gradients) == 1 and gradients[0].is_contiguous():
-            return gradients[0].view(-1)
-        return flatten(gradients)
+    def _bucket(self, index: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Bucket ``index``'s gradients as one flat tensor to hand over, and where its result must land (None:
+        nowhere, the operation puts it elsewhere)."""
+        parameters = self.buckets.buckets[index]
+        layout = self.layouts[index]
+        if self.sharded:  # copied once into a padded buffer; the whole gradients may go once the operation drops it
+            gradients = [gradient_to_send(p) for p in parameters]
+            self.counters.copied_bytes += sum(nbytes(g) for g in gradients)
+            return layout.pack(gradients, padded=True), None
+        if len(parameters) == 1 and self.buckets.alone_from_bytes is not None:
+            gradient = gradient_to_send(parameters[0])
+            if gradient.is_contiguous():
+                return gradient.view(-1), gradient.view(-1)
+        flat = self._flats.get(index)
+        if flat is None:
+            flat = self._flats[index] = layout.new_flat(parameters[0], padded=False)
+        self._into_views(parameters, layout, flat)
+        return flat, flat
 
-    @staticmethod
-    def _land(gradients: list[torch.Tensor], result: torch.Tensor | None) -> None:
-        if result is None:
-            return
-        if len(gradients) == 1 and result.data_ptr() == gradients[0].data_ptr():
-            return  # the result is the gradient itself (a view bucket summed in place)
-        unflatten_into(result, gradients)
+    def _into_views(self, parameters: Sequence[torch.Tensor], layout: FlatLayout, flat: torch.Tensor) -> None:
+        """Every gradient of the bucket made its view of ``flat``: copied in where it is not that view already."""
+        for parameter, view in zip(parameters, layout.views(flat), strict=True):
+            gradient = parameter.grad
+            if gradient is None:
+                view.zero_()  # no gradient this step: zeros, as every worker must send alike
+            elif gradient.is_sparse:
+                view.copy_(gradient.to_dense())
+                self.counters.view_fallbacks += 1
+                self.counters.copied_bytes += nbytes(view)
+            elif gradient.data_ptr() == view.data_ptr() and gradient.shape == view.shape:
+                continue  # backward accumulated into the bucket itself
+            else:
+                view.copy_(gradient)
+                self.counters.copied_bytes += nbytes(view)
+            if parameter.requires_grad:
+                parameter.grad = view
+
+    def _land(self, index: int, result: torch.Tensor | None) -> None:
+        landing = self._landing.pop(index, None)
+        if result is None or landing is None or result.data_ptr() == landing.data_ptr():
+            return  # nothing to land, or summed where it lies (the bucket the gradients view, or the gradient)
+        landing.copy_(result[: landing.numel()])
+        self.counters.copied_bytes += nbytes(landing)
 
     def finish(self, waiting: AbstractContextManager[object] | None = None) -> None:
-        """Start what backward did not, wait for every bucket (in order), write the results back; next step."""
+        """Start what backward did not, wait for every bucket (in order), land the results; next step."""
         for index in range(len(self.buckets.buckets)):
             if index not in self._in_flight:
                 self.start(index)
-        started = [self._in_flight[index] for index in sorted(self._in_flight)]
-        running = [(gradients, operation) for gradients, operation in started if operation is not None]
+        running = [(index, operation) for index, operation in sorted(self._in_flight.items()) if operation is not None]
         with waiting if waiting is not None else nullcontext():
             results = finish_all([operation for _, operation in running])
-        for (gradients, _), result in zip(running, results, strict=True):
-            self._land(gradients, result)
+        for (index, _), result in zip(running, results, strict=True):
+            self._land(index, result)
         self._in_flight.clear()
+        self._landing.clear()
         self.buckets.reset(self.buckets.passes_per_step)
 
     def set_backward_passes(self, passes: int) -> None:
@@ -163,18 +204,7 @@ class BucketReducer:
         """Drop the hooks: this reducer is done with."""
         self.buckets.remove()
         self._in_flight.clear()
-
-
-def flatten_padded(tensors: Sequence[torch.Tensor], numel: int) -> torch.Tensor:
-    """``tensors`` end to end in one new buffer of ``numel`` elements, zeros after them."""
-    first = tensors[0]
-    flat = torch.empty(numel, dtype=first.dtype, device=first.device)
-    offset = 0
-    for tensor in tensors:
-        flat[offset : offset + tensor.numel()].copy_(tensor.reshape(-1))
-        offset += tensor.numel()
-    flat[offset:].zero_()
-    return flat
+        self._landing.clear()
 
 
 class OptimizerReducers:
@@ -185,13 +215,19 @@ class OptimizerReducers:
     """
 
     def __init__(
-        self, bucket_bytes: int, operation: BucketOperation, backward_order: bool = True, views: bool = False
+        self,
+        bucket_bytes: int,
+        operation: BucketOperation,
+        backward_order: bool = True,
+        alone: bool = False,
+        counters: CommCounters | None = None,
     ) -> None:
         self.bucket_bytes = bucket_bytes
         self.operation = operation
         self.backward_order = backward_order
-        self.views = views
-        """``BucketReducer.views`` for every reducer built here."""
+        self.alone = alone
+        """``BucketReducer``'s ``alone`` for every reducer built here."""
+        self.counters = counters
         self._reducers: dict[int, BucketReducer] = {}
 
     def for_optimizer(self, optimizer: Optimizer, name: str, passes: int) -> BucketReducer:
@@ -203,7 +239,14 @@ class OptimizerReducers:
         if reducer is not None:
             reducer.remove()
         reducer = BucketReducer(
-            trainable, self.bucket_bytes, self.operation, name, passes, self.backward_order, views=self.views
+            trainable,
+            self.bucket_bytes,
+            self.operation,
+            name,
+            passes,
+            self.backward_order,
+            alone=self.alone,
+            counters=self.counters,
         )
         self._reducers[id(optimizer)] = reducer
         return reducer
@@ -224,7 +267,13 @@ class OptimizerReducers:
             return
         name = f"{reducer.name}.late"
         late_reducer = BucketReducer(
-            late, self.bucket_bytes, self.operation, name, backward_order=False, views=self.views
+            late,
+            self.bucket_bytes,
+            self.operation,
+            name,
+            backward_order=False,
+            alone=self.alone,
+            counters=self.counters,
         )
         late_reducer.finish()
         late_reducer.remove()

@@ -69,7 +69,7 @@ class BucketedAllreduceSync(HorovodOptimizerSync):
         self.bucketed = True
         """False once ``setup`` found sparse gradients: Horovod's own hooks average every gradient."""
         self._names: dict[int, str] = {}  # by optimizer, in wrap order: equal on every rank
-        self._reducers = OptimizerReducers(bucket_bytes, self._sum_bucket, views=True)
+        self._reducers = OptimizerReducers(bucket_bytes, self._sum_bucket, alone=True, counters=counters)
 
     # ------------------------------------------------------------------ wrapping and arming
     def wrap(self, optimizer: Optimizer, named_parameters: list[tuple[str, torch.nn.Parameter]]) -> Optimizer:

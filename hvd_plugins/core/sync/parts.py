@@ -19,6 +19,8 @@ from typing import Any, TypeGuard
 
 import torch
 
+from hvd_plugins.core.comm.layout import FlatLayout
+
 PART_FORMAT = "hvd_plugins.optimizer_part/1"
 """Marks one worker's part of one optimizer's state."""
 PARTS_MARKER = "hvd_plugins.optimizer_parts/1"
@@ -97,16 +99,12 @@ def per_parameter(
 ) -> Iterator[tuple[int, torch.Tensor]]:
     """Each parameter of a part's ``bucket`` (its state index) and its whole tensor, joined from the workers' equal
     ``pieces`` of the bucket's flat layout, one parameter at a time."""
-    offset = 0
-    for parameter, shape in zip(bucket["parameters"], bucket["shapes"], strict=True):
-        count = int(torch.Size(shape).numel())
+    layout = FlatLayout([torch.Size(shape) for shape in bucket["shapes"]])
+    for parameter, (offset, count, shape) in zip(bucket["parameters"], layout.spans(), strict=True):
         yield int(parameter), joined(pieces, offset, count, allocate).reshape(shape)
-        offset += count
 
 
-def joined(
-    pieces: Sequence[torch.Tensor], start: int, count: int, allocate: Allocate = in_memory
-) -> torch.Tensor:
+def joined(pieces: Sequence[torch.Tensor], start: int, count: int, allocate: Allocate = in_memory) -> torch.Tensor:
     """Elements ``start`` to ``start + count`` of the workers' equal ``pieces`` laid end to end, copied into one new
     tensor from ``allocate``: no whole bucket is ever made, only what one parameter holds."""
     whole = allocate(count, pieces[0].dtype)

@@ -64,7 +64,7 @@ class DasoGradientSync(GradientSync):
         """The running fit's parameter syncer; ``daso.schedule`` is public for callbacks."""
         self._restored_schedule: Mapping[str, Any] | None = None
         self._names: dict[int, str] = {}  # by optimizer, in wrap order: equal on every rank
-        self._reducers = OptimizerReducers(bucket_bytes, self._sum_bucket, backward_order=False)
+        self._reducers = OptimizerReducers(bucket_bytes, self._sum_bucket, backward_order=False, counters=self.counters)
 
     def over_all_workers(self) -> bool:
         """Whether this step's gradients are averaged over all workers (warmup, cooldown) or in the node."""

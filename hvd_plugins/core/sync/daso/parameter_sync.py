@@ -64,10 +64,10 @@ import torch
 from torch.nn import Module
 from torch.optim import Optimizer
 
-from hvd_plugins.core.comm.buckets import flatten, unflatten_into
 from hvd_plugins.core.comm.buffers import BufferAverage, finish_buffer_average, start_buffer_average
 from hvd_plugins.core.comm.counters import CommCounters, Scope
 from hvd_plugins.core.comm.cross_node import ChunkedSum, CrossNodeSharding
+from hvd_plugins.core.comm.layout import FlatLayout, flatten, unflatten_into
 from hvd_plugins.core.comm.parameters import optimizer_parameters
 from hvd_plugins.core.comm.shards import ShardLayout
 from hvd_plugins.core.comm.topology import NodeGroups
@@ -312,11 +312,8 @@ def move_towards(parameters: Sequence[torch.Tensor], target: torch.Tensor, share
     The merge ``(2B * p + N * average) / (2B + N)`` is this with ``share = N / (2B + N)``: one pass
     over each parameter, with no flat copy of the parameters to build and copy back.
     """
-    offset = 0
-    for parameter in parameters:
-        count = parameter.numel()
-        parameter.lerp_(target[offset : offset + count].view_as(parameter).to(parameter.dtype), share)
-        offset += count
+    for parameter, part in zip(parameters, FlatLayout.of(parameters).views(target), strict=True):
+        parameter.lerp_(part.to(parameter.dtype), share)
 
 
 def _flatten_as(tensors: Sequence[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:

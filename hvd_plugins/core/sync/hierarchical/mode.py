@@ -74,7 +74,8 @@ class HierarchicalGradientSync(GradientSync):
         self._hooked: list[Optimizer] = []  # DistributedOptimizers, whose hooks carry the flat route
         self._last_sync_end: float | None = None
         self._optimizers: list[Optimizer] = []  # every optimizer wrapped, in wrap order
-        self._reducers = OptimizerReducers(bucket_bytes, self._sum_bucket)  # buckets and sums, per optimizer
+        # buckets and sums, per optimizer
+        self._reducers = OptimizerReducers(bucket_bytes, self._sum_bucket, counters=self.counters)
 
     def wrap(self, optimizer: Optimizer, named_parameters: list[tuple[str, torch.nn.Parameter]]) -> Optimizer:
         name = f"grad.opt{len(self._names)}"

@@ -23,7 +23,6 @@ import torch
 from torch.nn import Parameter
 from torch.optim import Optimizer
 
-from hvd_plugins.core.comm.buckets import unflatten_into
 from hvd_plugins.core.comm.compression import NoCompression
 from hvd_plugins.core.comm.counters import CommCounters, Scope
 from hvd_plugins.core.comm.in_flight import InFlight, finish_all
@@ -181,7 +180,7 @@ class ShardedOptimizer(Optimizer):
         kept = [(index, bucket) for index, bucket in enumerate(self.buckets) if bucket.unit is None]
         if world is None or world.size == 1:
             for index, bucket in kept:
-                unflatten_into(self.slices[index].detach()[: bucket.layout.numel], list(bucket.parameters))
+                bucket.flat.unpack(self.slices[index].detach(), bucket.parameters)
             return
         codec = NoCompression()
         pending: list[InFlight[list[torch.Tensor]]] = []
@@ -193,7 +192,7 @@ class ShardedOptimizer(Optimizer):
         with self.counters.waiting():
             pieces = finish_all(pending)
         for (_, bucket), received in zip(kept, pieces, strict=True):
-            unflatten_into(torch.cat(received)[: bucket.layout.numel], list(bucket.parameters))
+            bucket.flat.unpack(torch.cat(received), bucket.parameters)
 
     def _check_elementwise_state(self) -> None:
         """After the first step: every state tensor is a scalar or has its slice's shape (else the optimizer
@@ -316,12 +315,10 @@ class ShardedOptimizer(Optimizer):
         state: dict[int, dict[str, Any]] = {index: dict(values) for index, values in self._parked_by_index().items()}
         for bucket, whole in zip(self.buckets, self._gathered_state(), strict=True):
             for key, value in whole.items():
-                for parameter, offset, shape in zip(bucket.parameters, bucket.offsets, bucket.shapes, strict=True):
-                    entry = state.setdefault(indices[id(parameter)], {})
-                    if isinstance(value, torch.Tensor) and value.dim() == 1 and value.numel() >= bucket.layout.numel:
-                        entry[key] = value[offset : offset + shape.numel()].view(shape).clone()
-                    else:
-                        entry[key] = value.clone() if isinstance(value, torch.Tensor) else value
+                laid_out = isinstance(value, torch.Tensor) and value.dim() == 1 and value.numel() >= bucket.flat.numel
+                views = bucket.flat.views(value) if laid_out else [value] * len(bucket.parameters)
+                for parameter, view in zip(bucket.parameters, views, strict=True):
+                    state.setdefault(indices[id(parameter)], {})[key] = copy_of(view)
         groups = []
         for group in self.param_groups:
             saved = {key: value for key, value in group.items() if key != "params"}

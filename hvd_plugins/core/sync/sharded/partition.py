@@ -2,7 +2,7 @@
 
 Parameters are bucketed per param group, dtype and device (``comm.buckets``), in the order backward
 produces their gradients (reversed), so a bucket's gradients are complete before backward ends. Each
-bucket is one flat vector padded to a multiple of the number of workers (``comm.shards.ShardLayout``);
+bucket is one flat vector padded to a multiple of the number of workers (``comm.layout.FlatLayout``);
 worker ``r`` owns slice ``r``. A worker reads and writes its slice straight from and into the
 parameters (and their gradients), without building the bucket's flat vector.
 """
@@ -18,69 +18,46 @@ from torch.nn import Parameter
 from torch.optim import Optimizer
 
 from hvd_plugins.core.comm.buckets import bucket_tensors
+from hvd_plugins.core.comm.layout import FlatLayout
 from hvd_plugins.core.comm.shards import LocalShard, ShardLayout
 
 
 @dataclass(frozen=True)
 class ShardedBucket:
-    """Parameters of one param group laid end to end in a flat vector; this worker owns ``layout``'s slice.
+    """Parameters of one param group laid end to end in a flat vector (``flat``); this worker owns its slice.
 
     ``unit``: with ``shard="parameters"``, the unit whose parameters these are: between its computations they
-    exist only as the workers' slices, so the bucket keeps their ``shapes`` (taken when it was laid out).
+    exist only as the workers' slices, so the layout keeps their shapes (taken when it was laid out).
     """
 
     group_index: int
     parameters: tuple[Parameter, ...]
-    layout: ShardLayout
+    flat: FlatLayout
     unit: int | None = None
-    shapes: tuple[torch.Size, ...] = ()
-
-    def __post_init__(self) -> None:
-        if not self.shapes:
-            object.__setattr__(self, "shapes", tuple(parameter.shape for parameter in self.parameters))
 
     @property
-    def offsets(self) -> list[int]:
-        """Where each parameter starts in the bucket's flat vector."""
-        starts, offset = [], 0
-        for shape in self.shapes:
-            starts.append(offset)
-            offset += shape.numel()
-        return starts
+    def layout(self) -> ShardLayout:
+        """How the flat vector splits over the workers, and which slice is this worker's."""
+        return self.flat.shard
 
-    def _overlaps(self) -> list[tuple[Parameter, slice, slice]]:
-        """For each parameter that overlaps this worker's slice: (parameter, its part, where in the slice)."""
-        begin, end = self.layout.start, self.layout.start + self.layout.shard_numel
-        found = []
-        for parameter, offset, shape in zip(self.parameters, self.offsets, self.shapes, strict=True):
-            low, high = max(offset, begin), min(offset + shape.numel(), end)
-            if low < high:
-                found.append((parameter, slice(low - offset, high - offset), slice(low - begin, high - begin)))
-        return found
+    @property
+    def shapes(self) -> tuple[torch.Size, ...]:
+        return self.flat.shapes
 
     def local_shards(self, slice_values: torch.Tensor) -> list[tuple[Parameter, LocalShard]]:
         """This worker's part of each parameter it holds any of, as views of ``slice_values`` (its slice)."""
-        shapes = {id(parameter): shape for parameter, shape in zip(self.parameters, self.shapes, strict=True)}
         return [
-            (parameter, LocalShard(slice_values[place], part.start, shapes[id(parameter)]))
-            for parameter, part, place in self._overlaps()
+            (self.parameters[position], LocalShard(values, start, self.flat.shapes[position]))
+            for position, values, start in self.flat.slice_views(slice_values)
         ]
 
     def read_slice(self, tensors: Sequence[torch.Tensor | None], into: torch.Tensor) -> torch.Tensor:
         """This worker's slice of the flat vector of ``tensors`` (one per parameter, None as zeros), into ``into``."""
-        into.zero_()
-        by_parameter = dict(zip(self.parameters, tensors, strict=True))
-        for parameter, part, place in self._overlaps():
-            tensor = by_parameter[parameter]
-            if tensor is not None:
-                into[place].copy_(tensor.reshape(-1)[part])
-        return into
+        return self.flat.read_slice(tensors, into)
 
     def write_slice(self, values: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
         """Copy this worker's slice ``values`` into the matching parts of ``tensors`` (one per parameter)."""
-        by_parameter = dict(zip(self.parameters, tensors, strict=True))
-        for parameter, part, place in self._overlaps():
-            by_parameter[parameter].view(-1)[part].copy_(values[place])
+        self.flat.write_slice(values, tensors)
 
 
 Signature = Callable[[Parameter], Hashable]
@@ -96,7 +73,7 @@ def partition(
     for group_index, group in enumerate(optimizer.param_groups):
         trainable: list[Parameter] = [p for p in group["params"] if p.requires_grad]
         buckets += [
-            ShardedBucket(group_index, bucket.parameters, bucket.layout)
+            ShardedBucket(group_index, bucket.parameters, bucket.flat)
             for bucket in _bucketed(trainable, workers, rank, bucket_bytes, signature)
         ]
     return buckets
@@ -112,9 +89,8 @@ def _bucketed(
     buckets = []
     for members_alike in alike.values():
         for members in bucket_tensors(reversed(members_alike), bucket_bytes):
-            numel = sum(p.numel() for p in members)
             chosen = cast(tuple[Parameter, ...], tuple(members))  # bucket_tensors keeps what it was given
-            buckets.append(ShardedBucket(0, chosen, ShardLayout(numel, workers, rank)))
+            buckets.append(ShardedBucket(0, chosen, FlatLayout.of(chosen, workers, rank)))
     return buckets
 
 
@@ -141,10 +117,9 @@ def partition_by_units(
             alike = (signature(parameter) if signature is not None else None, parameter.dtype, parameter.device)
             by_unit.setdefault((unit, alike), []).append(parameter)
         for (unit, _), members in sorted(by_unit.items(), key=lambda item: -item[0][0]):
-            numel = sum(p.numel() for p in members)
-            buckets.append(ShardedBucket(group_index, tuple(members), ShardLayout(numel, workers, rank), unit))
+            buckets.append(ShardedBucket(group_index, tuple(members), FlatLayout.of(members, workers, rank), unit))
         buckets += [
-            ShardedBucket(group_index, bucket.parameters, bucket.layout)
+            ShardedBucket(group_index, bucket.parameters, bucket.flat)
             for bucket in _bucketed(rest, workers, rank, bucket_bytes, signature)
         ]
     return buckets

@@ -245,11 +245,8 @@ class Unit:
         self.flats: list[torch.Tensor] = []
         for sharded, index_ in self.pieces:  # the model is whole when its units are found
             bucket = sharded.buckets[index_]
-            first = bucket.parameters[0]
-            flat = torch.zeros(bucket.layout.padded_numel, dtype=first.dtype, device=first.device)
             with torch.no_grad():
-                for parameter, offset, shape in zip(bucket.parameters, bucket.offsets, bucket.shapes, strict=True):
-                    flat[offset : offset + shape.numel()].copy_(parameter.detach().reshape(-1))
+                flat = bucket.flat.pack([p.detach() for p in bucket.parameters], padded=True)
             self.flats.append(flat)
         self.whole = True
         self._pending: list[PartnerAlltoall | None] | None = None  # a gather started and not finished
@@ -263,8 +260,8 @@ class Unit:
         """Each parameter a view of its bucket's flat buffer."""
         for (sharded, index), flat in zip(self.pieces, self.flats, strict=True):
             bucket = sharded.buckets[index]
-            for parameter, offset, shape in zip(bucket.parameters, bucket.offsets, bucket.shapes, strict=True):
-                parameter.data = flat[offset : offset + shape.numel()].view(shape)
+            for parameter, view in zip(bucket.parameters, bucket.flat.views(flat), strict=True):
+                parameter.data = view
 
     def _dtypes(self, full: bool) -> list[torch.dtype]:
         """Each bucket's gather dtype: the slices' own when ``full``, else the compute dtype where one is set."""
@@ -312,10 +309,7 @@ class Unit:
         for operation, flat in zip(self._pending, self.flats, strict=True):
             if operation is None:
                 continue
-            offset = 0
-            for received in next(gathered):  # every worker's slice, in the layout's order
-                flat.data[offset : offset + received.numel()].copy_(received)
-                offset += received.numel()
+            torch.cat(next(gathered), out=flat.data)  # every worker's slice, in the layout's order
         self._pending = None
         self.whole = True
         self._view()

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from hvd_plugins.core.comm.buckets import bucket_tensors, flatten, unflatten_into
+from hvd_plugins.core.comm.buckets import bucket_tensors
+from hvd_plugins.core.comm.layout import flatten, unflatten_into
 
 
 def test_buckets_split_by_dtype_and_size_and_round_trip() -> None:

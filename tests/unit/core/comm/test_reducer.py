@@ -3,9 +3,12 @@ hooks while armed, else at finish), results written back, accumulation, and redu
 
 from __future__ import annotations
 
+import copy
+
 import torch
 from torch import nn
 
+from hvd_plugins.core.comm.counters import CommCounters
 from hvd_plugins.core.comm.in_flight import InFlight, Meanwhile
 from hvd_plugins.core.comm.reducer import VIEW_ALONE_BYTES, BucketReducer, OptimizerReducers
 
@@ -183,7 +186,7 @@ def test_with_views_a_large_gradient_is_a_bucket_of_its_own_summed_where_it_lies
         handed.append(flat)
         return DoublingInPlace(flat)
 
-    reducer = BucketReducer(list(model.parameters()), 64 * VIEW_ALONE_BYTES, operation, "grad", views=True)
+    reducer = BucketReducer(list(model.parameters()), 64 * VIEW_ALONE_BYTES, operation, "grad", alone=True)
     assert [len(bucket) for bucket in reducer.buckets.buckets] == [1, 3]  # the large weight alone, then the rest
     reducer.armed = True
     model(torch.randn(4, side)).sum().backward()
@@ -192,10 +195,55 @@ def test_with_views_a_large_gradient_is_a_bucket_of_its_own_summed_where_it_lies
     (alone,) = [flat for flat in handed if flat.numel() == first.weight.numel()]
     assert alone.data_ptr() == first.weight.grad.data_ptr()  # the gradient itself, not a copy
     (shared,) = [flat for flat in handed if flat is not alone]
-    held = [p.grad for p in model.parameters() if p.grad is not None]
-    assert all(shared.data_ptr() != g.data_ptr() for g in held)  # a bucket of copies
-    doubled = [2 * g for g in gradients(model)]
+    small = [p.grad for p in model.parameters() if p.grad is not None and p is not first.weight]
+    assert all(is_inside(g, shared) for g in small)  # the others became views of their shared bucket
     reducer.finish()
-    assert all(torch.equal(got, want) for got, want in zip(gradients(model), doubled, strict=True))
-    copied = BucketReducer(list(model.parameters()), 64 * VIEW_ALONE_BYTES, Operations(), "grad")
-    assert [len(bucket) for bucket in copied.buckets.buckets] == [4]  # without views: one bucket of copies
+    one_bucket = BucketReducer(list(model.parameters()), 64 * VIEW_ALONE_BYTES, Operations(), "grad")
+    assert [len(bucket) for bucket in one_bucket.buckets.buckets] == [4]  # without alone: one bucket
+
+
+def is_inside(tensor: torch.Tensor, flat: torch.Tensor) -> bool:
+    """Whether ``tensor``'s elements lie inside ``flat``'s memory."""
+    begin, size = flat.data_ptr(), flat.numel() * flat.element_size()
+    return begin <= tensor.data_ptr() and tensor.data_ptr() + tensor.numel() * tensor.element_size() <= begin + size
+
+
+def test_gradients_become_views_of_their_bucket_and_backward_then_adds_into_it_with_no_copy() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).double()
+    counters = CommCounters()
+    reducer = BucketReducer(list(model.parameters()), 2**20, lambda i, f, n: DoublingInPlace(f), "g", counters=counters)
+    batches = [torch.randn(5, 3, dtype=torch.float64) for _ in range(3)]
+    reference = copy.deepcopy(model)
+    reducer.armed = True
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    for step, batch in enumerate(batches):
+        reference.zero_grad(set_to_none=True)
+        reference(batch).sum().backward()
+        before = counters.copied_bytes
+        model.zero_grad(set_to_none=step == 0)  # the first step's gradients are new; later ones are zeroed views
+        model(batch).sum().backward()
+        reducer.finish()
+        (flat,) = reducer._flats.values()
+        assert all(is_inside(p.grad, flat) for p in model.parameters())
+        assert counters.copied_bytes - before == (total if step == 0 else 0)  # copied in once, then never
+        for got, own in zip(model.parameters(), reference.parameters(), strict=True):
+            assert torch.equal(got.grad, 2 * own.grad)  # summed where it lies, nothing copied back
+    model.zero_grad(set_to_none=True)  # as Lightning does: backward makes new gradients, copied in once each
+    before = counters.copied_bytes
+    model(batches[0]).sum().backward()
+    reducer.finish()
+    assert counters.copied_bytes - before == total and counters.view_fallbacks == 0
+
+
+def test_a_sparse_gradient_is_copied_in_dense_and_counted_as_a_fallback() -> None:
+    embedding = nn.Embedding(10, 3, sparse=True).double()
+    head = nn.Linear(3, 1).double()
+    parameters = [embedding.weight, *head.parameters()]
+    counters = CommCounters()
+    reducer = BucketReducer(parameters, 2**20, lambda i, f, n: DoublingInPlace(f), "g", counters=counters)
+    head(embedding(torch.tensor([1, 2, 2]))).sum().backward()
+    dense = embedding.weight.grad.to_dense()
+    reducer.finish()
+    assert counters.view_fallbacks == 1
+    assert not embedding.weight.grad.is_sparse and torch.equal(embedding.weight.grad, 2 * dense)

@@ -6,6 +6,7 @@ so the skeleton a new mode starts from cannot drift from the package it builds o
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from typing import Any
 
@@ -65,9 +66,12 @@ def test_the_skeleton_mode_averages_every_bucket_and_starts_them_inside_backward
     sync = mode_class(bucket_bytes=64)  # several buckets
     optimizer = sync.wrap(torch.optim.SGD(model.parameters(), lr=0.1), list(model.named_parameters()))
     for step in range(2):
+        batch = torch.randn(5, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(step))
+        alone = copy.deepcopy(model)  # this worker's own gradients: the buckets sum where the gradients lie
+        alone(batch).sum().backward()
+        local = [p.grad for p in alone.parameters()]
         model.zero_grad()
-        model(torch.randn(5, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(step))).sum().backward()
-        local = [p.grad.clone() for p in model.parameters()]
+        model(batch).sum().backward()
         sync.synchronize(optimizer)
         for parameter, own in zip(model.parameters(), local, strict=True):
             assert torch.equal(parameter.grad, (own + 3 * own) / 2)  # the average over the two workers
