@@ -25,11 +25,11 @@ import torch
 
 from hvd_plugins.core.backend import module as backend_module
 from hvd_plugins.core.backend import waits
-from hvd_plugins.core.comm import partners, topology, wire, world
+from hvd_plugins.core.comm import partners, topology, wire, world, world_sum
 
 T = TypeVar("T")
 
-MECHANISM_MODULES: tuple[ModuleType, ...] = (backend_module, waits, partners, topology, wire, world)
+MECHANISM_MODULES: tuple[ModuleType, ...] = (backend_module, waits, partners, topology, wire, world, world_sum)
 """The modules whose ``horovod_torch()`` the two-level path and the sync modes reach (each imported it by name)."""
 
 
@@ -62,6 +62,7 @@ class RankHorovod:
         self._job = job
         self._rank = rank
         self.calls: list[tuple[str, str]] = []
+        self._in_place: dict[int, torch.Tensor] = {}  # handle -> the tensor an in-place allreduce writes into
 
     def rank(self) -> int:
         return self._rank
@@ -101,6 +102,12 @@ class RankHorovod:
     ) -> int:
         return self._job.submit(self._rank, "allreduce", name, tensor, op or self.Average)
 
+    def allreduce_async_(self, tensor: torch.Tensor, name: str | None = None, op: str | None = None) -> int:
+        """Horovod's in-place allreduce: the result is written into ``tensor`` when it is synchronized."""
+        handle = self.allreduce_async(tensor.clone(), name=name, op=op)
+        self._in_place[handle] = tensor
+        return handle
+
     def allgather_async(self, tensor: torch.Tensor, name: str | None = None) -> int:
         return self._job.submit(self._rank, "allgather", name, tensor, None)
 
@@ -128,7 +135,9 @@ class RankHorovod:
         return self._job.poll(self._rank, handle)
 
     def synchronize(self, handle: int) -> Any:
-        return self._job.synchronize(self._rank, handle)
+        result = self._job.synchronize(self._rank, handle)
+        target = self._in_place.pop(handle, None)
+        return result if target is None else target.copy_(result)
 
 
 class ThreadedJob:

@@ -89,9 +89,18 @@ class BucketReducer:
         )
         self.layouts = list(layouts) if layouts is not None else [FlatLayout.of(b) for b in self.buckets.buckets]
         self._flats: dict[int, torch.Tensor] = {}
-        """Each bucket's flat buffer, which its gradients view (not for sharded buckets, nor a gradient alone)."""
+        """Each bucket's flat buffer, which its gradients view: kept from step to step, or, ``sharded``, this step's
+        (handed to the operation when the bucket starts). None for a gradient alone: it is its own bucket."""
+        self._lent: set[int] = set()  # the buckets whose views were lent to the gradients this step
         self._in_flight: dict[int, InFlight[torch.Tensor | None] | None] = {}
         self._landing: dict[int, torch.Tensor | None] = {}  # where each started bucket's result goes
+        self._lenders = [
+            parameter.register_hook(self._lender(index))
+            for index, bucket in enumerate(self.buckets.buckets)
+            if not self._alone(bucket)
+            for parameter in bucket
+            if parameter.requires_grad
+        ]
 
     @property
     def armed(self) -> bool:
@@ -134,27 +143,58 @@ class BucketReducer:
             self._land(oldest, other.wait())
             self._in_flight[oldest] = None
 
+    def _alone(self, bucket: Sequence[torch.Tensor]) -> bool:
+        """Whether ``bucket`` is one large gradient handed over as itself (``alone``)."""
+        return not self.sharded and len(bucket) == 1 and self.buckets.alone_from_bytes is not None
+
+    def _lender(self, index: int) -> Callable[[torch.Tensor], None]:
+        def lend(gradient: torch.Tensor) -> None:
+            if index not in self._lent:
+                self._lend(index, gradient)
+
+        return lend
+
+    def _lend(self, index: int, gradient: torch.Tensor) -> None:
+        """The first gradient of bucket ``index`` this step is about to be accumulated: every trainable parameter of
+        the bucket without a gradient (``zero_grad`` set it to None) gets its view of the bucket, zeroed, so
+        backward adds into the bucket and nothing is copied in. A parameter with no gradient this step sends the
+        zeros it was lent, as every worker must send alike, and the step sees what it would with None."""
+        self._lent.add(index)
+        layout = self.layouts[index]
+        flat = self._flats.get(index)
+        if flat is None or flat.dtype != gradient.dtype or flat.device != gradient.device:
+            flat = self._flats[index] = layout.new_flat(gradient, padded=self.sharded)
+            flat[layout.numel :].zero_()
+        for parameter, view in zip(self.buckets.buckets[index], layout.views(flat), strict=True):
+            if parameter.grad is None and parameter.requires_grad and _fits(parameter, view):
+                parameter.grad = view.zero_()
+
     def _bucket(self, index: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Bucket ``index``'s gradients as one flat tensor to hand over, and where its result must land (None:
         nowhere, the operation puts it elsewhere)."""
         parameters = self.buckets.buckets[index]
         layout = self.layouts[index]
-        if self.sharded:  # copied once into a padded buffer; the whole gradients may go once the operation drops it
-            gradients = [gradient_to_send(p) for p in parameters]
-            self.counters.copied_bytes += sum(nbytes(g) for g in gradients)
-            return layout.pack(gradients, padded=True), None
-        if len(parameters) == 1 and self.buckets.alone_from_bytes is not None:
+        if self._alone(parameters):
             gradient = gradient_to_send(parameters[0])
             if gradient.is_contiguous():
                 return gradient.view(-1), gradient.view(-1)
-        flat = self._flats.get(index)
-        if flat is None:
-            flat = self._flats[index] = layout.new_flat(parameters[0], padded=False)
-        self._into_views(parameters, layout, flat)
+        like = next((p.grad for p in parameters if p.grad is not None and not p.grad.is_sparse), parameters[0])
+        flat = self._flats.pop(index, None) if self.sharded else self._flats.get(index)
+        if flat is None or flat.dtype != like.dtype or flat.device != like.device:
+            flat = layout.new_flat(like, padded=self.sharded)
+            flat[layout.numel :].zero_()
+            if not self.sharded:
+                self._flats[index] = flat
+        self._into_views(parameters, layout, flat, keep=not self.sharded)
+        if self.sharded:  # the whole gradients go once the operation drops the bucket: nothing lands in them
+            return flat, None
         return flat, flat
 
-    def _into_views(self, parameters: Sequence[torch.Tensor], layout: FlatLayout, flat: torch.Tensor) -> None:
-        """Every gradient of the bucket made its view of ``flat``: copied in where it is not that view already."""
+    def _into_views(
+        self, parameters: Sequence[torch.Tensor], layout: FlatLayout, flat: torch.Tensor, keep: bool
+    ) -> None:
+        """Every gradient of the bucket in ``flat``: copied in where it is not its view already (``keep``: and the
+        view made the parameter's gradient)."""
         for parameter, view in zip(parameters, layout.views(flat), strict=True):
             gradient = parameter.grad
             if gradient is None:
@@ -168,7 +208,7 @@ class BucketReducer:
             else:
                 view.copy_(gradient)
                 self.counters.copied_bytes += nbytes(view)
-            if parameter.requires_grad:
+            if keep and parameter.requires_grad and _fits(parameter, view):
                 parameter.grad = view
 
     def _land(self, index: int, result: torch.Tensor | None) -> None:
@@ -190,6 +230,7 @@ class BucketReducer:
             self._land(index, result)
         self._in_flight.clear()
         self._landing.clear()
+        self._lent.clear()
         self.buckets.reset(self.buckets.passes_per_step)
 
     def set_backward_passes(self, passes: int) -> None:
@@ -203,8 +244,17 @@ class BucketReducer:
     def remove(self) -> None:
         """Drop the hooks: this reducer is done with."""
         self.buckets.remove()
+        for handle in self._lenders:
+            handle.remove()
+        self._lenders.clear()
         self._in_flight.clear()
         self._landing.clear()
+        self._flats.clear()
+
+
+def _fits(parameter: torch.Tensor, view: torch.Tensor) -> bool:
+    """Whether ``view`` can be ``parameter``'s gradient (a freed ZeRO-3 parameter is empty and cannot take one)."""
+    return parameter.shape == view.shape and parameter.dtype == view.dtype and parameter.device == view.device
 
 
 class OptimizerReducers:

@@ -38,6 +38,7 @@ from hvd_plugins.core.comm.shards import LocalShard
 from hvd_plugins.core.comm.topology import NodeGroups
 from hvd_plugins.core.comm.two_level import TwoLevelSum
 from hvd_plugins.core.comm.world import broadcast_from_root, max_over_world, sum_over_world, world_rank
+from hvd_plugins.core.comm.world_sum import WorldSumInPlace
 from hvd_plugins.core.config import describe_policy
 from hvd_plugins.core.sync.meta import materialize, real_tensors
 from hvd_plugins.core.sync.sharded.optimizer import ShardedOptimizer
@@ -194,6 +195,9 @@ class OptimizerStage(ShardStage):
             return None
         if route.nodes is not None:
             sum_: InFlight[torch.Tensor] = route.two_level(flat, name, keep_shard=False)
+        elif isinstance(route.compressor, NoCompression) and route.world.size == route.workers:
+            divide_by = route.workers if route.op == "average" else None
+            return WorldSumInPlace(flat, name, route.counters, route.scope, divide_by)  # where the gradients lie
         else:
             sum_ = GroupSum(flat, route.world, route.compressor, name)
             if sum_.nbytes:

@@ -216,34 +216,40 @@ def test_gradients_become_views_of_their_bucket_and_backward_then_adds_into_it_w
     batches = [torch.randn(5, 3, dtype=torch.float64) for _ in range(3)]
     reference = copy.deepcopy(model)
     reducer.armed = True
-    total = sum(p.numel() * p.element_size() for p in model.parameters())
     for step, batch in enumerate(batches):
         reference.zero_grad(set_to_none=True)
         reference(batch).sum().backward()
-        before = counters.copied_bytes
-        model.zero_grad(set_to_none=step == 0)  # the first step's gradients are new; later ones are zeroed views
+        model.zero_grad(set_to_none=step != 1)  # None (as Lightning leaves them), or the views zeroed
         model(batch).sum().backward()
         reducer.finish()
         (flat,) = reducer._flats.values()
         assert all(is_inside(p.grad, flat) for p in model.parameters())
-        assert counters.copied_bytes - before == (total if step == 0 else 0)  # copied in once, then never
         for got, own in zip(model.parameters(), reference.parameters(), strict=True):
             assert torch.equal(got.grad, 2 * own.grad)  # summed where it lies, nothing copied back
-    model.zero_grad(set_to_none=True)  # as Lightning does: backward makes new gradients, copied in once each
-    before = counters.copied_bytes
+    assert counters.copied_bytes == 0  # backward added into the bucket every step: lent before it accumulated
+    replaced = model[0].weight
+    reducer.armed = False  # the buckets start at finish: after the user's gradient is in place
     model(batches[0]).sum().backward()
+    replaced.grad = torch.ones_like(replaced)  # a gradient the user put there: copied in once, then a view again
     reducer.finish()
-    assert counters.copied_bytes - before == total and counters.view_fallbacks == 0
+    assert counters.copied_bytes == replaced.numel() * replaced.element_size() and is_inside(replaced.grad, flat)
+    assert torch.equal(replaced.grad, torch.full_like(replaced, 2.0))
 
 
-def test_a_sparse_gradient_is_copied_in_dense_and_counted_as_a_fallback() -> None:
+def test_a_sparse_gradient_adds_into_its_dense_view_and_one_set_sparse_is_a_counted_fallback() -> None:
     embedding = nn.Embedding(10, 3, sparse=True).double()
     head = nn.Linear(3, 1).double()
     parameters = [embedding.weight, *head.parameters()]
     counters = CommCounters()
     reducer = BucketReducer(parameters, 2**20, lambda i, f, n: DoublingInPlace(f), "g", counters=counters)
-    head(embedding(torch.tensor([1, 2, 2]))).sum().backward()
-    dense = embedding.weight.grad.to_dense()
+    tokens = torch.tensor([1, 2, 2])
+    alone = copy.deepcopy(nn.Sequential(embedding, head))
+    alone(tokens).sum().backward()
+    dense = alone[0].weight.grad.to_dense()
+    head(embedding(tokens)).sum().backward()
     reducer.finish()
-    assert counters.view_fallbacks == 1
     assert not embedding.weight.grad.is_sparse and torch.equal(embedding.weight.grad, 2 * dense)
+    assert counters.view_fallbacks == 0 and counters.copied_bytes == 0
+    embedding.weight.grad = dense.to_sparse()  # set sparse by hand: made dense, copied in, counted
+    reducer.finish()
+    assert counters.view_fallbacks == 1 and torch.equal(embedding.weight.grad, 2 * dense)
