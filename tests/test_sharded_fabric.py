@@ -154,7 +154,7 @@ def test_a_fully_sharded_fabric_loop_trains_as_unsharded_holding_no_whole_unit(
         assert whole > 0 and held == 0 and meta_held == 0, found["held"]  # every Linear a unit: only slices
 
 
-@pytest.mark.parametrize("case", ["tied_model_first", "attention"])
+@pytest.mark.parametrize("case", ["tied_model_first", "attention", "frozen_base"])
 def test_zero3_default_units_train_as_unsharded_in_the_order_users_set_up(
     four: dict[int, dict[str, Any]], case: str
 ) -> None:
@@ -162,7 +162,8 @@ def test_zero3_default_units_train_as_unsharded_in_the_order_users_set_up(
     ``nn.MultiheadAttention`` (which reads ``out_proj.weight`` itself) train; ``fabric.setup(model)`` then
     ``fabric.setup_optimizers`` (litgpt's order, built in ``init_module(empty_init=True)``) works;
     ``model.state_dict()`` gives every worker the whole tensors, and a prediction after the steps matches
-    unsharded."""
+    unsharded. A frozen base under trainable adapters is held as its slices too, between steps and after
+    backward."""
     for rank in range(WORKERS):
         found = report_of(four[rank], check_zero3_in_users_orders)[case]
         assert found["difference"] <= TOLERANCE and found["predicted"] <= TOLERANCE, found
@@ -176,7 +177,7 @@ def test_zero3_default_units_train_as_unsharded_in_the_order_users_set_up(
 
 def test_zero3_local_shards_are_each_workers_part_and_make_the_whole_state(four: dict[int, dict[str, Any]]) -> None:
     """``fabric.strategy.local_shards()``: every worker's parts, laid end to end, are the whole ``state_dict()``."""
-    for case in ("tied_model_first", "attention"):
+    for case in ("tied_model_first", "attention", "frozen_base"):
         whole_everywhere = ["position"] if case == "tied_model_first" else []  # registered on the model itself
         reports = [report_of(four[rank], check_zero3_in_users_orders)[case] for rank in range(WORKERS)]
         for found in reports:

@@ -398,6 +398,28 @@ class AttentionGPT(nn.Module):
         return self.head(x)
 
 
+class AdapterBlock(AttentionBlock):
+    """An ``AttentionBlock`` followed by a small adapter: the block is the frozen base, the adapter trains."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__(width)
+        self.adapter = nn.Sequential(nn.Linear(width, 4, bias=False), nn.Linear(4, width, bias=False))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = super().forward(x)
+        return x + self.adapter(x)
+
+
+def frozen_base_gpt(vocab: int = 48, width: int = 32) -> nn.Module:
+    """``AttentionGPT`` of ``AdapterBlock``, everything frozen but the adapters and the head (a frozen base under
+    trainable adapters): the first block's input needs no gradient, the later ones' do, through frozen weights."""
+    model = AttentionGPT(vocab, width)
+    model.blocks = nn.ModuleList(AdapterBlock(width) for _ in range(3))
+    for name, parameter in model.named_parameters():
+        parameter.requires_grad_("adapter" in name or name.startswith("head."))
+    return model
+
+
 def token_batches(steps: int, vocab: int = 48) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """This worker's share of ``steps`` batches of 2 sequences of 12 tokens (each worker its own, alike each run)."""
     generator = torch.Generator().manual_seed(11 + hvd.rank())
@@ -486,11 +508,16 @@ def evaluate_alone(shard: str, make: Any) -> dict[str, Any]:
 
 @checks.register(time_limit=TIME_LIMIT)
 def check_zero3_in_users_orders() -> dict[str, Any]:
-    """``shard="parameters"`` with the default units (no policy) on a GPT that ties its head by use and on one built
-    of ``nn.MultiheadAttention`` blocks; set up model first (litgpt's order) and together; predicting after the
-    steps, and evaluating with no optimizer ever set up: every result as unsharded."""
+    """``shard="parameters"`` with the default units (no policy) on a GPT that ties its head by use, on one built
+    of ``nn.MultiheadAttention`` blocks, and on a frozen base under trainable adapters; set up model first (litgpt's
+    order) and together; predicting after the steps, and evaluating with no optimizer ever set up: every result as
+    unsharded."""
     found: dict[str, Any] = {}
-    for name, make, order in (("tied_model_first", TiedGPT, "model_first"), ("attention", AttentionGPT, "together")):
+    for name, make, order in (
+        ("tied_model_first", TiedGPT, "model_first"),
+        ("attention", AttentionGPT, "together"),
+        ("frozen_base", frozen_base_gpt, "model_first"),
+    ):
         plain, sharded = run_order("none", make, order), run_order("parameters", make, order)
         found[name] = {
             "difference": relative(sharded["parameters"], plain["parameters"]),

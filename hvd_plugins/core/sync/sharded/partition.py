@@ -101,18 +101,20 @@ def partition_by_units(
     rank: int,
     bucket_bytes: int,
     signature: Signature | None = None,
+    frozen: bool = False,
 ) -> list[ShardedBucket]:
     """``shard="parameters"``: one bucket per unit (``owners``: parameter id -> unit), param group, dtype and
     signature, the later units first (backward reaches them first); the parameters of no unit as ``partition``
-    lays them out."""
+    lays them out. ``frozen``: the frozen parameters the units own instead (those of no unit stay whole)."""
     buckets = []
     for group_index, group in enumerate(optimizer.param_groups):
         by_unit: dict[tuple[int, Hashable], list[Parameter]] = {}
         rest: list[Parameter] = []
-        for parameter in (p for p in group["params"] if p.requires_grad):
+        for parameter in (p for p in group["params"] if p.requires_grad != frozen):
             unit = owners.get(id(parameter))
             if unit is None:
-                rest.append(parameter)
+                if not frozen:
+                    rest.append(parameter)
                 continue
             alike = (signature(parameter) if signature is not None else None, parameter.dtype, parameter.device)
             by_unit.setdefault((unit, alike), []).append(parameter)

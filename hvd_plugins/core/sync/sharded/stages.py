@@ -298,6 +298,8 @@ class ParameterStage(GradientStage):
         self._owners: dict[int, int] | None = None  # parameter id -> unit, once attached
         self._names: list[tuple[str, Module]] = []
         self._optimizers: list[ShardedOptimizer] = []
+        self._frozen: ShardedOptimizer | None = None
+        """The slices of the units' frozen parameters, which no optimizer steps (``_hold_frozen``)."""
         self._units: ShardedUnits | None = None
         self._triggers: list[Module] = []  # the modules whose forward gathers the model's own unit
         self._state_hooks: list[RemovableHandle] = []
@@ -351,6 +353,7 @@ class ParameterStage(GradientStage):
         self._optimizers = list(optimizers)
         for sharded in self._optimizers:
             relay(sharded)
+        self._hold_frozen(model)
         self._install_from_root(model)
         self._hook_state_dict(model)
 
@@ -367,10 +370,26 @@ class ParameterStage(GradientStage):
                 "(the default, 'auto', does), or keep normalization layers out of the units"
             )
 
+    def _hold_frozen(self, model: Module) -> None:
+        """The frozen parameters the units own, laid out per unit as the trainable ones are, in a holder that never
+        steps: a worker keeps only its slices of them, with no gradient buffer and no optimizer state."""
+        assert self._owners is not None
+        frozen = [p for p in model.parameters() if not p.requires_grad and id(p) in self._owners]
+        if not frozen:
+            self._frozen = None
+            return
+        world = self.route.world
+        base = torch.optim.SGD(frozen, lr=0.0)
+        buckets = partition_by_units(base, self._owners, world.size, world.index, self.route.bucket_bytes, frozen=True)
+        route = self.route
+        self._frozen = ShardedOptimizer(base, buckets, world, route.counters, route.scope, "shard.frozen", False)
+        for piece in self._frozen.slices:
+            piece.requires_grad_(False)
+
     def _pieces(self) -> dict[int, list[tuple[ShardedOptimizer, int]]]:
-        """Unit index -> the (sharded optimizer, bucket index) of each of its buckets."""
+        """Unit index -> the (sharded optimizer, bucket index) of each of its buckets, the frozen holder's too."""
         pieces: dict[int, list[tuple[ShardedOptimizer, int]]] = {}
-        for sharded in self._optimizers:
+        for sharded in (*self._optimizers, *([self._frozen] if self._frozen is not None else [])):
             for index, bucket in enumerate(sharded.buckets):
                 if bucket.unit is not None:
                     pieces.setdefault(bucket.unit, []).append((sharded, index))
@@ -383,6 +402,8 @@ class ParameterStage(GradientStage):
         return Unit(index, name, module, pieces, self.route.counters, self.route.scope, dtype)
 
     def _install(self) -> None:
+        assert self._model is not None
+        self._hold_frozen(self._model)  # parameters may have been frozen or unfrozen meanwhile
         pieces = self._pieces()
         self._hook_units({index: self._unit(index, its) for index, its in pieces.items()})
 
@@ -441,6 +462,7 @@ class ParameterStage(GradientStage):
         if self._units is not None:
             self._units.remove()
         self._units, self._owners, self._model, self._optimizers = None, None, None, []
+        self._frozen = None
 
     def abandon(self) -> None:
         """The units' parameters left placeholders, gathering nothing: the next setup makes them real a unit at a
@@ -449,6 +471,7 @@ class ParameterStage(GradientStage):
         if self._units is not None:
             self._units.abandon()
         self._units, self._owners, self._model, self._optimizers = None, None, None, []
+        self._frozen = None
 
     def model_state_dict(self, model: Module, committing: bool = False) -> dict[str, Any]:
         """The whole state, gathered unit by unit (a collective, ``_whole_state``): rank 0, which writes checkpoints,
@@ -459,9 +482,11 @@ class ParameterStage(GradientStage):
         if self._units is None:
             return model.state_dict()
         if committing:
-            owned = self._owned_names(self._parameter_names(model))
+            names = self._parameter_names(model)
+            owned = self._owned_names(names)
             with self._state_as_held():
                 state = {key: value for key, value in model.state_dict().items() if key not in owned}
+            state.update(self._frozen_whole(names))
             state[UNITS_IN_PARTS_KEY] = True
             return state
         self._whole_on_rank_zero_only = True
@@ -480,6 +505,9 @@ class ParameterStage(GradientStage):
             model.load_state_dict(state, strict=strict)
             return
         owned = self._owned_names(self._parameter_names(model))
+        frozen = {key: value for key, value in state.items() if key in owned}  # whole: into their slices
+        if frozen:
+            model.load_state_dict(frozen, strict=False)
         with self._state_as_held():
             result = model.load_state_dict({k: v for k, v in state.items() if k not in owned}, strict=False)
         unexpected = [key for key in result.unexpected_keys if key != UNITS_IN_PARTS_KEY]
@@ -569,8 +597,9 @@ class ParameterStage(GradientStage):
 
     def local_shards(self) -> dict[str, LocalShard]:
         """This worker's part of each sharded parameter, by state dict name: views of the slices its optimizer
-        steps (no gather, no copy). Left out: a parameter of which this worker holds no element, and those every
-        worker holds whole (frozen ones, and those registered on the model itself)."""
+        steps, or that the frozen parameters' holder keeps (no gather, no copy). Left out: a parameter of which this
+        worker holds no element, and those every worker holds whole (registered on the model itself, or frozen
+        outside every unit)."""
         if self._units is None or self._model is None:
             raise RuntimeError("local_shards: the model is not sharded yet; call it after the strategy set it up")
         names = self._parameter_names(self._model)
@@ -580,6 +609,25 @@ class ParameterStage(GradientStage):
                 for parameter, shard in sharded.buckets[index].local_shards(sharded.slices[index].detach()):
                     shards.update((name, shard) for name in names.get(id(parameter), []))
         return shards
+
+    def _frozen_whole(self, names: Mapping[int, list[str]]) -> dict[str, torch.Tensor]:
+        """The units' frozen parameters, whole, by state dict name, gathered one unit at a time (a collective: every
+        worker commits at the same step). A commit keeps the trainable ones as slices with the optimizer parts; no
+        optimizer holds the frozen ones, so the commit holds them whole (every worker: any survivor may share it)."""
+        assert self._units is not None
+        whole: dict[str, torch.Tensor] = {}
+        for unit in self._units.units:
+            frozen = [p for p in unit.parameters() if not p.requires_grad]
+            if not frozen:
+                continue
+            was_whole = unit.whole
+            unit.gather(full=True)
+            for parameter in frozen:
+                copy = parameter.detach().clone()
+                whole.update((name, copy) for name in names.get(id(parameter), []))
+            if not was_whole:
+                unit.free()
+        return whole
 
     def _owned_names(self, names: Mapping[int, list[str]]) -> set[str]:
         """The state dict names of the units' parameters (``names``: ``_parameter_names``)."""

@@ -4,7 +4,8 @@ A unit is a module the policy picks (``auto_wrap_policy``); it owns the trainabl
 it and under no unit inside it. What no one unit owns forms the model's own unit (an embedding and the output
 head tied to it, a final norm: ``outside_units``), whole from the first forward of a step to the step's sync,
 as FSDP's root. A parameter registered on the model itself stays whole on every worker, as with
-``shard="gradients"``; so do frozen parameters.
+``shard="gradients"``. A unit's frozen parameters are sharded too, in buckets of their own that no optimizer
+steps (no gradient, no state): a frozen base under trainable adapters is held as its slices.
 
 A unit's parameters are buckets of the sharded optimizer (``partition_by_units``), so this worker's slices of
 them are their only copy between computations: the whole parameters are freed (each ``p.data`` an empty
@@ -240,8 +241,13 @@ class Unit:
         """The dtype the unit is gathered in to compute (``param_dtype``; None: the slices' own)."""
         self.masters = [sharded.slices[i].dtype for sharded, i in self.pieces]  # each bucket's slice dtype
         self.accumulated = 0
-        self.trainable = sum(len(sharded.buckets[i].parameters) for sharded, i in self.pieces)
+        self.trainable = sum(1 for parameter in self.parameters() if parameter.requires_grad)
         """Parameters whose gradients backward accumulates in this unit: when all have, the unit is freed."""
+        self.frozen = self.trainable < sum(1 for _ in self.parameters())
+        """Whether some of its parameters are frozen: backward may still read them (the gradient of the unit's input
+        goes through them) after every trainable one has its gradient."""
+        self.awaiting_input_gradients = False
+        """With ``frozen``: the unit's inputs need gradients this backward, which it has not computed yet."""
         self.flats: list[torch.Tensor] = []
         for sharded, index_ in self.pieces:  # the model is whole when its units are found
             bucket = sharded.buckets[index_]
@@ -400,7 +406,8 @@ class ShardedUnits:
             self._handles.append(unit.module.register_forward_pre_hook(self._before_forward(unit)))
             self._handles.append(unit.module.register_forward_hook(self._after_forward(unit)))
             for parameter in unit.parameters():
-                self._handles.append(parameter.register_post_accumulate_grad_hook(self._accumulated(unit)))
+                if parameter.requires_grad:
+                    self._handles.append(parameter.register_post_accumulate_grad_hook(self._accumulated(unit)))
 
     def remove(self) -> None:
         """Every unit whole again, each parameter a tensor of its own, and unhooked."""
@@ -492,6 +499,7 @@ class ShardedUnits:
         def gather(module: Module, args: Any) -> None:
             self._gather_own()  # the model's forward may read its own parameters without calling their modules
             unit.accumulated = 0  # a backward that left some parameters without gradients counted them short
+            unit.awaiting_input_gradients = False
             unit.gather()
             if in_backward():
                 return  # a recompute (activation checkpointing): the order of forward is not this
@@ -520,6 +528,10 @@ class ShardedUnits:
             needing = [t for t in tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad]
             for tensor in needing:
                 tensor.register_hook(self._before_backward(unit))
+            inputs = [t for t in tree_leaves(args) if isinstance(t, torch.Tensor) and t.requires_grad]
+            if unit.frozen and needing and inputs:  # free it once backward has gone through it to its inputs
+                unit.awaiting_input_gradients = True
+                torch.autograd.graph.register_multi_grad_hook(inputs, self._inputs_done(unit), mode="all")
             last = bool(self._order) and self._order[-1] is unit  # backward needs it first: no gather to wait for
             if not needing or (self.reshard_after_forward and not last):
                 unit.free()
@@ -536,10 +548,23 @@ class ShardedUnits:
     def _accumulated(self, unit: Unit) -> Callable[[torch.Tensor], None]:
         def count(parameter: torch.Tensor) -> None:
             unit.accumulated += 1
-            if unit.accumulated >= unit.trainable:
-                unit.free()
+            self._free_when_done(unit)
 
         return eager(count)
+
+    def _inputs_done(self, unit: Unit) -> Callable[[Sequence[torch.Tensor | None]], None]:
+        def done(gradients: Sequence[torch.Tensor | None]) -> None:
+            unit.awaiting_input_gradients = False
+            self._free_when_done(unit)
+
+        return eager(done)
+
+    @staticmethod
+    def _free_when_done(unit: Unit) -> None:
+        """Free ``unit`` once backward needs it no more: every trainable parameter has its gradient and, where some
+        are frozen, the gradients of its inputs are computed."""
+        if unit.accumulated >= unit.trainable and not unit.awaiting_input_gradients:
+            unit.free()
 
 
 EXPLAINED = "_hvd_plugins_freed_read_explained"

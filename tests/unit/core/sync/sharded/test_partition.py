@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hvd_plugins.core.sync.sharded.partition import partition
+from hvd_plugins.core.sync.sharded.partition import partition, partition_by_units
 
 
 def model_optimizer() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -35,6 +35,19 @@ def test_the_slices_of_every_worker_cover_each_bucket_once(workers: int) -> None
         for rank in range(workers):
             layouts[rank][index].write_slice(pieces[rank], targets)
         assert torch.equal(torch.cat([t.reshape(-1) for t in targets]), flat)
+
+
+def test_frozen_parameters_of_units_get_buckets_of_their_own_and_frozen_ones_of_no_unit_none() -> None:
+    first, second, loose = torch.nn.Linear(3, 4), torch.nn.Linear(4, 2), torch.nn.Linear(2, 2)
+    first.weight.requires_grad_(False)
+    loose.weight.requires_grad_(False)
+    optimizer = torch.optim.SGD([*first.parameters(), *second.parameters(), *loose.parameters()], lr=0.1)
+    owners = {id(p): 0 for p in first.parameters()} | {id(p): 1 for p in second.parameters()}
+    frozen = partition_by_units(optimizer, owners, workers=2, rank=1, bucket_bytes=2**20, frozen=True)
+    assert [(bucket.unit, bucket.parameters) for bucket in frozen] == [(0, (first.weight,))]
+    trainable = partition_by_units(optimizer, owners, workers=2, rank=1, bucket_bytes=2**20)
+    laid_out = {p for bucket in trainable for p in bucket.parameters}
+    assert first.weight not in laid_out and loose.weight not in laid_out and loose.bias in laid_out
 
 
 def test_buckets_never_mix_param_groups_or_dtypes() -> None:
