@@ -333,6 +333,19 @@ def test_a_sharded_fit_loses_a_host_and_goes_on_from_the_copies_it_committed(
     assert all(end["commit_held_bytes"] > 0 for end in ends)
 
 
+def test_zero3_with_a_frozen_layer_loses_a_host_and_goes_on_from_its_commit(tmp_path: Path) -> None:
+    """The shrink under ZeRO-3 with the first layer frozen (sharded, held by no optimizer: the commit keeps it
+    whole): the survivors end as the same shrink unsharded."""
+    frozen = ("--freeze-first", *SHRINK)
+    reference = ElasticJob(tmp_path / "none", "localhost:2,127.0.0.1:2", mkdir=True).run(4, 2, 4, *frozen)
+    job = ElasticJob(tmp_path / "zero3", "localhost:2,127.0.0.1:2", mkdir=True).run(
+        4, 2, 4, "--shard", "parameters", *frozen
+    )
+    assert_one_finished_job(job, workers=2)
+    assert {event["step"] for event in job.events("train_start") if event["step"] > 0} == {5}
+    assert_weights_close(job, reference)
+
+
 def test_a_sharded_fit_takes_in_hosts_that_join_and_rank_zero_lost(tmp_path: Path) -> None:
     """Grow 2 -> 4 (the workers that join hold no part and receive their slices; under ZeRO-3 they built the model
     whole while the survivors' units are placeholders), then, in another job, rank 0 killed on a job of two hosts:

@@ -67,6 +67,7 @@ def main() -> None:
     arguments = parser()
     arguments.add_argument("--sync", default="allreduce")
     arguments.add_argument("--shard", default="none")
+    arguments.add_argument("--freeze-first", action="store_true", help="train with the first layer frozen")
     args = arguments.parse_args()
     events = Events(args.out)
     seed_everything(0, verbose=False)
@@ -90,6 +91,8 @@ def main() -> None:
     data = DataLoader(IndexedData(), batch_size=8, shuffle=True)
     validation = DataLoader(IndexedData(), batch_size=32)
     module = ElasticRegressor(on_step=log.on_step)
+    if args.freeze_first:
+        module.net[0].requires_grad_(False)
     trainer.fit(module, data, validation)
     weights = torch.cat([p.detach().flatten() for p in module.parameters()])
     lrs = [group["lr"] for group in trainer.optimizers[0].param_groups]
