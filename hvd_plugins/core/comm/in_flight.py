@@ -11,7 +11,7 @@ operations move on while this one blocks (``finish_all``).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Generic, TypeVar
 
 T = TypeVar("T")
@@ -56,7 +56,12 @@ class Then(InFlight[U]):
 
 def finish_all(pending: Sequence[InFlight[T]]) -> list[T]:
     """Wait for every operation, in order; while one waits for a round, the later ones move on."""
-    results = []
+    return list(finish_each(pending))
+
+
+def finish_each(pending: Sequence[InFlight[T]]) -> Iterator[T]:
+    """Each operation's result as it is waited for, in order (the caller may let one go before the next lands);
+    while one waits for a round, the later ones move on."""
     for index, operation in enumerate(pending):
         later = pending[index + 1 :]
 
@@ -64,5 +69,4 @@ def finish_all(pending: Sequence[InFlight[T]]) -> list[T]:
             for other in later:
                 other.progress()
 
-        results.append(operation.wait(move_later_on if later else None))
-    return results
+        yield operation.wait(move_later_on if later else None)

@@ -81,10 +81,10 @@ class FlatLayout:
         for view, tensor in zip(self.views(flat), tensors, strict=True):
             tensor.copy_(view.view_as(tensor))
 
-    def overlaps(self) -> list[tuple[int, slice, slice]]:
-        """For each tensor that overlaps this worker's slice: (its position, its elements in the slice, where they
-        lie in the slice)."""
-        begin = self.shard.start
+    def overlaps(self, index: int | None = None) -> list[tuple[int, slice, slice]]:
+        """For each tensor that overlaps slice ``index`` (this worker's by default): (its position, its elements in
+        the slice, where they lie in the slice)."""
+        begin = (self.shard.index if index is None else index) * self.shard.shard_numel
         end = begin + self.shard.shard_numel
         found = []
         for position, (offset, count, _) in enumerate(self.spans()):
@@ -106,6 +106,13 @@ class FlatLayout:
         """Copy this worker's slice ``values`` into the matching parts of ``tensors``."""
         for position, part, place in self.overlaps():
             tensors[position].view(-1)[part].copy_(values[place])
+
+    def write_slices(self, slices: Sequence[torch.Tensor], tensors: Sequence[torch.Tensor]) -> None:
+        """Copy every worker's slice (``slices``, in slice order: an allgather's pieces) into the matching parts of
+        ``tensors``: the whole vector is never built."""
+        for index, values in enumerate(slices):
+            for position, part, place in self.overlaps(index):
+                tensors[position].view(-1)[part].copy_(values[place])
 
     def slice_views(self, values: torch.Tensor) -> list[tuple[int, torch.Tensor, int]]:
         """This worker's slice ``values`` cut by tensor: (position, the view of ``values``, where it starts in the

@@ -25,7 +25,7 @@ from torch.optim import Optimizer
 
 from hvd_plugins.core.comm.compression import NoCompression
 from hvd_plugins.core.comm.counters import CommCounters, Scope
-from hvd_plugins.core.comm.in_flight import InFlight, finish_all
+from hvd_plugins.core.comm.in_flight import InFlight, finish_each
 from hvd_plugins.core.comm.partners import PartnerAlltoall, PartnerGroup, finish_allgather, start_allgather
 from hvd_plugins.core.comm.wire import nbytes
 from hvd_plugins.core.sync.meta import make_parameter_real
@@ -189,10 +189,12 @@ class ShardedOptimizer(Optimizer):
             gather = start_allgather(piece.detach(), world, codec, f"{self.name}.params.{index}")
             self.counters.record(self.scope, nbytes(piece))
             pending.append(gather)
-        with self.counters.waiting():
-            pieces = finish_all(pending)
-        for (_, bucket), received in zip(kept, pieces, strict=True):
-            bucket.flat.unpack(torch.cat(received), bucket.parameters)
+        landed = finish_each(pending)
+        for _, bucket in kept:  # each bucket's pieces written into the parameters and let go before the next lands
+            with self.counters.waiting():
+                received = next(landed)
+            bucket.flat.write_slices(received, bucket.parameters)
+            del received
 
     def _check_elementwise_state(self) -> None:
         """After the first step: every state tensor is a scalar or has its slice's shape (else the optimizer

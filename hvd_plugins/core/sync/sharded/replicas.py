@@ -147,11 +147,8 @@ def rebuild(held: Mapping[int, torch.Tensor], workers: int, name: str) -> list[d
     lengths = sum_over_world(lengths, f"{name}.lengths")
     payload = torch.cat([held[shard] for shard in mine]) if mine else torch.zeros(0, dtype=torch.uint8)
     everything = gather_over_world(payload, f"{name}.parts")
-    parts: dict[int, dict[str, Any]] = {}
-    offset = 0
-    for source in range(size):  # allgather concatenates by rank; each rank sent its parts in shard order
-        for shard in (s for s in range(workers) if provider[s] == source):
-            count = int(lengths[shard])
-            parts[shard] = from_bytes(everything[offset : offset + count])
-            offset += count
+    # the allgather concatenates by rank; each rank sent its parts in shard order
+    order = [shard for source in range(size) for shard in range(workers) if provider[shard] == source]
+    pieces = torch.split(everything, [int(lengths[shard]) for shard in order])
+    parts = {shard: from_bytes(piece) for shard, piece in zip(order, pieces, strict=True)}
     return [parts[shard] for shard in range(workers)]

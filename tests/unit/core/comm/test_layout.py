@@ -46,6 +46,9 @@ def test_the_workers_slices_read_and_write_every_element_once(parts: int) -> Non
     for layout, values in zip(layouts, slices, strict=True):
         layout.write_slice(values, targets)
     assert all(torch.equal(got, want) for got, want in zip(targets, given, strict=True))
+    gathered = [torch.full_like(t, -1.0) for t in given]
+    layouts[0].write_slices(slices, gathered)  # every worker's slice, as an allgather hands them over
+    assert all(torch.equal(got, want) for got, want in zip(gathered, given, strict=True))
     covered = [0] * len(given)
     for layout, values in zip(layouts, slices, strict=True):
         for position, part, start in layout.slice_views(values):
