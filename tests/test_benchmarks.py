@@ -410,9 +410,11 @@ def test_versus_torch_smoke_runs_torchs_tools_and_ours_side_by_side(
                 table[cells[1]] = cells[4:] if cells[2] == "vs" else cells[2:]
     assert sorted(rows) == sorted(versus_torch.ALL) == sorted(cost_rows), printed
     # Where a step goes: every variant's training thread works; only the workers that talk have time over the floor.
-    for variant, (ms, over, cpu_main, _busiest, _rest) in cost_rows.items():
+    for variant, (ms, over, cpu_main, _busiest, _rest, copied) in cost_rows.items():
         assert float(ms) > 0 and float(cpu_main) > 0, (variant, cost_rows[variant])
         assert (over == "-") == (variant == versus_torch.NO_COMM), (variant, cost_rows[variant])
+        # our gradients are views of their buckets: backward adds into them, nothing is copied in or back
+        assert copied == ("0.0" if variant in versus_torch.OUR_VARIANTS else "-"), (variant, cost_rows[variant])
     for variant, (ms, speed, peak, idle, memory, _sent) in rows.items():
         assert float(ms) > 0 and float(peak) >= float(idle) > 0, (variant, rows[variant])
         paired = variant in versus_torch.COUNTERPART
