@@ -1,9 +1,9 @@
 """MECHANISM: how bytes move. No sync mode lives here (``core.sync`` holds them).
 
-One in-flight protocol (``in_flight``), one shard layout (``shards``), buckets and their readiness
-from backward hooks (``backward_buckets``, ``reducer``), partner legs (``partners``), the two-level
-sum (``two_level``), cross-node shard sums (``cross_node``), buffer averages, compression and wire
-types, counters, topology.
+One in-flight protocol (``in_flight``), one flat layout (``layout``) on one shard arithmetic
+(``shards``), buckets and their readiness from backward hooks (``backward_buckets``, ``reducer``),
+partner legs (``partners``), the two-level sum (``two_level``), cross-node shard sums
+(``cross_node``), buffer averages, compression and wire types, counters, topology.
 """
 
 from hvd_plugins.core.comm.compression import FP16Compression, NoCompression, compressor_by_name
