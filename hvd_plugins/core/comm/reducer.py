@@ -46,16 +46,16 @@ class BucketReducer:
     """One optimizer's trainable ``parameters`` in buckets, each reduced by ``operation`` as backward completes it.
 
     Each bucket has one flat buffer, laid out by its ``FlatLayout``, kept from step to step, and each parameter's
-    gradient is a view of it, as DDP's ``gradient_as_bucket_view``: backward then accumulates into the bucket
-    itself, the operation sums it where it lies, and nothing is copied back. A gradient that is not the view (the
-    first backward after ``zero_grad(set_to_none=True)`` makes a new one, a user replaced it, a sparse one) is
-    copied in once and the view takes its place; ``counters`` count those bytes (``copied_bytes``) and the
-    gradients that could not be kept as views (sparse ones: ``view_fallbacks``).
+    gradient is a view of it, as DDP's ``gradient_as_bucket_view``: a hook lends the views before the bucket's first
+    gradient is accumulated (also after ``zero_grad(set_to_none=True)``), so backward accumulates into the bucket
+    itself, the operation sums it where it lies, and nothing is copied back. A gradient that is not its view when
+    the bucket starts (a user replaced it, a sparse one) is copied in once and the view takes its place;
+    ``counters`` count those bytes (``copied_bytes``) and the sparse ones (``view_fallbacks``).
 
-    ``sharded``: a bucket goes to the workers' slices (ZeRO-2/3): each step its gradients are copied once into a
-    padded buffer the operation splits as it is, and let go as soon as it starts, so no whole gradient outlives the
-    sum; nothing is written back. ``alone``: a gradient of ``VIEW_ALONE_BYTES`` or more is a bucket of its own,
-    handed over as itself.
+    ``layouts`` (a sharded mode, ZeRO-2/3): a bucket goes to the workers' slices, so each step gets a new padded
+    buffer, lent the same way, which the operation splits as it is and drops once it lands: no whole gradient
+    outlives the sum, and nothing is written back. ``alone``: a gradient of ``VIEW_ALONE_BYTES`` or more is a
+    bucket of its own, handed over as itself.
     """
 
     def __init__(
