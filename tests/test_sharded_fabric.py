@@ -24,6 +24,7 @@ from sharded_fabric_checks import (
     check_full_sharding,
     check_no_backward_sync_accumulation_equals_unsharded,
     check_zero3_in_users_orders,
+    check_zero3_model_holds_its_shards,
 )
 
 COVERS = (
@@ -150,8 +151,11 @@ def test_a_fully_sharded_fabric_loop_trains_as_unsharded_holding_no_whole_unit(
         unsharded_norms, sharded_norms, meta_norms = found["norms"]
         assert sharded_norms == pytest.approx(unsharded_norms, rel=TOLERANCE)
         assert meta_norms == pytest.approx(unsharded_norms, rel=TOLERANCE)  # built on the meta device
-        whole, held, meta_held = found["held"]
-        assert whole > 0 and held == 0 and meta_held == 0, found["held"]  # every Linear a unit: only slices
+        whole = found["held"][0]
+        assert whole > 0, found["held"]
+    for stage in (1, 2):  # every Linear a unit: each worker holds its shards, which together make the model
+        held = [report_of(four[rank], check_full_sharding)["held"][stage] for rank in range(WORKERS)]
+        assert sum(held) == whole and max(held) < whole / 2, held
 
 
 @pytest.mark.parametrize("case", ["tied_model_first", "attention", "frozen_base"])
@@ -168,11 +172,14 @@ def test_zero3_default_units_train_as_unsharded_in_the_order_users_set_up(
         found = report_of(four[rank], check_zero3_in_users_orders)[case]
         assert found["difference"] <= TOLERANCE and found["predicted"] <= TOLERANCE, found
         on_model = 16 * 32 if case == "tied_model_first" else 0  # TiedGPT.position, registered on the model itself
-        assert found["held_after_step"] == on_model < found["whole"], found
-        # once backward is done, every block's gradients left as slices and the blocks freed: what is whole is the
-        # model's own unit until the step (TiedGPT's embedding and norm, AttentionGPT's embedding and head)
-        assert found["after_backward"]["gradients"] == 0, found
-        assert found["after_backward"]["whole"] < found["whole"] / 2, found
+        assert on_model <= found["held_after_step"] < found["whole"] / 2, found
+        # once fabric.backward returns, every unit is freed and each parameter's gradient is its shard of the
+        # averaged gradient: no worker holds a whole gradient or a whole unit
+        after = found["after_backward"]
+        assert 0 < after["gradients"] <= after["whole"] < found["whole"] / 2, found
+    held = [report_of(four[rank], check_zero3_in_users_orders)[case]["held_after_step"] for rank in range(WORKERS)]
+    on_model = 16 * 32 if case == "tied_model_first" else 0
+    assert sum(held) == found["whole"] + (WORKERS - 1) * on_model, held  # the shards make the model, once
 
 
 def test_zero3_local_shards_are_each_workers_part_and_make_the_whole_state(four: dict[int, dict[str, Any]]) -> None:
@@ -191,12 +198,32 @@ def test_zero3_local_shards_are_each_workers_part_and_make_the_whole_state(four:
         assert max(held) - min(held) <= sum(len(f["shards"]["names"]) for f in reports), held  # padding only
 
 
-def test_zero3_evaluates_with_no_optimizer_sharded_from_its_first_forward(four: dict[int, dict[str, Any]]) -> None:
-    """``fabric.setup(model)`` and no optimizer: the model is sharded at its first forward, predicts as unsharded,
-    and after a forward that records no gradient holds nothing whole but what is registered on the model itself."""
-    for rank in range(WORKERS):
-        found = report_of(four[rank], check_zero3_in_users_orders)["evaluate_alone"]
-        assert found["predicted"] <= TOLERANCE and found["held"] == 16 * 32, found
+def test_zero3_evaluates_with_no_optimizer_sharded_where_it_is_set_up(four: dict[int, dict[str, Any]]) -> None:
+    """``fabric.setup(model)`` and no optimizer: the model is sharded there, predicts as unsharded, and after a
+    forward that records no gradient holds its shards and what is registered on the model itself."""
+    reports = [report_of(four[rank], check_zero3_in_users_orders)["evaluate_alone"] for rank in range(WORKERS)]
+    for found in reports:
+        assert found["predicted"] <= TOLERANCE, found
+    assert sum(found["held"] for found in reports) == reports[0]["whole"] + (WORKERS - 1) * 16 * 32, reports
+
+
+def test_zero3_model_holds_its_shards_for_torch_tools(four: dict[int, dict[str, Any]]) -> None:
+    """Written as plain torch code: after ``fabric.setup(model)`` the parameters are each worker's shards (their
+    numel makes the model), a whole state loads into them with no optimizer (``load_state_dict`` and
+    ``fabric.load``), and ``torch.nn.utils.clip_grad_norm_`` after ``fabric.backward`` returns the norm over every
+    worker and clips as one process with the whole batch does. A parameter kept whole makes it refuse, naming
+    ``fabric.clip_gradients``."""
+    reports = [report_of(four[rank], check_zero3_model_holds_its_shards) for rank in range(WORKERS)]
+    whole = reports[0]["whole"]
+    assert sum(found["numel_here"] for found in reports) == whole, reports
+    assert sum(found["numel_with_optimizer"] for found in reports) == whole, reports
+    assert sum(found["shard_gradients"] for found in reports) == whole, reports
+    for found in reports:
+        assert found["load_difference"] == 0.0, found
+        assert found["difference"] <= TOLERANCE, found
+        assert found["norms"] == pytest.approx(found["one_process_norms"], rel=TOLERANCE), found
+        assert min(found["norms"]) > 0.05, found  # the clip acted
+        assert "position" in found["refused"] and "fabric.clip_gradients" in found["refused"], found["refused"]
 
 
 def test_zero3_names_a_parameter_read_outside_its_unit_and_the_fix(four: dict[int, dict[str, Any]]) -> None:

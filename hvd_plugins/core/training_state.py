@@ -18,7 +18,7 @@ from hvd_plugins.core.comm.buffers import finish_buffer_average, start_buffer_av
 from hvd_plugins.core.comm.parameters import indexed_optimizer_parameters
 from hvd_plugins.core.comm.world import broadcast_from_root
 from hvd_plugins.core.sync.base import GradientSync
-from hvd_plugins.core.sync.meta import has_meta_tensors, materialize, meta_to_placeholders, placeholders_to_meta
+from hvd_plugins.core.sync.meta import has_meta_tensors, materialize, placeholders_to_meta
 
 
 def named_parameters_for(optimizer: Optimizer, model: Module, prefix: str) -> list[tuple[str, Parameter]]:
@@ -60,13 +60,6 @@ def shape_placeholders_(model: Module) -> None:
     shapes again, on the meta device, so that every worker's model looks alike before the next setup makes them real
     and the commit gives them their values."""
     placeholders_to_meta(model)
-
-
-def hold_meta_for_optimizer_(model: Module, device: torch.device) -> None:
-    """A model built on the meta device and set up before its optimizer (``shard="parameters"``): its meta parameters
-    left empty placeholders on ``device``, which Fabric lets an optimizer be built on; ``shape_placeholders_`` turns
-    them back before the sync mode makes them real a unit at a time."""
-    meta_to_placeholders(model, device)
 
 
 def prepare_module_(model: Module, device: torch.device, keep_meta: bool) -> None:

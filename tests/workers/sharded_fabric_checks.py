@@ -497,13 +497,17 @@ def shards_against_state(fabric: Fabric, state: dict[str, torch.Tensor]) -> dict
 
 
 def evaluate_alone(shard: str, make: Any) -> dict[str, Any]:
-    """``fabric.setup(model)`` and no optimizer at all: a forward under ``no_grad``, sharded at its first use."""
+    """``fabric.setup(model)`` and no optimizer at all: a forward under ``no_grad``, sharded at setup."""
     fabric = Fabric(strategy=HorovodStrategy(shard=shard, bucket_mb=SMALL_BUCKETS_MB), accelerator="cpu")
     fabric.launch()
     model = fabric.setup(built_empty(fabric, make, shard))
     with torch.no_grad():
         predicted = model(token_batches(1)[0][0])
-    return {"predicted": predicted.double(), "held": sum(p.numel() for p in model.parameters())}
+    return {
+        "predicted": predicted.double(),
+        "held": sum(p.numel() for p in model.parameters()),
+        "whole": sum(p.numel() for p in make().parameters()),
+    }
 
 
 @checks.register(time_limit=TIME_LIMIT)
@@ -528,7 +532,11 @@ def check_zero3_in_users_orders() -> dict[str, Any]:
             "shards": sharded["shards"],
         }
     plain, sharded = evaluate_alone("none", TiedGPT), evaluate_alone("parameters", TiedGPT)
-    found["evaluate_alone"] = {"predicted": relative(sharded["predicted"], plain["predicted"]), "held": sharded["held"]}
+    found["evaluate_alone"] = {
+        "predicted": relative(sharded["predicted"], plain["predicted"]),
+        "held": sharded["held"],
+        "whole": sharded["whole"],
+    }
     found["freed_read"] = freed_read_error()
     return found
 
@@ -544,6 +552,105 @@ def freed_read_error() -> str:
         model(token_batches(1)[0][0])
     except RuntimeError as error:
         return "\n".join([str(error), *getattr(error, "__notes__", [])])
+    return "no error"
+
+
+def all_token_batches(steps: int, vocab: int = 48) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Every worker's ``token_batches``, joined per step: the whole batch one process would train on."""
+    generator_batches = []
+    for rank in range(hvd.size()):
+        generator = torch.Generator().manual_seed(11 + rank)
+        generator_batches.append(torch.randint(0, vocab, (steps, 2, 13), generator=generator))
+    data = torch.cat(generator_batches, dim=1)
+    return [(row[:, :-1], row[:, 1:]) for row in data]
+
+
+def token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def one_process_with_torch_clipping(start: dict[str, torch.Tensor], steps: int, max_norm: float) -> dict[str, Any]:
+    """``AttentionGPT`` from ``start`` trained by one process on every worker's batches, clipped by torch (SGD with
+    momentum: AdamW's first steps make near-zero gradients' rounding as large as the learning rate)."""
+    model = AttentionGPT()
+    model.load_state_dict(start)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    norms = []
+    for tokens, targets in all_token_batches(steps):
+        token_loss(model(tokens), targets).backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)))
+        optimizer.step()
+        optimizer.zero_grad()
+    state = model.state_dict()
+    return {"parameters": torch.cat([state[n].reshape(-1).double() for n, _ in model.named_parameters()]), "norms": norms}
+
+
+@checks.register(time_limit=TIME_LIMIT)
+def check_zero3_model_holds_its_shards() -> dict[str, Any]:
+    """``shard="parameters"``, written as plain torch code: ``fabric.setup(model)`` on a model built in
+    ``init_module(empty_init=True)`` shards it at once, so ``model.parameters()`` are this worker's shards; with no
+    optimizer yet, ``model.load_state_dict(whole)`` and ``fabric.load`` of a whole checkpoint fill them; an optimizer over
+    ``model.parameters()`` set up afterwards trains, clipped by ``torch.nn.utils.clip_grad_norm_`` after
+    ``fabric.backward``, as one process does. A model with a parameter kept whole refuses torch's clipping."""
+    steps, max_norm = 3, 0.05
+    torch.manual_seed(7)
+    start = AttentionGPT().state_dict()  # alike on every worker
+    torch.manual_seed(8)
+    other = AttentionGPT().state_dict()
+    fabric = Fabric(strategy=HorovodStrategy(shard="parameters", bucket_mb=SMALL_BUCKETS_MB), accelerator="cpu")
+    fabric.launch()
+    with fabric.init_module(empty_init=True):
+        module = AttentionGPT()
+    model = fabric.setup(module)
+    numel_here = sum(p.numel() for p in model.parameters())
+    model.load_state_dict(other)
+    loaded = model.state_dict()
+    load_difference = max(float((loaded[k] - other[k]).abs().max()) for k in other)
+    path = out_dir() / "zero3_whole_start.ckpt"
+    if hvd.rank() == 0:
+        torch.save({"model": start}, path)  # a whole checkpoint, as one process writes it
+    hvd.barrier()
+    fabric.load(path, {"model": model})
+    optimizer = fabric.setup_optimizers(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+    numel_with_optimizer = sum(p.numel() for p in model.parameters())
+    norms = []
+    for tokens, targets in token_batches(steps):
+        fabric.backward(token_loss(model(tokens), targets))
+        shard_gradients = sum(p.grad.numel() for p in model.parameters() if p.grad is not None)
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)))
+        optimizer.step()
+        optimizer.zero_grad()
+    state = model.state_dict()
+    parameters = torch.cat([state[n].reshape(-1).double() for n, _ in model.module.named_parameters()])
+    reference = one_process_with_torch_clipping(start, steps, max_norm)
+    return {
+        "numel_here": numel_here,
+        "numel_with_optimizer": numel_with_optimizer,
+        "shard_gradients": shard_gradients,
+        "whole": sum(value.numel() for value in start.values()),
+        "load_difference": load_difference,
+        "difference": relative(parameters, reference["parameters"]),
+        "norms": norms,
+        "one_process_norms": reference["norms"],
+        "refused": torch_clipping_refused_with_a_whole_parameter(),
+    }
+
+
+def torch_clipping_refused_with_a_whole_parameter() -> str:
+    """``TiedGPT`` keeps ``position`` (registered on the model itself) whole: its gradient lives in slices only, so
+    a norm over ``model.parameters()`` cannot include it. The error, as text."""
+    fabric = Fabric(strategy=HorovodStrategy(shard="parameters"), accelerator="cpu")
+    fabric.launch()
+    model = fabric.setup(TiedGPT())
+    optimizer = fabric.setup_optimizers(torch.optim.SGD(model.parameters(), lr=0.1))
+    tokens, targets = token_batches(1)[0]
+    fabric.backward(token_loss(model(tokens), targets))
+    try:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    except ValueError as error:
+        return str(error)
+    finally:
+        optimizer.zero_grad()
     return "no error"
 
 

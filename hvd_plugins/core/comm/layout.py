@@ -119,6 +119,13 @@ class FlatLayout:
         tensor flattened)."""
         return [(position, values[place], part.start) for position, part, place in self.overlaps()]
 
+    def shard_views(self, values: torch.Tensor) -> list[torch.Tensor]:
+        """Each tensor's part of this worker's slice ``values``, as a 1-D view of it (empty where none lies there)."""
+        views = [values[:0] for _ in self.shapes]
+        for position, _, place in self.overlaps():
+            views[position] = values[place]
+        return views
+
     def at_views(self, tensors: Sequence[torch.Tensor | None], flat: torch.Tensor) -> list[bool]:
         """Which of ``tensors`` already are the views of ``flat`` this layout gives (same memory, same shape)."""
         return [

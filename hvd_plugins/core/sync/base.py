@@ -119,6 +119,10 @@ class GradientSync(TrainingLoopHooks, ABC):
     def before_backward(self, optimizer: Optimizer) -> None:
         """Before every backward: settle what an earlier backward of this step started, if anything."""
 
+    def started(self, optimizer: Optimizer) -> bool:
+        """Whether a backward since the last sync started averaging ``optimizer``'s gradients (buckets on their way)."""
+        return False
+
     # ------------------------------------------------------------------ what this worker owns
     def owned_gradients(self, optimizer: Optimizer) -> list[torch.Tensor]:
         """The averaged gradients this worker owns after ``synchronize`` (here: every parameter's that has one)."""

@@ -120,17 +120,6 @@ def leave_placeholder(parameter: Parameter, shape: torch.Size, dtype: torch.dtyp
     setattr(parameter, PLACEHOLDER_SHAPE, torch.Size(shape))
 
 
-def meta_to_placeholders(model: Module, device: torch.device) -> None:
-    """Every meta parameter of ``model`` a placeholder on ``device`` (``leave_placeholder``): a model built on the meta
-    device and set up before its optimizer, which Fabric refuses to build over meta parameters. The optimizer holds
-    the same objects, which ``placeholders_to_meta`` turns back before they are made real a unit at a time."""
-    for parameter in model.parameters():
-        if parameter.is_meta:
-            shape = parameter.shape
-            replace_values(parameter, torch.empty(0, dtype=parameter.dtype, device=device))
-            setattr(parameter, PLACEHOLDER_SHAPE, shape)
-
-
 def placeholders_to_meta(model: Module) -> bool:
     """Every placeholder of ``model`` a meta tensor of its shape again; returns whether there was one."""
     found = False

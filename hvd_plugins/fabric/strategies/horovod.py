@@ -28,7 +28,6 @@ from lightning.fabric.utilities.distributed import ReduceOp
 from torch import Tensor
 from torch.nn import Module
 from torch.optim import Optimizer
-from torch.utils.hooks import RemovableHandle
 from typing_extensions import override
 
 from hvd_plugins.core.backend import capabilities
@@ -55,7 +54,6 @@ from hvd_plugins.core.sync.guards import SyncGuards
 from hvd_plugins.core.training_state import (
     broadcast_module_,
     broadcast_optimizer_state_,
-    hold_meta_for_optimizer_,
     move_module_,
     param_groups_kept,
     prepare_module_,
@@ -186,8 +184,6 @@ class HorovodStrategy(HorovodStrategyShared, ParallelStrategy):
         self._graph_cuts = GraphCuts(self.config.bucket_bytes)  # a compiled module's graphs end at gradient buckets
         set_backward_sync_control(self, _HoldAllreduces(self))
         self._wrapped: list[Optimizer] = []  # every optimizer set up so far, in order (names opt0, opt1, ...)
-        self._unsharded: Module | None = None  # shard="parameters": set up, waiting for its optimizer or first use
-        self._shard_on_use: RemovableHandle | None = None
         self._sharded_module: Module | None = None  # shard="parameters": the module the sync shards
         self._averaged: set[int] = set()  # optimizers whose gradients are averaged for the coming step
         self.holding = False  # inside no_backward_sync: backward only accumulates
@@ -243,28 +239,17 @@ class HorovodStrategy(HorovodStrategyShared, ParallelStrategy):
         captures (``fabric.setup`` compiles the module again after this when it was given compiled) end where a
         gradient bucket fills, so the syncs that backward's hooks start overlap the rest of backward.
 
-        With ``shard="parameters"`` the module is sharded for the optimizer built on its parameters next
-        (``fabric.setup_optimizers``, the order litgpt and Lightning's FSDP guide use), or, if it runs before any
-        optimizer is set up, at its first forward: a model built on the meta device is made real a unit at a time
-        then, and never whole on a worker."""
+        With ``shard="parameters"`` the module is sharded right here, as FSDP's ``fully_shard`` shards it: a model
+        built on the meta device is made real a unit at a time and never whole on a worker, and from now on
+        ``module.parameters()`` are this worker's shards. An optimizer set up later over them (``fabric.setup_optimizers``,
+        the order litgpt and Lightning's FSDP guide use) takes the units over one at a time."""
         if not self.config.shards_parameters:
             return self._setup_module(module, keep_meta=False)
         module = self._setup_module(module, keep_meta=True)
-        hold_meta_for_optimizer_(module, self.root_device)  # Fabric refuses an optimizer over meta parameters
-        self._forget_unsharded()
-        self._unsharded = module
-        self._shard_on_use = module.register_forward_pre_hook(self._shard_alone)
-        return module
-
-    def _shard_alone(self, module: Module, args: Any) -> None:
-        """The first forward of a module set up without an optimizer: shard it now, for none."""
+        self._sharded_module = module
         with torch.inference_mode(False), torch.enable_grad():  # the slices must train later
             self._wrap([], module)
-
-    def _forget_unsharded(self) -> None:
-        if self._shard_on_use is not None:
-            self._shard_on_use.remove()
-        self._unsharded, self._shard_on_use = None, None
+        return module
 
     def _setup_module(self, module: Module, keep_meta: bool) -> Module:
         """As ``setup_module``; with ``keep_meta``, a model built on the meta device stays so for the sync mode,
@@ -282,7 +267,6 @@ class HorovodStrategy(HorovodStrategyShared, ParallelStrategy):
         wrapped optimizer it was built on."""
         module = self._setup_module(module, keep_meta=self.config.shards_parameters)
         if self.config.shards_parameters:
-            self._forget_unsharded()
             self._sharded_module = module
         schedulers = [given for given in scheduler if given is not None]
         return (module, self._wrap(optimizers, module, schedulers), *scheduler)
@@ -291,13 +275,11 @@ class HorovodStrategy(HorovodStrategyShared, ParallelStrategy):
     def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
         """An optimizer set up without its module (``fabric.setup_optimizers``): positional allreduce names. With
         ``shard="parameters"`` the module set up before it is sharded for it here."""
-        module = self._unsharded if self._unsharded is not None else self._sharded_module
+        module = self._sharded_module
         return self._wrap([optimizer], module if module is not None else Module())[0]
 
     def _wrap(self, optimizers: list[Optimizer], module: Module, schedulers: Sequence[Any] = ()) -> list[Optimizer]:
-        if self.config.shards_parameters and (module is self._unsharded or module is self._sharded_module):
-            self._forget_unsharded()
-            self._sharded_module = module
+        if self.config.shards_parameters and module is self._sharded_module:
             shape_placeholders_(module)  # made real a unit at a time as the sync shards it
         if self.gradient_sync is None:
             self.gradient_sync = self._build_gradient_sync(self.precision)  # a collective
@@ -317,11 +299,26 @@ class HorovodStrategy(HorovodStrategyShared, ParallelStrategy):
     def backward(self, tensor: Tensor, module: Module | None, *args: Any, **kwargs: Any) -> None:
         """New gradients: each optimizer averages again at its next clip or step; none inside no_backward_sync."""
         self._settle_earlier_backward(self._wrapped)
+        self._refuse_backward_after_average()
         if self.holding and self.gradient_sync is not None:
             for optimizer in self._wrapped:
                 self.gradient_sync.hold_next_backward(optimizer)  # this backward only accumulates
         self._averaged.clear()
         super().backward(tensor, module, *args, **kwargs)
+        if self.config.shards_parameters and not self.holding and self.gradient_sync is not None:
+            for optimizer in self._wrapped:  # the shards' gradients, for torch's own clipping and norms, now
+                if self.gradient_sync.started(optimizer):
+                    self._average(optimizer)
+
+    def _refuse_backward_after_average(self) -> None:
+        """Under ``shard="parameters"`` a backward's gradients are averaged as it ends: another backward before the
+        step would overwrite them. Refuse it, naming the way to accumulate."""
+        if self.config.shards_parameters and self._averaged:
+            raise ValueError(
+                "shard='parameters' cannot accumulate gradients with a second backward before the optimizer step: "
+                "the first one's gradients are already averaged into the slices. Accumulate inside "
+                "fabric.no_backward_sync, or use shard='none'."
+            )
 
     def _average(self, optimizer: Optimizer) -> None:
         """Average ``optimizer``'s gradients over every worker, once per step (at its clip or its step)."""
@@ -422,7 +419,6 @@ class HorovodStrategy(HorovodStrategyShared, ParallelStrategy):
 
     @override
     def teardown(self) -> None:
-        self._forget_unsharded()
         self._guards.stop_checking()
         self._graph_cuts.close()
         if self.gradient_sync is not None:

@@ -139,9 +139,11 @@ class ShardedGradientSync(GradientSync):
 
     def _unshard_for(self, optimizer: Optimizer) -> None:
         """Before ``optimizer`` is laid out over a model already sharded (set up alone, or for another optimizer):
-        the model whole again, unhooked (a collective), the holder dropped; ``setup`` shards it anew for every
-        optimizer. Building the optimizer before the first forward, or all optimizers at once, avoids this."""
-        self.stage.detach()
+        the holder dropped; ``setup`` lays the units out again for every optimizer, a unit at a time
+        (``ParameterStage._reattach``). Only where parameters were frozen or unfrozen since is the model made whole
+        again first (a collective) and sharded anew."""
+        if not (isinstance(self.stage, ParameterStage) and self.stage.can_reattach()):
+            self.stage.detach()
         holder, self._holder = self._holder, None
         if holder is not None and holder is not optimizer:
             self._optimizers.pop(id(holder), None)
@@ -237,6 +239,10 @@ class ShardedGradientSync(GradientSync):
                 "step while the first one's buckets are on their way: accumulate with accumulate_grad_batches (the "
                 "Trainer) or fabric.no_backward_sync (Fabric), or use shard='none'."
             )
+
+    def started(self, optimizer: Optimizer) -> bool:
+        reducer = self._reducers.get(id(optimizer))
+        return reducer is not None and reducer.in_flight
 
     # ------------------------------------------------------------------ what this worker owns
     def owned_gradients(self, optimizer: Optimizer) -> list[torch.Tensor]:

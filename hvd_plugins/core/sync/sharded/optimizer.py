@@ -88,7 +88,8 @@ class ShardedOptimizer(Optimizer):
 
     def _lay_out(self) -> None:
         """Slices of the current buckets, and an optimizer of the user's class over them (no state yet)."""
-        self.slices = [self._new_slice(bucket) for bucket in self.buckets]
+        self._unfilled: set[int] = set()
+        self.slices = [self._new_slice(index, bucket) for index, bucket in enumerate(self.buckets)]
         groups: list[dict[str, Any]] = []
         for index, group in enumerate(self.param_groups):
             hyper = {key: value for key, value in group.items() if key != "params"}
@@ -122,12 +123,21 @@ class ShardedOptimizer(Optimizer):
         """Each parameter's index in a state dict: its position over the param groups, as torch numbers them."""
         return {id(p): i for i, p in enumerate(p for group in self.param_groups for p in group["params"])}
 
-    def _new_slice(self, bucket: ShardedBucket) -> Parameter:
+    def _new_slice(self, index: int, bucket: ShardedBucket) -> Parameter:
+        """This worker's slice of ``bucket``, read from its whole parameters; where they are a model's shards
+        (``shard="parameters"``, set up before this optimizer), left for ``fill_slice`` once their unit is whole."""
         first = bucket.parameters[0]
         values = torch.empty(bucket.layout.shard_numel, dtype=first.dtype, device=first.device)
+        if any(p.shape != shape for p, shape in zip(bucket.parameters, bucket.shapes, strict=True)):
+            self._unfilled.add(index)
+            return Parameter(values)
         with torch.no_grad():
             bucket.read_slice([p.detach() for p in bucket.parameters], values)
         return Parameter(values)
+
+    def unfilled(self, index: int) -> bool:
+        """Whether bucket ``index``'s slice still waits for its parameters to be whole (``fill_slice``)."""
+        return index in self._unfilled
 
     # ------------------------------------------------------------------ stepping
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
@@ -154,6 +164,7 @@ class ShardedOptimizer(Optimizer):
         """Bucket ``index``'s slice read from its whole parameters as they are now; laid out over a model on the meta
         device, the slice is first made real on ``device`` (the same Parameter, which the inner optimizer holds)."""
         bucket, piece = self.buckets[index], self.slices[index]
+        self._unfilled.discard(index)
         if piece.is_meta:
             make_parameter_real(piece, device)
         with torch.no_grad():

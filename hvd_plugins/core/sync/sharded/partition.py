@@ -102,10 +102,13 @@ def partition_by_units(
     bucket_bytes: int,
     signature: Signature | None = None,
     frozen: bool = False,
+    shapes: Mapping[int, torch.Size] | None = None,
 ) -> list[ShardedBucket]:
     """``shard="parameters"``: one bucket per unit (``owners``: parameter id -> unit), param group, dtype and
     signature, the later units first (backward reaches them first); the parameters of no unit as ``partition``
-    lays them out. ``frozen``: the frozen parameters the units own instead (those of no unit stay whole)."""
+    lays them out. ``frozen``: the frozen parameters the units own instead (those of no unit stay whole).
+    ``shapes``: the whole shape of each parameter by id, where a parameter now holds only its shard."""
+    whole = shapes or {}
     buckets = []
     for group_index, group in enumerate(optimizer.param_groups):
         by_unit: dict[tuple[int, Hashable], list[Parameter]] = {}
@@ -119,7 +122,8 @@ def partition_by_units(
             alike = (signature(parameter) if signature is not None else None, parameter.dtype, parameter.device)
             by_unit.setdefault((unit, alike), []).append(parameter)
         for (unit, _), members in sorted(by_unit.items(), key=lambda item: -item[0][0]):
-            buckets.append(ShardedBucket(group_index, tuple(members), FlatLayout.of(members, workers, rank), unit))
+            layout = FlatLayout([whole.get(id(p), p.shape) for p in members], workers, rank)
+            buckets.append(ShardedBucket(group_index, tuple(members), layout, unit))
         buckets += [
             ShardedBucket(group_index, bucket.parameters, bucket.flat)
             for bucket in _bucketed(rest, workers, rank, bucket_bytes, signature)

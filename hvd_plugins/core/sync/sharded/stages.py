@@ -43,6 +43,7 @@ from hvd_plugins.core.config import describe_policy
 from hvd_plugins.core.sync.meta import materialize, real_tensors
 from hvd_plugins.core.sync.sharded.optimizer import ShardedOptimizer
 from hvd_plugins.core.sync.sharded.partition import ShardedBucket, Signature, partition, partition_by_units
+from hvd_plugins.core.sync.sharded.shard_gradients import ShardedNorms
 from hvd_plugins.core.sync.sharded.units import (
     ShardedUnits,
     Unit,
@@ -305,6 +306,9 @@ class ParameterStage(GradientStage):
         self._state_hooks: list[RemovableHandle] = []
         self._raw_state = False  # inside: state_dict and load_state_dict as this worker holds the parameters
         self._whole_on_rank_zero_only = False  # a checkpoint: only rank 0, which writes it, keeps the gathered copies
+        self._norms = ShardedNorms()
+        self._shapes: dict[int, torch.Size] = {}
+        """Each parameter's whole shape by id, taken when the model was sharded (it then holds its shard)."""
 
     @classmethod
     def build(
@@ -316,7 +320,9 @@ class ParameterStage(GradientStage):
         if self._owners is None:
             return super().lay_out(optimizer, signature)  # before the model is known: laid out again at attach
         world = self.route.world
-        return partition_by_units(optimizer, self._owners, world.size, world.index, self.route.bucket_bytes, signature)
+        return partition_by_units(
+            optimizer, self._owners, world.size, world.index, self.route.bucket_bytes, signature, shapes=self._shapes
+        )
 
     def attach(
         self, model: Module, optimizers: Sequence[ShardedOptimizer], relay: Callable[[ShardedOptimizer], None]
@@ -326,7 +332,10 @@ class ParameterStage(GradientStage):
                 "shard='parameters' shards one model per strategy; this strategy already shards "
                 f"{type(self._model).__name__}: give each model its own HorovodStrategy"
             )
-        self.detach()  # sharded before (for other optimizers, or none): whole again, sharded anew below
+        if self._model is model and self.can_reattach():
+            self._reattach(list(optimizers))  # sharded before (for other optimizers, or none): unit by unit
+            return
+        self.detach()  # whole again, sharded anew below
         self._names = find_units(model, self.policy)
         if not self._names and self.policy is not None:
             raise ValueError(
@@ -337,6 +346,7 @@ class ParameterStage(GradientStage):
             )
         modules = [module for _, module in self._names]
         self._owners = unit_owners(model, modules)
+        self._shapes = {id(p): p.shape for p in model.parameters()}  # whole: a later layout sees the shards
         self._refuse_half_norms_on_cpu(model, self._owners)
         held, self._triggers = outside_units(model, modules)
         self._owners.update((key, len(self._names)) for key in held)  # the model's own unit, gathered in full
@@ -356,6 +366,45 @@ class ParameterStage(GradientStage):
         self._hold_frozen(model)
         self._install_from_root(model)
         self._hook_state_dict(model)
+
+    def can_reattach(self) -> bool:
+        """Whether the model is sharded and its units' frozen parameters are those their holder keeps (none frozen
+        or unfrozen since): a new optimizer then takes the units over one at a time (``_reattach``)."""
+        if self._model is None or self._units is None or self._owners is None:
+            return False
+        owners = self._owners
+        frozen = {id(p) for p in self._model.parameters() if not p.requires_grad and id(p) in owners}
+        held = {id(p) for bucket in self._frozen.buckets for p in bucket.parameters} if self._frozen else set()
+        return frozen == held
+
+    def _reattach(self, optimizers: list[ShardedOptimizer]) -> None:
+        """The units laid out again for ``optimizers`` (built over the model's shards, their buckets per unit
+        already), one unit at a time: each is gathered from the slices it had (a holder's, or other optimizers'),
+        fills the new slices, and lets the old ones go, so no worker ever holds more than one unit whole. A
+        parameter that no optimizer holds any more is left whole, as ``attach`` leaves it."""
+        assert self._units is not None
+        old = self._units
+        old.unhook()
+        self._optimizers = optimizers
+        previous = {unit.index: unit for unit in old.units}
+        pieces = self._pieces()
+        units: dict[int, Unit] = {}
+        for index in sorted(set(previous) | set(pieces)):
+            before = previous.get(index)
+            if before is not None:
+                before.gather(full=True)
+            for sharded, bucket_index in pieces.get(index, []):
+                if sharded.unfilled(bucket_index):
+                    sharded.fill_slice(bucket_index, self.route.device)
+            if index in pieces:
+                units[index] = self._unit(index, pieces[index])
+            if before is not None:
+                kept = {id(p) for p in units[index].parameters()} if index in units else set()
+                for parameter in before.parameters():
+                    if id(parameter) not in kept:
+                        parameter.data = parameter.data.clone()  # whole, of its own
+                before.let_go()
+        self._hook_units(units)
 
     def _refuse_half_norms_on_cpu(self, model: Module, owners: dict[int, int]) -> None:
         """Half gathers on the CPU where a unit holds a normalization layer: autocast runs it in float32 there
@@ -380,7 +429,9 @@ class ParameterStage(GradientStage):
             return
         world = self.route.world
         base = torch.optim.SGD(frozen, lr=0.0)
-        buckets = partition_by_units(base, self._owners, world.size, world.index, self.route.bucket_bytes, frozen=True)
+        buckets = partition_by_units(
+            base, self._owners, world.size, world.index, self.route.bucket_bytes, frozen=True, shapes=self._shapes
+        )
         route = self.route
         self._frozen = ShardedOptimizer(base, buckets, world, route.counters, route.scope, "shard.frozen", False)
         for piece in self._frozen.slices:
@@ -413,6 +464,20 @@ class ParameterStage(GradientStage):
         blocks = [units[index] for index in sorted(units) if units[index] is not own]
         self._units = ShardedUnits(blocks, self.reshard_after_forward, own, self._triggers)
         self._units.install(self._model)
+        self._norms = ShardedNorms(self.route.workers // self.route.world.size, self._hidden_gradients())
+
+    def _hidden_gradients(self) -> list[str]:
+        """The trainable parameters kept whole whose averaged gradients only the slices hold (no ``.grad`` shows
+        them after the sync): a norm over ``model.parameters()`` would miss them (``ShardedNorms``)."""
+        assert self._model is not None
+        names = self._parameter_names(self._model)
+        return [
+            names.get(id(p), ["?"])[0]
+            for sharded in self._optimizers
+            for bucket in sharded.buckets
+            if bucket.unit is None
+            for p in bucket.parameters
+        ]
 
     def _install_from_root(self, model: Module) -> None:
         """Rank 0's model, one unit at a time: each unit's parameters, made real where they are on the meta device,
@@ -456,6 +521,7 @@ class ParameterStage(GradientStage):
     def after_backward(self) -> None:
         if self._units is not None:
             self._units.free_all()  # units whose parameters did not all get gradients
+            self._units.show_gradients(self._norms)
 
     def detach(self) -> None:
         self._unhook_state_dict()

@@ -8,8 +8,10 @@ as FSDP's root. A parameter registered on the model itself stays whole on every 
 steps (no gradient, no state): a frozen base under trainable adapters is held as its slices.
 
 A unit's parameters are buckets of the sharded optimizer (``partition_by_units``), so this worker's slices of
-them are their only copy between computations: the whole parameters are freed (each ``p.data`` an empty
-tensor, the Parameter itself kept, so optimizers, hooks and names still hold it). Before the unit's forward
+them are their only copy between computations: the whole parameters are freed, and each Parameter (kept, so
+optimizers, hooks and names still hold it) is its part of this worker's slice, a 1-D view of what the optimizer
+steps, as FSDP's ``use_orig_params`` shows its shards; after the step's sync its ``.grad`` is its part of the
+averaged gradient (``shard_gradients``). Before the unit's forward
 they are allgathered from the slices into one flat buffer per bucket, which each parameter then views. After
 the forward they are freed again (``reshard_after_forward``), gathered again when backward reaches the unit's
 outputs, and freed once backward has accumulated their gradients, which the stage reduce-scatters from
@@ -36,6 +38,7 @@ from hvd_plugins.core.comm.wire import nbytes
 from hvd_plugins.core.config import UnitPolicy, describe_policy, policy_picks
 from hvd_plugins.core.sync.meta import leave_placeholder
 from hvd_plugins.core.sync.sharded.optimizer import ShardedOptimizer
+from hvd_plugins.core.sync.sharded.shard_gradients import ShardedNorms, ShardGradient
 
 log = logging.getLogger(__name__)
 
@@ -263,11 +266,35 @@ class Unit:
             yield from sharded.buckets[index].parameters
 
     def _view(self) -> None:
-        """Each parameter a view of its bucket's flat buffer."""
+        """Each parameter a view of its bucket's flat buffer; a gradient left as its shard (``show_gradients``) goes:
+        backward accumulates whole gradients into the bucket, and the step reads the slices' own."""
         for (sharded, index), flat in zip(self.pieces, self.flats, strict=True):
             bucket = sharded.buckets[index]
             for parameter, view in zip(bucket.parameters, bucket.flat.views(flat), strict=True):
+                if isinstance(parameter.grad, ShardGradient):
+                    parameter.grad = None
                 parameter.data = view
+
+    def _view_shards(self) -> None:
+        """Each parameter its part of this worker's slice, a 1-D view of what the optimizer steps (empty where the
+        slice holds none of it): between computations the model holds its shards, as FSDP's ``use_orig_params``."""
+        for sharded, index in self.pieces:
+            bucket = sharded.buckets[index]
+            for parameter, view in zip(bucket.parameters, bucket.flat.shard_views(sharded.slices[index].detach()), strict=True):
+                parameter.data = view
+
+    def show_gradients(self, norms: ShardedNorms) -> None:
+        """Each trainable parameter's ``.grad`` its part of the averaged gradient (a view of its slice's), once the
+        step's sync has landed and the unit is freed: torch's clipping and norms see the shards (``ShardGradient``)."""
+        if self.whole:
+            return
+        for sharded, index in self.pieces:
+            bucket, piece = sharded.buckets[index], sharded.slices[index]
+            if piece.grad is None:
+                continue
+            for parameter, view in zip(bucket.parameters, bucket.flat.shard_views(piece.grad), strict=True):
+                if parameter.requires_grad:
+                    parameter.grad = ShardGradient.of(view, norms)
 
     def _dtypes(self, full: bool) -> list[torch.dtype]:
         """Each bucket's gather dtype: the slices' own when ``full``, else the compute dtype where one is set."""
@@ -321,16 +348,22 @@ class Unit:
         self._view()
 
     def free(self) -> None:
-        """The whole parameters dropped, their memory too; the slices stay (the Parameters hold empty tensors)."""
+        """The whole parameters dropped, their memory too; each Parameter holds its part of the slice again."""
         if self._pending is not None:
             self._finish()  # a prefetched gather the step did not use: every worker finishes it alike
         if not self.whole:
             return
-        for (sharded, index), master in zip(self.pieces, self.masters, strict=True):
-            for parameter in sharded.buckets[index].parameters:  # empty, in the dtype of its slices
-                parameter.data = torch.empty(0, dtype=master, device=parameter.device)
+        self._view_shards()
         for flat in self.flats:
             flat.untyped_storage().resize_(0)
+        self.whole = False
+
+    def let_go(self) -> None:
+        """The flat buffers dropped, the parameters left as they are (another unit now holds them: a re-layout)."""
+        self._pending = None
+        for flat in self.flats:
+            flat.untyped_storage().resize_(0)
+        self.flats.clear()
         self.whole = False
 
     def release(self) -> None:
@@ -416,6 +449,17 @@ class ShardedUnits:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+
+    def unhook(self) -> None:
+        """The hooks removed, the units left as they are (a new layout takes their parameters over)."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    def show_gradients(self, norms: ShardedNorms) -> None:
+        """Every freed unit's parameters given their parts of the averaged gradients (``Unit.show_gradients``)."""
+        for unit in self.units:
+            unit.show_gradients(norms)
 
     def abandon(self) -> None:
         """Unhooked, every unit's parameters placeholders, with no collective (the world they were split over is

@@ -14,7 +14,6 @@ from hvd_plugins.core.sync.meta import (
     leave_placeholder,
     make_parameter_real,
     materialize,
-    meta_to_placeholders,
     placeholders_to_meta,
     real_tensors,
 )
@@ -142,11 +141,11 @@ def test_a_parameter_made_real_keeps_the_hooks_registered_on_it_while_it_was_on_
     assert len(accumulated) == 1 and torch.equal(accumulated[0], torch.full((3,), 2.0))
 
 
-def test_placeholders_of_a_meta_model_turn_back_into_its_shapes() -> None:
-    """Fabric refuses an optimizer over meta parameters: they wait as empty placeholders that remember their shape."""
-    with torch.device("meta"):
-        model = torch.nn.Linear(3, 2)
-    meta_to_placeholders(model, torch.device("cpu"))
+def test_placeholders_of_a_model_turn_back_into_its_shapes() -> None:
+    """Units left after an elastic reset wait as empty placeholders that remember their shape."""
+    model = torch.nn.Linear(3, 2)
+    for parameter in model.parameters():
+        leave_placeholder(parameter, parameter.shape)
     assert [tuple(p.shape) for p in model.parameters()] == [(0,), (0,)]
     assert not any(p.is_meta for p in model.parameters())
     assert placeholders_to_meta(model)
