@@ -582,15 +582,16 @@ def one_process_with_torch_clipping(start: dict[str, torch.Tensor], steps: int, 
         optimizer.step()
         optimizer.zero_grad()
     state = model.state_dict()
-    return {"parameters": torch.cat([state[n].reshape(-1).double() for n, _ in model.named_parameters()]), "norms": norms}
+    parameters = torch.cat([state[n].reshape(-1).double() for n, _ in model.named_parameters()])
+    return {"parameters": parameters, "norms": norms}
 
 
 @checks.register(time_limit=TIME_LIMIT)
 def check_zero3_model_holds_its_shards() -> dict[str, Any]:
     """``shard="parameters"``, written as plain torch code: ``fabric.setup(model)`` on a model built in
-    ``init_module(empty_init=True)`` shards it at once, so ``model.parameters()`` are this worker's shards; with no
-    optimizer yet, ``model.load_state_dict(whole)`` and ``fabric.load`` of a whole checkpoint fill them; an optimizer over
-    ``model.parameters()`` set up afterwards trains, clipped by ``torch.nn.utils.clip_grad_norm_`` after
+    ``init_module(empty_init=True)`` shards it at once, so ``model.parameters()`` are this worker's shards; with
+    no optimizer yet, ``model.load_state_dict(whole)`` and ``fabric.load`` of a whole checkpoint fill them; an
+    optimizer over ``model.parameters()`` set up afterwards trains, clipped by ``torch.nn.utils.clip_grad_norm_`` after
     ``fabric.backward``, as one process does. A model with a parameter kept whole refuses torch's clipping."""
     steps, max_norm = 3, 0.05
     torch.manual_seed(7)

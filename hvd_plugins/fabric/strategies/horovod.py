@@ -241,8 +241,9 @@ class HorovodStrategy(HorovodStrategyShared, ParallelStrategy):
 
         With ``shard="parameters"`` the module is sharded right here, as FSDP's ``fully_shard`` shards it: a model
         built on the meta device is made real a unit at a time and never whole on a worker, and from now on
-        ``module.parameters()`` are this worker's shards. An optimizer set up later over them (``fabric.setup_optimizers``,
-        the order litgpt and Lightning's FSDP guide use) takes the units over one at a time."""
+        ``module.parameters()`` are this worker's shards. An optimizer set up later over them
+        (``fabric.setup_optimizers``, the order litgpt and Lightning's FSDP guide use) takes the units over one at a
+        time."""
         if not self.config.shards_parameters:
             return self._setup_module(module, keep_meta=False)
         module = self._setup_module(module, keep_meta=True)

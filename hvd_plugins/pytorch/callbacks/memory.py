@@ -55,21 +55,35 @@ def training_state_mb(module: torch.nn.Module, optimizers: list[Optimizer]) -> d
     """What this worker holds of the training state, in MiB: its parameters, gradients and optimizer state.
 
     A sharded optimizer holds its state and its gradients for this worker's slices, and with
-    ``shard="parameters"`` the units' parameters as slices too; it says how much (``state_bytes``,
-    ``owned_gradients``, ``sliced_parameter_bytes``).
+    ``shard="parameters"`` the units' parameters as slices too; it says which (``state_bytes``,
+    ``owned_gradients``, ``sliced_parameters``). A unit's parameters and their gradients are views of those
+    slices between computations: each memory is counted once.
     """
-    parameters = sum(p.numel() * p.element_size() for p in module.parameters())
-    gradients = sum(p.grad.numel() * p.grad.element_size() for p in module.parameters() if p.grad is not None)
+    parameters: list[torch.Tensor] = [p.detach() for p in module.parameters()]
+    gradients: list[torch.Tensor] = [p.grad for p in module.parameters() if p.grad is not None]
     state = 0
     for optimizer in optimizers:
         if hasattr(optimizer, "state_bytes") and hasattr(optimizer, "owned_gradients"):
             state += optimizer.state_bytes()
-            gradients += sum(g.numel() * g.element_size() for g in optimizer.owned_gradients())
-            parameters += getattr(optimizer, "sliced_parameter_bytes", lambda: 0)()
+            gradients += optimizer.owned_gradients()
+            parameters += getattr(optimizer, "sliced_parameters", lambda: [])()
             continue
         for values in optimizer.state.values():
             state += sum(v.numel() * v.element_size() for v in values.values() if isinstance(v, torch.Tensor))
-    return {"parameters_mb": parameters / _MB, "gradients_mb": gradients / _MB, "optimizer_state_mb": state / _MB}
+    return {
+        "parameters_mb": _distinct_bytes(parameters) / _MB,
+        "gradients_mb": _distinct_bytes(gradients) / _MB,
+        "optimizer_state_mb": state / _MB,
+    }
+
+
+def _distinct_bytes(tensors: list[torch.Tensor]) -> int:
+    """Bytes of the memory ``tensors`` hold, each block once however many of them view it."""
+    blocks: dict[tuple[str, int], int] = {}
+    for tensor in tensors:
+        storage = tensor.untyped_storage()
+        blocks[(str(tensor.device), storage.data_ptr())] = storage.nbytes()
+    return sum(blocks.values())
 
 
 @dataclass

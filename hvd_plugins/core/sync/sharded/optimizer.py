@@ -231,11 +231,15 @@ class ShardedOptimizer(Optimizer):
         """The slices' gradients: what this worker steps."""
         return [piece.grad for piece in self.slices if piece.grad is not None]
 
+    def sliced_parameters(self) -> list[torch.Tensor]:
+        """The slices of the parameters this worker holds only as slices (the units of ``shard="parameters"``)."""
+        return [
+            piece.detach() for bucket, piece in zip(self.buckets, self.slices, strict=True) if bucket.unit is not None
+        ]
+
     def sliced_parameter_bytes(self) -> int:
         """Bytes of the parameters this worker holds only as its slices (the units of ``shard="parameters"``)."""
-        return sum(
-            nbytes(piece) for bucket, piece in zip(self.buckets, self.slices, strict=True) if bucket.unit is not None
-        )
+        return sum(nbytes(piece) for piece in self.sliced_parameters())
 
     def state_bytes(self) -> int:
         """Bytes of the optimizer state this worker holds (its slices')."""

@@ -89,10 +89,10 @@ class ShardGradient(torch.Tensor):
         if func is torch._foreach_norm:
             return _foreach_shares(args, kwargs)
         if func in NORM_FUNCTIONS and args and isinstance(args[0], ShardGradient):
-            order = norm_order(func, args, kwargs)
-            with DisableTorchFunctionSubclass():
-                local = func(*args, **kwargs)
-            return PartialNorm.of(local, order, args[0].norms)
+            order, shard = norm_order(func, args, kwargs), args[0]
+            with DisableTorchFunctionSubclass():  # a worker may hold none of a parameter: its share is 0
+                local = func(*args, **kwargs) if shard.numel() else shard.new_zeros(())
+            return PartialNorm.of(local, order, shard.norms)
         with DisableTorchFunctionSubclass():
             return func(*args, **kwargs)
 
@@ -102,7 +102,7 @@ def _foreach_shares(args: Sequence[Any], kwargs: dict[str, Any]) -> list[torch.T
     tensors = list(args[0])
     order = float(args[1] if len(args) > 1 else kwargs.get("ord", 2.0))
     with DisableTorchFunctionSubclass():
-        locals_ = [torch.linalg.vector_norm(tensor, order) for tensor in tensors]
+        locals_ = [torch.linalg.vector_norm(t, order) if t.numel() else t.new_zeros(()) for t in tensors]
     return [
         PartialNorm.of(local, order, tensor.norms) if isinstance(tensor, ShardGradient) else local
         for tensor, local in zip(tensors, locals_, strict=True)

@@ -280,7 +280,8 @@ class Unit:
         slice holds none of it): between computations the model holds its shards, as FSDP's ``use_orig_params``."""
         for sharded, index in self.pieces:
             bucket = sharded.buckets[index]
-            for parameter, view in zip(bucket.parameters, bucket.flat.shard_views(sharded.slices[index].detach()), strict=True):
+            views = bucket.flat.shard_views(sharded.slices[index].detach())
+            for parameter, view in zip(bucket.parameters, views, strict=True):
                 parameter.data = view
 
     def show_gradients(self, norms: ShardedNorms) -> None:
@@ -381,6 +382,7 @@ class Unit:
         for (sharded, index), master in zip(self.pieces, self.masters, strict=True):
             bucket = sharded.buckets[index]
             for parameter, shape in zip(bucket.parameters, bucket.shapes, strict=True):
+                parameter.grad = None  # a shard's, of the old world
                 leave_placeholder(parameter, shape, master)
         self.flats.clear()
         self.whole = False
