@@ -178,6 +178,36 @@ def start_allgather(shard: torch.Tensor, group: PartnerGroup, codec: Compressor,
     return PartnerAlltoall([shard] * group.size, group, codec, name)
 
 
+class WorldAllgather(InFlight[list[torch.Tensor]]):
+    """Every worker's equal ``shard``, gathered by Horovod's allgather in rank order; ``wait()`` returns one piece per
+    worker, views of the one buffer received. Nothing is sent per peer (an alltoall repeats the shard once per peer
+    in its send buffer)."""
+
+    def __init__(self, shard: torch.Tensor, name: str) -> None:
+        self.count = shard.numel()
+        self.piece_nbytes = nbytes(shard)
+        self.handle = horovod_torch().allgather_async(shard.reshape(-1), name=name)
+
+    def progress(self) -> None:
+        """One round: nothing to start."""
+
+    def ready(self) -> bool:
+        return bool(horovod_torch().poll(self.handle))
+
+    def wait(self, meanwhile: Meanwhile = None) -> list[torch.Tensor]:
+        if meanwhile is not None:
+            meanwhile()
+        return list(wait_for(self.handle).split(self.count))
+
+
+def start_slices_gather(shard: torch.Tensor, group: PartnerGroup, name: str) -> InFlight[list[torch.Tensor]]:
+    """Start gathering every member's equal ``shard`` (in group order), uncompressed: Horovod's allgather where the
+    group is every worker, a partner alltoall within a smaller group (no process sets)."""
+    if group.spans_world:
+        return WorldAllgather(shard, name)
+    return PartnerAlltoall([shard] * group.size, group, NoCompression(), name)
+
+
 def finish_allgather(pending: PartnerAlltoall, meanwhile: Meanwhile = None) -> torch.Tensor:
     """Every member's shard, back to back in group order."""
     return torch.cat(pending.wait(meanwhile))

@@ -23,10 +23,9 @@ import torch
 from torch.nn import Parameter
 from torch.optim import Optimizer
 
-from hvd_plugins.core.comm.compression import NoCompression
 from hvd_plugins.core.comm.counters import CommCounters, Scope
 from hvd_plugins.core.comm.in_flight import InFlight, finish_each
-from hvd_plugins.core.comm.partners import PartnerAlltoall, PartnerGroup, finish_allgather, start_allgather
+from hvd_plugins.core.comm.partners import PartnerGroup, start_slices_gather
 from hvd_plugins.core.comm.wire import nbytes
 from hvd_plugins.core.sync.meta import make_parameter_real
 from hvd_plugins.core.sync.parts import PART_FORMAT
@@ -193,11 +192,10 @@ class ShardedOptimizer(Optimizer):
             for index, bucket in kept:
                 bucket.flat.unpack(self.slices[index].detach(), bucket.parameters)
             return
-        codec = NoCompression()
         pending: list[InFlight[list[torch.Tensor]]] = []
         for index, _ in kept:
             piece = self.slices[index]
-            gather = start_allgather(piece.detach(), world, codec, f"{self.name}.params.{index}")
+            gather = start_slices_gather(piece.detach(), world, f"{self.name}.params.{index}")
             self.counters.record(self.scope, nbytes(piece))
             pending.append(gather)
         landed = finish_each(pending)
@@ -350,7 +348,7 @@ class ShardedOptimizer(Optimizer):
     def _gathered_state(self) -> list[dict[str, Any]]:
         """Per bucket, its state: slice-shaped tensors allgathered whole (padding included), scalars as they are."""
         gathered: list[dict[str, Any]] = []
-        pending: list[tuple[dict[str, Any], str, PartnerAlltoall]] = []
+        pending: list[tuple[dict[str, Any], str, InFlight[list[torch.Tensor]]]] = []
         world = self.world
         for index, piece in enumerate(self.slices):
             own = self.inner.state.get(piece, {}) if self.inner is not None else {}
@@ -362,12 +360,12 @@ class ShardedOptimizer(Optimizer):
                         whole[key] = value.detach()
                     else:
                         name = f"{self.name}.state.{index}.{key}"
-                        pending.append((whole, key, start_allgather(value.detach(), world, NoCompression(), name)))
+                        pending.append((whole, key, start_slices_gather(value.detach(), world, name)))
                 else:
                     whole[key] = value
             gathered.append(whole)
         for whole, key, gather in pending:
-            whole[key] = finish_allgather(gather)
+            whole[key] = torch.cat(gather.wait())
         return gathered
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:

@@ -30,10 +30,9 @@ from torch.nn import Module, Parameter
 from torch.utils._pytree import tree_leaves
 from torch.utils.hooks import RemovableHandle
 
-from hvd_plugins.core.comm.compression import NoCompression
 from hvd_plugins.core.comm.counters import CommCounters, Scope
-from hvd_plugins.core.comm.in_flight import finish_all
-from hvd_plugins.core.comm.partners import PartnerAlltoall, start_allgather
+from hvd_plugins.core.comm.in_flight import InFlight, finish_all
+from hvd_plugins.core.comm.partners import start_slices_gather
 from hvd_plugins.core.comm.wire import nbytes
 from hvd_plugins.core.config import UnitPolicy, describe_policy, policy_picks
 from hvd_plugins.core.sync.meta import leave_placeholder
@@ -258,7 +257,7 @@ class Unit:
                 flat = bucket.flat.pack([p.detach() for p in bucket.parameters], padded=True)
             self.flats.append(flat)
         self.whole = True
-        self._pending: list[PartnerAlltoall | None] | None = None  # a gather started and not finished
+        self._pending: list[InFlight[list[torch.Tensor]] | None] | None = None  # a gather started, not finished
         self._view()
 
     def parameters(self) -> Iterable[Parameter]:
@@ -315,7 +314,7 @@ class Unit:
             old = self.flats[position]
             if old.dtype != dtype:  # a new buffer: views autograd saved are of a finished step
                 self.flats[position] = torch.empty(old.numel(), dtype=dtype, device=old.device)
-        pending: list[PartnerAlltoall | None] = []
+        pending: list[InFlight[list[torch.Tensor]] | None] = []
         for (sharded, index), flat in zip(self.pieces, self.flats, strict=True):
             flat.untyped_storage().resize_(flat.numel() * flat.element_size())
             piece, world = sharded.slices[index].detach().to(flat.dtype), sharded.world
@@ -323,7 +322,7 @@ class Unit:
                 flat.data.copy_(piece)
                 pending.append(None)
                 continue
-            pending.append(start_allgather(piece, world, NoCompression(), f"{sharded.name}.unit{self.index}.{index}"))
+            pending.append(start_slices_gather(piece, world, f"{sharded.name}.unit{self.index}.{index}"))
             self.counters.record(self.scope, nbytes(piece))  # the payload handed over, as ZeRO-2's gather counts it
         self._pending = pending
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hvd_plugins.core.comm.partners import PartnerGroup, add_in_order
+from hvd_plugins.core.comm.partners import PartnerGroup, WorldAllgather, add_in_order, start_slices_gather
+from unit.threaded_horovod import RankHorovod, ThreadedJob
 
 
 def test_partner_group_sends_only_to_partners_and_reads_pieces_in_group_order() -> None:
@@ -28,3 +29,26 @@ def test_add_in_order_adds_half_types_in_float32() -> None:
     assert total.dtype == torch.float32 and total.item() == 180000.0
     alone = torch.tensor([1.0])
     assert add_in_order([alone]).item() == 1.0 and add_in_order([alone]) is not alone
+
+
+@pytest.mark.parametrize("group_ranks", [(0, 1, 2, 3), (1, 3)], ids=["every_worker", "partners"])
+def test_a_slices_gather_gives_every_members_shard_in_group_order(
+    monkeypatch: pytest.MonkeyPatch, group_ranks: tuple[int, ...]
+) -> None:
+    """Over every worker Horovod's allgather carries it; within a smaller group a partner alltoall (the others
+    take part with nothing to send)."""
+    job = ThreadedJob(nodes=2, workers_per_node=2).install(monkeypatch)
+
+    def gather(hvd: RankHorovod) -> list[torch.Tensor] | None:
+        rank = hvd.rank()
+        if rank not in group_ranks:
+            hvd.alltoall(torch.zeros(0), splits=torch.zeros(4, dtype=torch.int32), name="slices")
+            return None
+        group = PartnerGroup(group_ranks, rank, 4)
+        pending = start_slices_gather(torch.full((3,), float(rank)), group, "slices")
+        assert isinstance(pending, WorldAllgather) == (len(group_ranks) == 4)
+        return pending.wait()
+
+    for rank, pieces in enumerate(job.run(gather)):
+        if rank in group_ranks:
+            assert pieces is not None and [piece.tolist() for piece in pieces] == [[float(r)] * 3 for r in group_ranks]

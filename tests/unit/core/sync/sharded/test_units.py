@@ -280,13 +280,13 @@ def test_units_gathered_in_bfloat16_compute_there_and_step_their_float64_slices(
         optimizer.step()
 
     sent: dict[str, set[torch.dtype]] = {}  # by thread: each rank's gathers
-    own_allgather = units_module.start_allgather
+    own_allgather = units_module.start_slices_gather
 
     def allgather(piece: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         sent.setdefault(threading.current_thread().name, set()).add(piece.dtype)
         return own_allgather(piece, *args, **kwargs)
 
-    monkeypatch.setattr(units_module, "start_allgather", allgather)
+    monkeypatch.setattr(units_module, "start_slices_gather", allgather)
 
     def train(hvd: RankHorovod) -> dict[str, object]:
         mine, counters = copy.deepcopy(model), CommCounters()
