@@ -23,6 +23,7 @@ from sharded_fabric_checks import (
     check_equal_to_unsharded,
     check_full_sharding,
     check_no_backward_sync_accumulation_equals_unsharded,
+    check_torch_clipping_after_backward,
     check_zero3_in_users_orders,
     check_zero3_model_holds_its_shards,
 )
@@ -234,3 +235,13 @@ def test_zero3_names_a_parameter_read_outside_its_unit_and_the_fix(four: dict[in
         for words in ("blocks.0.attention.out_proj.weight", "unit 'blocks.0.attention.out_proj'", "never called",
                       "auto_wrap_policy=None"):  # fmt: skip
             assert words in text, text
+
+
+def test_torch_clipping_right_after_backward_reads_averaged_gradients(four: dict[int, dict[str, Any]]) -> None:
+    """Unsharded (Horovod's DistributedOptimizer) and ZeRO-1: the gradients are averaged as ``fabric.backward``
+    ends, so torch's own clipping before the step clips as one process with the whole batch does."""
+    for rank in range(WORKERS):
+        found = report_of(four[rank], check_torch_clipping_after_backward)
+        for shard in ("none", "optimizer"):
+            assert found[shard]["difference"] <= TOLERANCE, (shard, found[shard])
+            assert found[shard]["norms"] == pytest.approx(found["one_process_norms"], rel=TOLERANCE), shard

@@ -96,6 +96,25 @@ class UnitNet(pl.LightningModule):
         return {"optimizer": optimizer, "lr_scheduler": torch.optim.lr_scheduler.StepLR(optimizer, 2, gamma=0.5)}
 
 
+class TorchClippedNet(UnitNet):
+    """UnitNet stepped by hand, clipped by ``torch.nn.utils.clip_grad_norm_`` over ``self.parameters()`` between
+    ``manual_backward`` and the step, as plain torch code clips."""
+
+    def __init__(self) -> None:
+        super().__init__("adamw")
+        self.automatic_optimization = False
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        optimizer = self.optimizers()
+        x, y = batch
+        loss = nn.functional.mse_loss(self(x), y)
+        optimizer.zero_grad()
+        self.manual_backward(loss)
+        torch.nn.utils.clip_grad_norm_(self.parameters(), 0.05)
+        optimizer.step()
+        return loss
+
+
 class ConfiguredNet(UnitNet):
     """UnitNet built in ``configure_model`` (on the meta device when fully sharded), from the seed as it is then."""
 
@@ -205,6 +224,7 @@ CASES: dict[str, tuple[Any, dict[str, Any]]] = {
     "sgd_momentum": (lambda: UnitNet("sgd"), {}),
     "clip_norm": (lambda: UnitNet("adamw"), {"gradient_clip_val": 0.05}),
     "clip_value": (lambda: UnitNet("sgd"), {"gradient_clip_val": 0.01, "gradient_clip_algorithm": "value"}),
+    "torch_clipping_by_hand": (TorchClippedNet, {}),
     "accumulation": (lambda: UnitNet("adamw"), {"accumulate_grad_batches": 2}),
     "bf16_mixed": (lambda: UnitNet("adamw"), {"precision": "bf16-mixed"}),  # "auto": float32 gathers on the CPU
     "bf16_gathers": (lambda: UnitNet("sgd"), {"precision": "bf16-mixed", "param_dtype": "bf16"}),
@@ -317,17 +337,22 @@ class HeldAtEachBatch(pl.Callback):
 @checks.register
 def check_without_fit_and_with_the_default_units() -> dict[str, Any]:
     """``trainer.validate`` and ``trainer.predict`` with no fit before, sharded, with no policy (the three Blocks are
-    the units): the same losses and predictions as unsharded, and nothing whole after each batch. Then a GPT that
+    the units), each loading a checkpoint (``ckpt_path=``) into the model it set up with no optimizer: the same
+    losses and predictions as unsharded, and nothing whole after each batch. Then a GPT that
     ties its head by use trains with the default units as unsharded."""
     x, y = regression_data(64, seed=7)
     found: dict[str, Any] = {}
+    _, trained, _ = fit("none", UnitNet("sgd"), epochs=1)
+    path = str(out_dir() / "without_fit.ckpt")
+    trained.save_checkpoint(path)  # the weights validate and predict load (ckpt_path=) into a model of no optimizer
     for shard in ("none", "parameters"):
-        module, held = UnitNet("sgd"), HeldAtEachBatch()
+        module, held = UnitNet("sgd", seed=9), HeldAtEachBatch()
         trainer = strategy_trainer(
             strategy=HorovodStrategy(shard=shard), max_epochs=1, precision="32-true", callbacks=[held]
         )
-        trainer.validate(module, DataLoader(TensorDataset(x.float(), y.float()), batch_size=8))
-        predicted = torch.cat(trainer.predict(module, DataLoader(TensorDataset(x.float()), batch_size=8)))
+        trainer.validate(module, DataLoader(TensorDataset(x.float(), y.float()), batch_size=8), ckpt_path=path)
+        loader = DataLoader(TensorDataset(x.float()), batch_size=8)
+        predicted = torch.cat(trainer.predict(module, loader, ckpt_path=path))
         found[shard] = {"validated": module.validated, "predicted": predicted, "held": held.held}
         tied, _, _ = fit(shard, TiedByUse(), epochs=1, default_units=True)
         found[shard]["tied"] = parameters_of(tied)

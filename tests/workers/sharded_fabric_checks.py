@@ -637,6 +637,33 @@ def check_zero3_model_holds_its_shards() -> dict[str, Any]:
     }
 
 
+@checks.register(time_limit=TIME_LIMIT)
+def check_torch_clipping_after_backward() -> dict[str, Any]:
+    """Unsharded and ``shard="optimizer"``: ``torch.nn.utils.clip_grad_norm_`` right after ``fabric.backward``
+    reads gradients already averaged (as DDP's backward leaves them), so it clips as one process does."""
+    steps, max_norm = 3, 0.05
+    torch.manual_seed(7)
+    start = AttentionGPT().state_dict()
+    reference = one_process_with_torch_clipping(start, steps, max_norm)
+    found: dict[str, Any] = {}
+    for shard in ("none", "optimizer"):
+        fabric = Fabric(strategy=HorovodStrategy(shard=shard, bucket_mb=SMALL_BUCKETS_MB), accelerator="cpu")
+        fabric.launch()
+        module = AttentionGPT()
+        module.load_state_dict(start)
+        model, optimizer = fabric.setup(module, torch.optim.SGD(module.parameters(), lr=0.1, momentum=0.9))
+        norms = []
+        for tokens, targets in token_batches(steps):
+            fabric.backward(token_loss(model(tokens), targets))
+            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)))
+            optimizer.step()
+            optimizer.zero_grad()
+        parameters = torch.cat([p.detach().reshape(-1).double() for p in model.parameters()])
+        found[shard] = {"difference": relative(parameters, reference["parameters"]), "norms": norms}
+    found["one_process_norms"] = reference["norms"]
+    return found
+
+
 def torch_clipping_refused_with_a_whole_parameter() -> str:
     """``TiedGPT`` keeps ``position`` (registered on the model itself) whole: its gradient lives in slices only, so
     a norm over ``model.parameters()`` cannot include it. The error, as text."""

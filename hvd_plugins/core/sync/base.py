@@ -120,8 +120,8 @@ class GradientSync(TrainingLoopHooks, ABC):
         """Before every backward: settle what an earlier backward of this step started, if anything."""
 
     def started(self, optimizer: Optimizer) -> bool:
-        """Whether a backward since the last sync started averaging ``optimizer``'s gradients (buckets on their way)."""
-        return False
+        """Whether a backward since the last sync gave ``optimizer``'s parameters gradients to average."""
+        return any(p.grad is not None for p in optimizer_parameters(optimizer))
 
     # ------------------------------------------------------------------ what this worker owns
     def owned_gradients(self, optimizer: Optimizer) -> list[torch.Tensor]:

@@ -1,11 +1,12 @@
 """``Fabric(strategy="horovod")``: Horovod for loops people write themselves, on the core the Trainer strategy uses.
 
-Fabric calls ``backward``, then (maybe) ``clip_gradients``, then ``optimizer.step()``; which optimizer a
-backward was for is only known when it is clipped or stepped. So gradients are averaged lazily, once
-per optimizer and step: at the first of its clip or step. With Horovod's DistributedOptimizer (flat
-sync) the allreduces start during backward and are only waited for then; ``fabric.no_backward_sync``
-holds them back for the micro-batches of an accumulation, so one allreduce per parameter and step
-remains. The two-level sync averages at that moment, in buckets.
+Fabric calls ``backward``, then (maybe) ``clip_gradients``, then ``optimizer.step()``. A backward's
+gradients are averaged as it ends, once per optimizer it gave gradients to, as DDP's backward leaves
+them averaged: code that reads or clips them with torch's own tools before the step sees the average
+(``op="sum"`` sums at the first of the clip or the step instead: ``HorovodConfig.averages_after_backward``).
+With Horovod's DistributedOptimizer (flat sync) the allreduces start during backward and are waited
+for then; ``fabric.no_backward_sync`` holds them back for the micro-batches of an accumulation, so one
+allreduce per parameter and step remains. The two-level sync averages at that moment, in buckets.
 
 DASO is a Trainer feature (its schedule follows epochs and the loss the Trainer averages); here
 ``sync="daso"`` is refused at construction.
@@ -299,27 +300,16 @@ class HorovodStrategy(HorovodStrategyShared, ParallelStrategy):
     @override
     def backward(self, tensor: Tensor, module: Module | None, *args: Any, **kwargs: Any) -> None:
         """New gradients: each optimizer averages again at its next clip or step; none inside no_backward_sync."""
-        self._settle_earlier_backward(self._wrapped)
-        self._refuse_backward_after_average()
+        self._settle_earlier_backward(self._wrapped)  # refuses a second ZeRO-3 backward before the step
         if self.holding and self.gradient_sync is not None:
             for optimizer in self._wrapped:
                 self.gradient_sync.hold_next_backward(optimizer)  # this backward only accumulates
         self._averaged.clear()
         super().backward(tensor, module, *args, **kwargs)
-        if self.config.shards_parameters and not self.holding and self.gradient_sync is not None:
-            for optimizer in self._wrapped:  # the shards' gradients, for torch's own clipping and norms, now
+        if not self.holding and self.gradient_sync is not None and self.config.averages_after_backward:
+            for optimizer in self._wrapped:  # averaged now, as DDP's backward leaves them: torch's clipping reads them
                 if self.gradient_sync.started(optimizer):
                     self._average(optimizer)
-
-    def _refuse_backward_after_average(self) -> None:
-        """Under ``shard="parameters"`` a backward's gradients are averaged as it ends: another backward before the
-        step would overwrite them. Refuse it, naming the way to accumulate."""
-        if self.config.shards_parameters and self._averaged:
-            raise ValueError(
-                "shard='parameters' cannot accumulate gradients with a second backward before the optimizer step: "
-                "the first one's gradients are already averaged into the slices. Accumulate inside "
-                "fabric.no_backward_sync, or use shard='none'."
-            )
 
     def _average(self, optimizer: Optimizer) -> None:
         """Average ``optimizer``'s gradients over every worker, once per step (at its clip or its step)."""

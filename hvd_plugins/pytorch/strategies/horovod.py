@@ -171,6 +171,7 @@ class HorovodStrategy(HorovodStrategyShared, UnitInit):
         self.gradient_sync: GradientSync | None = None  # built at the first setup, kept across fits
         self._guards = SyncGuards(self.config)
         self._graph_cuts = GraphCuts(self.config.bucket_bytes)  # a compiled model's graphs end at gradient buckets
+        self._averaged_by_hand: set[int] = set()  # manual optimization: optimizers averaged since their last step
         self._restored_sync_state: dict[str, Any] = {}  # for the next sync built: from a checkpoint or a reset
         self._progress_bar_given: bool | None = None
         self._resume_position = ResumePosition()  # a mid-epoch resume continues at the next batch
@@ -276,9 +277,21 @@ class HorovodStrategy(HorovodStrategyShared, UnitInit):
     @override
     def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
         """Before each backward, settle allreduces an earlier backward of the step started (manual
-        optimization calling ``manual_backward`` more than once before ``step``, as DDP allows)."""
+        optimization calling ``manual_backward`` more than once before ``step``, as DDP allows). With manual
+        optimization a backward's gradients are averaged as it ends, as DDP's backward leaves them, so that torch's
+        own clipping between ``manual_backward`` and ``step`` reads the average (under ``shard="parameters"``: the
+        parameters' gradient shards)."""
         self._settle_earlier_backward(self.optimizers)
-        return super().backward(closure_loss, optimizer, *args, **kwargs)
+        self._averaged_by_hand.clear()  # a new backward: its gradients are averaged anew
+        result = super().backward(closure_loss, optimizer, *args, **kwargs)
+        module, sync = self.lightning_module, self.gradient_sync
+        by_hand = module is not None and not module.automatic_optimization
+        if sync is not None and by_hand and self.config.averages_after_backward:
+            for each in self.optimizers:  # manual: averaged now, as DDP's backward leaves them, for torch's clipping
+                if sync.started(each):
+                    self._guards.after_backward(sync, each, lambda: training_position(self._trainer))
+                    self._averaged_by_hand.add(id(each))
+        return result
 
     @override
     def optimizer_step(
@@ -295,11 +308,15 @@ class HorovodStrategy(HorovodStrategyShared, UnitInit):
 
         def closure_then_average() -> Any:
             result = closure()  # forward + backward of the micro-batch that steps
-            self._guards.after_backward(sync, optimizer, lambda: training_position(self._trainer))
+            if id(optimizer) not in self._averaged_by_hand:  # manual optimization averaged it after its backward
+                self._guards.after_backward(sync, optimizer, lambda: training_position(self._trainer))
             return result
 
-        with sync.deferred(optimizer):
-            return super().optimizer_step(optimizer, closure_then_average, model, **kwargs)
+        try:
+            with sync.deferred(optimizer):
+                return super().optimizer_step(optimizer, closure_then_average, model, **kwargs)
+        finally:
+            self._averaged_by_hand.discard(id(optimizer))
 
     @override
     def save_checkpoint(

@@ -120,6 +120,8 @@ class ShardedGradientSync(GradientSync):
         self._reducers: dict[int, BucketReducer] = {}
         self._holder: ShardedOptimizer | None = None
         """With ``shard="parameters"`` and no optimizer: steps nothing, keeps the units' slices."""
+        self._synchronized: set[int] = set()
+        """The optimizers whose gradients are averaged and not stepped yet (by id)."""
 
     # ------------------------------------------------------------------ wrapping
     def setup(self, model: Module, optimizers: Sequence[Optimizer], total_epochs: int | None) -> None:
@@ -214,10 +216,23 @@ class ShardedGradientSync(GradientSync):
 
     # ------------------------------------------------------------------ averaging
     def synchronize(self, optimizer: Optimizer) -> None:
+        """Average the gradients of the backward passes since the last step, once: a second call before the step
+        (the step's own, after the shards' gradients were shown right after backward) finds them averaged."""
         reducer = self._reducer(optimizer)
+        if id(optimizer) in self._synchronized:
+            return
         reducer.finish(waiting=self.counters.waiting())
         reducer.armed = self.stage.armed()
         self.stage.after_backward()
+        self._synchronized.add(id(optimizer))
+
+    @contextlib.contextmanager
+    def deferred(self, optimizer: Optimizer) -> Iterator[None]:
+        """Around the step: once it ran, the next backward's gradients are new."""
+        try:
+            yield
+        finally:
+            self._synchronized.discard(id(optimizer))
 
     def set_backward_passes(self, optimizer: Optimizer, passes: int) -> None:
         self.backward_passes = passes
@@ -231,12 +246,15 @@ class ShardedGradientSync(GradientSync):
     def before_backward(self, optimizer: Optimizer) -> None:
         """Follow parameters (un)frozen since the last step; refuse a second backward while buckets travel."""
         reducer = self._reducers.get(id(optimizer))
-        if reducer is not None and not reducer.in_flight:
+        if reducer is None:
+            return
+        averaged = id(optimizer) in self._synchronized  # averaged right after backward, not stepped yet
+        if not reducer.in_flight and not averaged:
             self._follow_trainable(self._sharded(optimizer))
-        elif reducer is not None:
+        else:
             raise ValueError(
                 f"shard={self.shard!r} cannot accumulate gradients with a second backward before the optimizer "
-                "step while the first one's buckets are on their way: accumulate with accumulate_grad_batches (the "
+                "step once the first one's gradients are being averaged: accumulate with accumulate_grad_batches (the "
                 "Trainer) or fabric.no_backward_sync (Fabric), or use shard='none'."
             )
 
