@@ -34,6 +34,7 @@ COVERS = (
     "hvd_plugins.core.sync.sharded.mode",
     "hvd_plugins.core.sync.sharded.optimizer",
     "hvd_plugins.core.sync.sharded.partition",
+    "hvd_plugins.core.sync.sharded.unit_state",
 )
 """The modules these real jobs exercise beyond their unit files."""
 

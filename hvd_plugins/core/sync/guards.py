@@ -30,6 +30,7 @@ class SyncGuards:
         self.config = config
         self.watchdog: CollectiveWatchdog | None = None
         self.finite_check: FiniteGradientCheck | None = None
+        self._averaged: set[int] = set()  # optimizers averaged since the last backward began (by id)
 
     def start_watching(self, rank: int, size: int) -> None:
         """Start the watchdog once Horovod runs (``stall_timeout_seconds=None``: never)."""
@@ -53,14 +54,22 @@ class SyncGuards:
             self.finite_check = FiniteGradientCheck(optimizers)
 
     def after_backward(self, sync: GradientSync, optimizer: Optimizer, where: Callable[[], str]) -> None:
-        """Average ``optimizer``'s gradients now (collective), before clipping and AMP unscaling see them.
+        """Average ``optimizer``'s gradients now (collective), before clipping and AMP unscaling see them; once per
+        backward (manual optimization averages as its backward ends, and the step finds it done).
 
         ``where()`` names the training position for the finite check's error; it is asked only then.
         """
+        if id(optimizer) in self._averaged:
+            return
+        self._averaged.add(id(optimizer))
         with self.waiting("gradient allreduce"):
             sync.synchronize(optimizer)
             if self.finite_check is not None:
                 self.finite_check.after_average(optimizer, sync.owned_gradients(optimizer), where())
+
+    def new_backward(self) -> None:
+        """A backward begins: the gradients it adds are averaged anew."""
+        self._averaged.clear()
 
     def stop_checking(self) -> None:
         if self.finite_check is not None:

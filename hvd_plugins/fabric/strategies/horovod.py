@@ -306,10 +306,8 @@ class HorovodStrategy(HorovodStrategyShared, ParallelStrategy):
                 self.gradient_sync.hold_next_backward(optimizer)  # this backward only accumulates
         self._averaged.clear()
         super().backward(tensor, module, *args, **kwargs)
-        if not self.holding and self.gradient_sync is not None and self.config.averages_after_backward:
-            for optimizer in self._wrapped:  # averaged now, as DDP's backward leaves them: torch's clipping reads them
-                if self.gradient_sync.started(optimizer):
-                    self._average(optimizer)
+        if not self.holding:
+            self.average_as_backward_ends(self._wrapped, self._average)
 
     def _average(self, optimizer: Optimizer) -> None:
         """Average ``optimizer``'s gradients over every worker, once per step (at its clip or its step)."""

@@ -10,7 +10,7 @@ waits). It also holds the one rule of both faces for an elastic reset (``forget_
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from types import ModuleType
 from typing import Any, TypeVar
 
@@ -86,11 +86,32 @@ class HorovodStrategyShared(ABC):
     def _settle_earlier_backward(self, optimizers: Sequence[Optimizer]) -> None:
         """Before a backward: complete what an earlier backward of this step started (accumulating without
         ``no_backward_sync``, or several ``manual_backward`` calls before a step), bounded like every wait."""
+        self._guards.new_backward()  # the gradients it adds are averaged anew
         if self.gradient_sync is None:
             return
         for optimizer in optimizers:
             with self._guards.waiting("gradient allreduce"):
                 self.gradient_sync.before_backward(optimizer)
+
+    def average_as_backward_ends(
+        self,
+        optimizers: Sequence[Optimizer],
+        average: Callable[[Optimizer], None] | None = None,
+        where: Callable[[], str] = lambda: "after a backward",
+    ) -> None:
+        """After a backward outside an accumulation: average each optimizer it gave gradients to now (``average``, or
+        the guarded sync), as DDP's backward leaves them averaged, so torch's own clipping before the step reads the
+        average (under ``shard="parameters"``, the parameters' gradient shards: ``averages_after_backward``)."""
+        sync = self.gradient_sync
+        if sync is None or not self.config.averages_after_backward:
+            return
+        for optimizer in optimizers:
+            if not sync.started(optimizer):
+                continue
+            if average is not None:
+                average(optimizer)
+            else:
+                self._guards.after_backward(sync, optimizer, where)
 
     def _build_gradient_sync(self, precision: object) -> GradientSync:
         """The sync mode of the config, for a model on this worker's device trained under Lightning's ``precision``

@@ -106,8 +106,8 @@ class HorovodStrategy(HorovodStrategyShared, UnitInit):
         auto_wrap_policy, reshard_after_forward: ``shard="parameters"``'s units (module classes), freed after forward?
         param_dtype: the dtype ``shard="parameters"`` gathers units in: ``"auto"`` (bf16-mixed on GPUs: bf16), "full".
         activation_checkpointing_policy: modules (classes) whose activations backward recomputes instead of keeping.
-        hierarchical_impl: ``"portable"`` (every build) or ``"native"`` (MPI + NCCL only).
-        compress_node_local: with ``sync="hierarchical"``, compress the node-local legs too.
+        hierarchical_impl, compress_node_local: ``"portable"`` (every build) or ``"native"`` (MPI + NCCL only);
+            with ``sync="hierarchical"``, compress the node-local legs too.
         daso: a ``DasoConfig`` or a dict of its fields; only with ``sync="daso"``.
         average_buffers: average floating buffers over all workers at every training epoch's end.
         bucket_mb: gradient bucket size of the node-aware syncs, in MiB.
@@ -118,8 +118,7 @@ class HorovodStrategy(HorovodStrategyShared, UnitInit):
         check_finite_gradients: stop every rank at the first NaN/Inf gradient (one small allreduce per step).
         auto_requeue: in a Slurm job, save, requeue and stop at SIGUSR1 or SIGTERM (``RequeueOnPreemption``).
         cpu_threads: torch's threads per worker; ``"auto"``: the host's cores shared among its workers.
-        elastic: go on in place when workers die or join (``horovodrun --host-discovery-script``); ``"auto"``:
-            whenever horovodrun started an elastic job. See docs/elastic.rst.
+        elastic: go on in place when workers die or join; ``"auto"``: when horovodrun started so (docs/elastic.rst).
         commit_every_n_steps: in an elastic job, commit the training state to host memory this often (steps).
         accelerator, parallel_devices, precision_plugin: Lightning's; the Trainer sets them from its own arguments.
         checkpoint_io: how checkpoints are written; ``None``: ``AtomicCheckpointIO`` (temporary file, fsync, rename).
@@ -171,7 +170,6 @@ class HorovodStrategy(HorovodStrategyShared, UnitInit):
         self.gradient_sync: GradientSync | None = None  # built at the first setup, kept across fits
         self._guards = SyncGuards(self.config)
         self._graph_cuts = GraphCuts(self.config.bucket_bytes)  # a compiled model's graphs end at gradient buckets
-        self._averaged_by_hand: set[int] = set()  # manual optimization: optimizers averaged since their last step
         self._restored_sync_state: dict[str, Any] = {}  # for the next sync built: from a checkpoint or a reset
         self._progress_bar_given: bool | None = None
         self._resume_position = ResumePosition()  # a mid-epoch resume continues at the next batch
@@ -276,21 +274,10 @@ class HorovodStrategy(HorovodStrategyShared, UnitInit):
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
-        """Before each backward, settle allreduces an earlier backward of the step started (manual
-        optimization calling ``manual_backward`` more than once before ``step``, as DDP allows). With manual
-        optimization a backward's gradients are averaged as it ends, as DDP's backward leaves them, so that torch's
-        own clipping between ``manual_backward`` and ``step`` reads the average (under ``shard="parameters"``: the
-        parameters' gradient shards)."""
+        """Settle what an earlier backward of the step started; a manual backward's gradients are averaged at once."""
         self._settle_earlier_backward(self.optimizers)
-        self._averaged_by_hand.clear()  # a new backward: its gradients are averaged anew
         result = super().backward(closure_loss, optimizer, *args, **kwargs)
-        module, sync = self.lightning_module, self.gradient_sync
-        by_hand = module is not None and not module.automatic_optimization
-        if sync is not None and by_hand and self.config.averages_after_backward:
-            for each in self.optimizers:  # manual: averaged now, as DDP's backward leaves them, for torch's clipping
-                if sync.started(each):
-                    self._guards.after_backward(sync, each, lambda: training_position(self._trainer))
-                    self._averaged_by_hand.add(id(each))
+        average_manual_backward(self)
         return result
 
     @override
@@ -308,15 +295,11 @@ class HorovodStrategy(HorovodStrategyShared, UnitInit):
 
         def closure_then_average() -> Any:
             result = closure()  # forward + backward of the micro-batch that steps
-            if id(optimizer) not in self._averaged_by_hand:  # manual optimization averaged it after its backward
-                self._guards.after_backward(sync, optimizer, lambda: training_position(self._trainer))
+            self._guards.after_backward(sync, optimizer, lambda: training_position(self._trainer))
             return result
 
-        try:
-            with sync.deferred(optimizer):
-                return super().optimizer_step(optimizer, closure_then_average, model, **kwargs)
-        finally:
-            self._averaged_by_hand.discard(id(optimizer))
+        with sync.deferred(optimizer):
+            return super().optimizer_step(optimizer, closure_then_average, model, **kwargs)
 
     @override
     def save_checkpoint(
@@ -406,3 +389,13 @@ class HorovodStrategy(HorovodStrategyShared, UnitInit):
         if trainer is not None and trainer.state.fn == TrainerFn.FITTING and sync_layers and self.model:
             self.model = sync_layers.revert(self.model)
         super().teardown()
+
+
+def average_manual_backward(strategy: HorovodStrategy) -> None:
+    """Manual optimization (several ``manual_backward`` calls before ``step``, as DDP allows): a backward's gradients
+    averaged as it ends, as DDP's backward leaves them, so torch's own clipping between ``manual_backward`` and
+    ``step`` reads the average (under ``shard="parameters"``: the parameters' gradient shards)."""
+    module = strategy.lightning_module
+    if module is not None and not module.automatic_optimization:
+        where = partial(training_position, module_trainer(module))
+        strategy.average_as_backward_ends(strategy.optimizers, where=where)

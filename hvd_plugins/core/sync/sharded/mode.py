@@ -120,8 +120,8 @@ class ShardedGradientSync(GradientSync):
         self._reducers: dict[int, BucketReducer] = {}
         self._holder: ShardedOptimizer | None = None
         """With ``shard="parameters"`` and no optimizer: steps nothing, keeps the units' slices."""
-        self._synchronized: set[int] = set()
-        """The optimizers whose gradients are averaged and not stepped yet (by id)."""
+        self._synchronized: dict[int, int] = {}
+        """Each optimizer's ``generation`` when its gradients were last averaged (by id)."""
 
     # ------------------------------------------------------------------ wrapping
     def setup(self, model: Module, optimizers: Sequence[Optimizer], total_epochs: int | None) -> None:
@@ -219,20 +219,16 @@ class ShardedGradientSync(GradientSync):
         """Average the gradients of the backward passes since the last step, once: a second call before the step
         (the step's own, after the shards' gradients were shown right after backward) finds them averaged."""
         reducer = self._reducer(optimizer)
-        if id(optimizer) in self._synchronized:
+        if self._averaged(optimizer):
             return
         reducer.finish(waiting=self.counters.waiting())
         reducer.armed = self.stage.armed()
         self.stage.after_backward()
-        self._synchronized.add(id(optimizer))
+        self._synchronized[id(optimizer)] = self._sharded(optimizer).generation
 
-    @contextlib.contextmanager
-    def deferred(self, optimizer: Optimizer) -> Iterator[None]:
-        """Around the step: once it ran, the next backward's gradients are new."""
-        try:
-            yield
-        finally:
-            self._synchronized.discard(id(optimizer))
+    def _averaged(self, optimizer: Optimizer) -> bool:
+        """Whether ``optimizer``'s gradients were averaged and it has neither stepped nor zeroed them since."""
+        return self._synchronized.get(id(optimizer)) == self._sharded(optimizer).generation
 
     def set_backward_passes(self, optimizer: Optimizer, passes: int) -> None:
         self.backward_passes = passes
@@ -248,7 +244,7 @@ class ShardedGradientSync(GradientSync):
         reducer = self._reducers.get(id(optimizer))
         if reducer is None:
             return
-        averaged = id(optimizer) in self._synchronized  # averaged right after backward, not stepped yet
+        averaged = self._averaged(optimizer)  # averaged right after backward, not stepped yet
         if not reducer.in_flight and not averaged:
             self._follow_trainable(self._sharded(optimizer))
         else:

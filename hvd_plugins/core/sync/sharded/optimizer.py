@@ -83,6 +83,8 @@ class ShardedOptimizer(Optimizer):
         self._parked: dict[int, tuple[Parameter, dict[str, Any]]] = {}
         """Whole state of parameters in no bucket (frozen after they trained), kept until they train again."""
         self._checked_state = False
+        self.generation = 0
+        """Counts steps and ``zero_grad`` calls: gradients averaged in one generation are not new in the next."""
         self._lay_out()
 
     def _lay_out(self) -> None:
@@ -144,6 +146,7 @@ class ShardedOptimizer(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self.generation += 1
         if self.inner is None:
             return loss
         with torch.no_grad():
@@ -221,6 +224,7 @@ class ShardedOptimizer(Optimizer):
                     )
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        self.generation += 1
         super().zero_grad(set_to_none)
         if self.inner is not None:
             self.inner.zero_grad(set_to_none)

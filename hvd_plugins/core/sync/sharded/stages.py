@@ -26,7 +26,6 @@ from typing import Any
 import torch
 from torch.nn import Module
 from torch.optim import Optimizer
-from torch.utils.hooks import RemovableHandle
 
 from hvd_plugins.core.comm.compression import Compressor, NoCompression
 from hvd_plugins.core.comm.counters import CommCounters, Scope
@@ -44,6 +43,7 @@ from hvd_plugins.core.sync.meta import materialize, real_tensors
 from hvd_plugins.core.sync.sharded.optimizer import ShardedOptimizer
 from hvd_plugins.core.sync.sharded.partition import ShardedBucket, Signature, partition, partition_by_units
 from hvd_plugins.core.sync.sharded.shard_gradients import ShardedNorms
+from hvd_plugins.core.sync.sharded.unit_state import UnitStates, parameter_names
 from hvd_plugins.core.sync.sharded.units import (
     ShardedUnits,
     Unit,
@@ -56,10 +56,6 @@ from hvd_plugins.core.sync.sharded.units import (
 )
 
 log = logging.getLogger(__name__)
-
-UNITS_IN_PARTS_KEY = "hvd_plugins_units_in_optimizer_parts"
-"""Marks the model state of an elastic commit under ``shard="parameters"``: it holds what no unit owns, and the
-units' values are the slices kept with the commit's optimizer parts."""
 
 BUCKETS_IN_FLIGHT = 2
 """ZeRO-2: buckets reduce-scattered at once; a third lands the oldest first. Each bucket in flight holds about
@@ -303,9 +299,8 @@ class ParameterStage(GradientStage):
         """The slices of the units' frozen parameters, which no optimizer steps (``_hold_frozen``)."""
         self._units: ShardedUnits | None = None
         self._triggers: list[Module] = []  # the modules whose forward gathers the model's own unit
-        self._state_hooks: list[RemovableHandle] = []
-        self._raw_state = False  # inside: state_dict and load_state_dict as this worker holds the parameters
-        self._whole_on_rank_zero_only = False  # a checkpoint: only rank 0, which writes it, keeps the gathered copies
+        self._state = UnitStates(lambda: self._units)
+        """The model's state dict as whole tensors, an elastic commit's slices, ``local_shards()``."""
         self._norms = ShardedNorms()
         self._shapes: dict[int, torch.Size] = {}
         """Each parameter's whole shape by id, taken when the model was sharded (it then holds its shard)."""
@@ -365,7 +360,7 @@ class ParameterStage(GradientStage):
             relay(sharded)
         self._hold_frozen(model)
         self._install_from_root(model)
-        self._hook_state_dict(model)
+        self._state.hook(model)
 
     def can_reattach(self) -> bool:
         """Whether the model is sharded and its units' frozen parameters are those their holder keeps (none frozen
@@ -470,7 +465,7 @@ class ParameterStage(GradientStage):
         """The trainable parameters kept whole whose averaged gradients only the slices hold (no ``.grad`` shows
         them after the sync): a norm over ``model.parameters()`` would miss them (``ShardedNorms``)."""
         assert self._model is not None
-        names = self._parameter_names(self._model)
+        names = parameter_names(self._model)
         return [
             names.get(id(p), ["?"])[0]
             for sharded in self._optimizers
@@ -524,7 +519,7 @@ class ParameterStage(GradientStage):
             self._units.show_gradients(self._norms)
 
     def detach(self) -> None:
-        self._unhook_state_dict()
+        self._state.unhook()
         if self._units is not None:
             self._units.remove()
         self._units, self._owners, self._model, self._optimizers = None, None, None, []
@@ -533,186 +528,25 @@ class ParameterStage(GradientStage):
     def abandon(self) -> None:
         """The units' parameters left placeholders, gathering nothing: the next setup makes them real a unit at a
         time and the commit's slices (kept with the optimizer parts) give them their values."""
-        self._unhook_state_dict()
+        self._state.unhook()
         if self._units is not None:
             self._units.abandon()
         self._units, self._owners, self._model, self._optimizers = None, None, None, []
         self._frozen = None
 
     def model_state_dict(self, model: Module, committing: bool = False) -> dict[str, Any]:
-        """The whole state, gathered unit by unit (a collective, ``_whole_state``): rank 0, which writes checkpoints,
-        keeps a copy of each unit's parameters, one unit whole at a time; the other workers' states hold them empty.
-
-        In an elastic commit, no gather: the state of what no unit owns, marked ``UNITS_IN_PARTS_KEY``; the units'
-        values are this worker's slices, which the commit keeps with the optimizer parts (and a copy elsewhere)."""
         if self._units is None:
             return model.state_dict()
-        if committing:
-            names = self._parameter_names(model)
-            owned = self._owned_names(names)
-            with self._state_as_held():
-                state = {key: value for key, value in model.state_dict().items() if key not in owned}
-            state.update(self._frozen_whole(names))
-            state[UNITS_IN_PARTS_KEY] = True
-            return state
-        self._whole_on_rank_zero_only = True
-        try:
-            return model.state_dict()
-        finally:
-            self._whole_on_rank_zero_only = False
+        return self._state.whole(model) if not committing else self._state.committed(model)
 
     def load_model_state_dict(self, model: Module, state: Mapping[str, Any], strict: bool) -> None:
-        """A whole state loaded one unit at a time, each worker keeping its slices of it (``_load_whole``); an
-        elastic commit's state holds what no unit owns, the units' slices come with its optimizer parts."""
-        if self._units is None:
-            model.load_state_dict({k: v for k, v in state.items() if k != UNITS_IN_PARTS_KEY}, strict=strict)
-            return
-        if not state.get(UNITS_IN_PARTS_KEY):
-            model.load_state_dict(state, strict=strict)
-            return
-        owned = self._owned_names(self._parameter_names(model))
-        frozen = {key: value for key, value in state.items() if key in owned}  # whole: into their slices
-        if frozen:
-            model.load_state_dict(frozen, strict=False)
-        with self._state_as_held():
-            result = model.load_state_dict({k: v for k, v in state.items() if k not in owned}, strict=False)
-        unexpected = [key for key in result.unexpected_keys if key != UNITS_IN_PARTS_KEY]
-        missing = [key for key in result.missing_keys if key not in owned]
-        if strict and (missing or unexpected):
-            raise RuntimeError(
-                f"Error(s) in loading state_dict for {type(model).__name__}: missing keys {missing}, "
-                f"unexpected keys {unexpected}"
-            )
-
-    @contextlib.contextmanager
-    def _state_as_held(self) -> Iterator[None]:
-        """Inside, the model's ``state_dict`` and ``load_state_dict`` see the parameters as this worker holds them."""
-        self._raw_state = True
-        try:
-            yield
-        finally:
-            self._raw_state = False
-
-    def _hook_state_dict(self, model: Module) -> None:
-        """The model's own ``state_dict()`` gives whole tensors and ``load_state_dict`` takes them, as FSDP's full
-        state dict does (a collective: every worker calls them): what ``save_pretrained``-style code expects."""
-
-        def whole_state(module: Module, state: dict[str, Any], prefix: str, metadata: Any) -> None:
-            self._whole_state(module, state, prefix, metadata)
-
-        def load_whole(module: Module, state: dict[str, Any], prefix: str, *args: Any) -> None:
-            self._load_whole(module, state, prefix, *args)
-
-        # functions, not bound methods: copy.deepcopy(model) (an EMA copy) copies a function as it is, a method's self
-        self._state_hooks = [
-            model._register_state_dict_hook(whole_state),
-            model._register_load_state_dict_pre_hook(load_whole, with_module=True),
-        ]
-
-    def _unhook_state_dict(self) -> None:
-        for handle in self._state_hooks:
-            handle.remove()
-        self._state_hooks = []
-
-    def _whole_state(self, model: Module, state: dict[str, Any], prefix: str, metadata: Any) -> None:
-        """``state_dict``'s units' entries replaced by the whole tensors, gathered one unit at a time."""
-        if self._units is None or self._raw_state:
-            return
-        names = self._parameter_names(model)
-        keep = not self._whole_on_rank_zero_only or world_rank() == 0
-        for unit in self._units.units:
-            was_whole = unit.whole
-            unit.gather(full=True)
-            for parameter in unit.parameters() if keep else ():
-                copy = parameter.detach().clone()
-                state.update((prefix + name, copy) for name in names.get(id(parameter), []) if prefix + name in state)
-            if not was_whole:
-                unit.free()
-
-    def _load_whole(self, model: Module, state: dict[str, Any], prefix: str, *args: Any) -> None:
-        """Whole tensors of ``state`` taken into the units' slices, one unit at a time; their entries then left as
-        the parameters are held, for the modules' own loading to pass over."""
-        if self._units is None or self._raw_state:
-            return
-        names = self._parameter_names(model)
-        for unit in self._units.units:
-            keys = {id(p): first_key(names.get(id(p), []), prefix, state) for p in unit.parameters()}
-            if not any(keys.values()):
-                continue
-            was_whole = unit.whole
-            unit.gather(full=True)
-            with torch.no_grad():
-                for parameter in unit.parameters():
-                    key = keys[id(parameter)]
-                    if key is None:
-                        continue
-                    value = state[key]
-                    if value.shape != parameter.shape:
-                        raise RuntimeError(
-                            f"size mismatch for {key}: the state holds {tuple(value.shape)}, the model "
-                            f"{tuple(parameter.shape)}"
-                        )
-                    parameter.copy_(value)
-            unit.take_slices()
-            if not was_whole:
-                unit.free()
-            for parameter in unit.parameters():
-                for name in names.get(id(parameter), []):
-                    if prefix + name in state:
-                        state[prefix + name] = parameter.detach()
+        self._state.load(model, state, strict)
 
     def local_shards(self) -> dict[str, LocalShard]:
-        """This worker's part of each sharded parameter, by state dict name: views of the slices its optimizer
-        steps, or that the frozen parameters' holder keeps (no gather, no copy). Left out: a parameter of which this
-        worker holds no element, and those every worker holds whole (registered on the model itself, or frozen
-        outside every unit)."""
+        """This worker's part of each sharded parameter, by state dict name (``UnitStates.local_shards``)."""
         if self._units is None or self._model is None:
             raise RuntimeError("local_shards: the model is not sharded yet; call it after the strategy set it up")
-        names = self._parameter_names(self._model)
-        shards: dict[str, LocalShard] = {}
-        for unit in self._units.units:
-            for sharded, index in unit.pieces:
-                for parameter, shard in sharded.buckets[index].local_shards(sharded.slices[index].detach()):
-                    shards.update((name, shard) for name in names.get(id(parameter), []))
-        return shards
-
-    def _frozen_whole(self, names: Mapping[int, list[str]]) -> dict[str, torch.Tensor]:
-        """The units' frozen parameters, whole, by state dict name, gathered one unit at a time (a collective: every
-        worker commits at the same step). A commit keeps the trainable ones as slices with the optimizer parts; no
-        optimizer holds the frozen ones, so the commit holds them whole (every worker: any survivor may share it)."""
-        assert self._units is not None
-        whole: dict[str, torch.Tensor] = {}
-        for unit in self._units.units:
-            frozen = [p for p in unit.parameters() if not p.requires_grad]
-            if not frozen:
-                continue
-            was_whole = unit.whole
-            unit.gather(full=True)
-            for parameter in frozen:
-                copy = parameter.detach().clone()
-                whole.update((name, copy) for name in names.get(id(parameter), []))
-            if not was_whole:
-                unit.free()
-        return whole
-
-    def _owned_names(self, names: Mapping[int, list[str]]) -> set[str]:
-        """The state dict names of the units' parameters (``names``: ``_parameter_names``)."""
-        assert self._units is not None
-        return {name for unit in self._units.units for p in unit.parameters() for name in names.get(id(p), [])}
-
-    @staticmethod
-    def _parameter_names(model: Module) -> dict[int, list[str]]:
-        """Parameter id -> every name the model's state dict gives it (a tied weight has several)."""
-        names: dict[int, list[str]] = {}
-        for name, parameter in model.named_parameters(remove_duplicate=False):
-            names.setdefault(id(parameter), []).append(name)
-        return names
-
-
-def first_key(names: Sequence[str], prefix: str, state: Mapping[str, Any]) -> str | None:
-    """The first of a parameter's ``names`` (a tied weight has several) that ``state`` holds under ``prefix``."""
-    return next((prefix + name for name in names if prefix + name in state), None)
-
+        return self._state.local_shards(self._model)
 
 SHARD_STAGES: dict[str, type[ShardStage]] = {
     stage.shard: stage for stage in (OptimizerStage, GradientStage, ParameterStage)

@@ -78,6 +78,8 @@ def test_the_average_and_the_finite_check_run_inside_the_bounded_wait_in_that_or
         synchronize=lambda opt: seen.append(("synchronize", watchdog.open)), owned_gradients=lambda opt: []
     )
     guards.after_backward(sync, optimizer, where=lambda: pytest.fail("asked where without a finite check"))
+    guards.after_backward(sync, optimizer, where=lambda: pytest.fail("averaged twice for one backward"))
+    guards.new_backward()
     guards.finite_check = SimpleNamespace(after_average=lambda opt, owned, where: seen.append((where, watchdog.open)))
     guards.after_backward(sync, optimizer, where=lambda: "epoch 1, global step 7")
     assert seen == [
