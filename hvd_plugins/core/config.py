@@ -347,12 +347,12 @@ class HorovodConfig:
     @property
     def averages_after_backward(self) -> bool:
         """Whether a backward outside a loop's accumulation averages its gradients as it ends (as DDP's leaves
-        them), for torch's own clipping before the step. An average of averaged gradients plus new ones is the
-        average of both, so a loop that accumulates without ``no_backward_sync`` stays right; a sum is not, and
-        with ``op="sum"`` gradients are summed at the clip or the step instead. ``shard="parameters"`` always
-        averages as backward ends (its parameters' gradient shards exist only then) and refuses a second backward
-        before the step."""
-        return self.op == "average" or self.shards_parameters
+        them), for torch's own clipping before the step: with the flat sync and ``op="average"``. An average of
+        averaged gradients plus new ones is the average of both, so a loop that accumulates without
+        ``no_backward_sync`` stays right; a sum is not, and with ``op="sum"`` gradients are summed at the clip or
+        the step instead, as with the node-aware syncs. ``shard="parameters"`` always averages as backward ends (its
+        parameters' gradient shards exist only then) and refuses a second backward before the step."""
+        return (self.op == "average" and self.sync == "allreduce") or self.shards_parameters
 
     @property
     def flat_below_bytes(self) -> int:

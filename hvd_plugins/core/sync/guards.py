@@ -67,6 +67,12 @@ class SyncGuards:
             if self.finite_check is not None:
                 self.finite_check.after_average(optimizer, sync.owned_gradients(optimizer), where())
 
+    def average_for_step(self, sync: GradientSync, optimizer: Optimizer, where: Callable[[], str]) -> None:
+        """Before a step: ``after_backward``, unless this backward's average already ran; either way the next
+        backward's gradients are averaged anew (a loop may call ``loss.backward()`` itself, past the strategy)."""
+        self.after_backward(sync, optimizer, where)
+        self._averaged.discard(id(optimizer))
+
     def new_backward(self) -> None:
         """A backward begins: the gradients it adds are averaged anew."""
         self._averaged.clear()

@@ -295,7 +295,7 @@ class HorovodStrategy(HorovodStrategyShared, UnitInit):
 
         def closure_then_average() -> Any:
             result = closure()  # forward + backward of the micro-batch that steps
-            self._guards.after_backward(sync, optimizer, lambda: training_position(self._trainer))
+            self._guards.average_for_step(sync, optimizer, lambda: training_position(self._trainer))
             return result
 
         with sync.deferred(optimizer):

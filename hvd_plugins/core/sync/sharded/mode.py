@@ -226,6 +226,14 @@ class ShardedGradientSync(GradientSync):
         self.stage.after_backward()
         self._synchronized[id(optimizer)] = self._sharded(optimizer).generation
 
+    @contextlib.contextmanager
+    def deferred(self, optimizer: Optimizer) -> Iterator[None]:
+        """Around the strategy's step: once it ran (or a GradScaler skipped it), the next backward's are new."""
+        try:
+            yield
+        finally:
+            self._synchronized.pop(id(optimizer), None)
+
     def _averaged(self, optimizer: Optimizer) -> bool:
         """Whether ``optimizer``'s gradients were averaged and it has neither stepped nor zeroed them since."""
         return self._synchronized.get(id(optimizer)) == self._sharded(optimizer).generation

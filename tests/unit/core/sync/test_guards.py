@@ -79,7 +79,7 @@ def test_the_average_and_the_finite_check_run_inside_the_bounded_wait_in_that_or
     )
     guards.after_backward(sync, optimizer, where=lambda: pytest.fail("asked where without a finite check"))
     guards.after_backward(sync, optimizer, where=lambda: pytest.fail("averaged twice for one backward"))
-    guards.new_backward()
+    guards.average_for_step(sync, optimizer, where=lambda: pytest.fail("averaged twice for one backward"))
     guards.finite_check = SimpleNamespace(after_average=lambda opt, owned, where: seen.append((where, watchdog.open)))
     guards.after_backward(sync, optimizer, where=lambda: "epoch 1, global step 7")
     assert seen == [
