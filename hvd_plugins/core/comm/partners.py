@@ -112,7 +112,19 @@ class PartnerGroup:
         return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
 
 
-class PartnerAlltoall(InFlight[list[torch.Tensor]]):
+class HorovodRound(InFlight[list[torch.Tensor]]):
+    """One Horovod collective in flight, ``handle`` (one round); a subclass says what ``wait()`` makes of it."""
+
+    handle: Any
+
+    def progress(self) -> None:
+        """One round: nothing to start."""
+
+    def ready(self) -> bool:
+        return bool(horovod_torch().poll(self.handle))
+
+
+class PartnerAlltoall(HorovodRound):
     """A partner-only alltoall in flight (one round); ``wait()`` returns every member's piece, decompressed.
 
     A worker's own piece never travels (copying it to itself through Horovod costs a copy and
@@ -130,12 +142,6 @@ class PartnerAlltoall(InFlight[list[torch.Tensor]]):
         """Bytes of one member's piece on the wire."""
         wire, _ = codec.compress(group.ascending(per_member))
         self.handle = horovod_torch().alltoall_async(wire, splits=group.splits(self.own.numel()), name=name)
-
-    def progress(self) -> None:
-        """One round: nothing to start."""
-
-    def ready(self) -> bool:
-        return bool(horovod_torch().poll(self.handle))
 
     def wait(self, meanwhile: Meanwhile = None) -> list[torch.Tensor]:
         if meanwhile is not None:
@@ -178,7 +184,7 @@ def start_allgather(shard: torch.Tensor, group: PartnerGroup, codec: Compressor,
     return PartnerAlltoall([shard] * group.size, group, codec, name)
 
 
-class WorldAllgather(InFlight[list[torch.Tensor]]):
+class WorldAllgather(HorovodRound):
     """Every worker's equal ``shard``, gathered by Horovod's allgather in rank order; ``wait()`` returns one piece per
     worker, views of the one buffer received. Nothing is sent per peer (an alltoall repeats the shard once per peer
     in its send buffer)."""
@@ -187,12 +193,6 @@ class WorldAllgather(InFlight[list[torch.Tensor]]):
         self.count = shard.numel()
         self.piece_nbytes = nbytes(shard)
         self.handle = horovod_torch().allgather_async(shard.reshape(-1), name=name)
-
-    def progress(self) -> None:
-        """One round: nothing to start."""
-
-    def ready(self) -> bool:
-        return bool(horovod_torch().poll(self.handle))
 
     def wait(self, meanwhile: Meanwhile = None) -> list[torch.Tensor]:
         if meanwhile is not None:
