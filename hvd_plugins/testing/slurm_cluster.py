@@ -36,6 +36,14 @@ def slurm_problem() -> str | None:
     return None
 
 
+def clear_stale_pmix_folders() -> None:
+    """Slurm's PMIx plugin gives each step a folder ``/tmp/spmix_appdir_<uid>_<job>.<step>`` (its ``TmpFS``) that a
+    killed step leaves behind. A new cluster numbers its jobs from 1 again, and a step that meets such a folder fails
+    to launch ("Cannot create client cli tmpdir ... File exists"): remove them before it starts."""
+    for stale in Path("/tmp").glob(f"spmix_appdir_{os.getuid()}_*"):
+        shutil.rmtree(stale, ignore_errors=True)
+
+
 def _slurm_conf(folder: Path, host: str, cpus: int) -> str:
     return "\n".join(
         [
@@ -98,6 +106,7 @@ class OneNodeSlurm:
         for sub in ("state", "spool"):
             (self.folder / sub).mkdir(parents=True, exist_ok=True)
         self.conf.write_text(_slurm_conf(self.folder, self.host, self.cpus))
+        clear_stale_pmix_folders()
         self._start_munge()
         self._spawn(["slurmctld", "-D", "-c", "-f", str(self.conf)])
         self._spawn(["slurmd", "-D", "-f", str(self.conf), "-N", self.host])
