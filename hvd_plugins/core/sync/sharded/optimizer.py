@@ -136,6 +136,13 @@ class ShardedOptimizer(Optimizer):
             bucket.read_slice([p.detach() for p in bucket.parameters], values)
         return Parameter(values)
 
+    def release_slices(self) -> None:
+        """Dropped for good (a holder whose units another optimizer took over): the slices' memory goes now."""
+        for piece in self.slices:
+            piece.data = piece.data.new_empty(0)
+            piece.grad = None
+        self.inner = None
+
     def unfilled(self, index: int) -> bool:
         """Whether bucket ``index``'s slice still waits for its parameters to be whole (``fill_slice``)."""
         return index in self._unfilled

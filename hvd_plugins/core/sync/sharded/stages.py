@@ -399,6 +399,9 @@ class ParameterStage(GradientStage):
                     if id(parameter) not in kept:
                         parameter.data = parameter.data.clone()  # whole, of its own
                 before.let_go()
+        kept = {id(each) for each in (*optimizers, self._frozen) if each is not None}
+        for dropped in {id(s): s for unit in old.units for s, _ in unit.pieces if id(s) not in kept}.values():
+            dropped.release_slices()  # a holder's: its memory goes now, whoever still refers to it
         self._hook_units(units)
 
     def _refuse_half_norms_on_cpu(self, model: Module, owners: dict[int, int]) -> None:
