@@ -191,7 +191,6 @@ class WorldAllgather(HorovodRound):
 
     def __init__(self, shard: torch.Tensor, name: str) -> None:
         self.count = shard.numel()
-        self.piece_nbytes = nbytes(shard)
         self.handle = horovod_torch().allgather_async(shard.reshape(-1), name=name)
 
     def wait(self, meanwhile: Meanwhile = None) -> list[torch.Tensor]:

@@ -178,32 +178,29 @@ def _total(stack: PartialNorm) -> torch.Tensor:
             "the norm over every worker's slices, or put those parameters in a unit (a module whose forward runs)."
         )
     with DisableTorchFunctionSubclass():
-        values = stack.detach().as_subclass(torch.Tensor).double()
+        values = stack.detach().as_subclass(torch.Tensor).double().cpu()
         assert stack.shares is not None
-        shares, whole = values[stack.shares], values[~stack.shares]
-        if math.isinf(order):
-            local = shares.abs().max() if shares.numel() else values.new_zeros(())
-            combined = max_over_world(local.reshape(1).cpu(), norms.name())[0]
-            if whole.numel():
-                combined = torch.maximum(combined, whole.abs().max().cpu())
-            total = combined
-        else:
-            powers = shares.abs().pow(order).sum().reshape(1).cpu()
-            summed = sum_over_world(powers, norms.name())[0] / norms.copies
-            total = (summed + whole.abs().pow(order).sum().cpu()).pow(1.0 / order)
+        shares, whole = values[stack.shares.cpu()], values[~stack.shares.cpu()]
+        local = torch.linalg.vector_norm(shares, order) if shares.numel() else values.new_zeros(())
+        combined = over_workers(local.reshape(1), order, norms)  # one collective for every share
+        total = torch.linalg.vector_norm(torch.cat([combined, whole]), order)
         return total.to(stack.device, stack.dtype)
 
 
 def whole_norm(partial: PartialNorm) -> torch.Tensor:
     """A share made the norm over every worker (a collective), entry by entry for a stack."""
     with DisableTorchFunctionSubclass():
-        values = partial.detach().as_subclass(torch.Tensor).double()
-        shares = partial.shares if partial.shares is not None else torch.ones_like(values, dtype=torch.bool)
-        order, norms = partial.order, partial.norms
-        if math.isinf(order):
-            combined = max_over_world(values.abs().cpu().reshape(-1), norms.name()).reshape(values.shape)
-        else:
-            summed = sum_over_world(values.abs().pow(order).cpu().reshape(-1), norms.name()) / norms.copies
-            combined = summed.pow(1.0 / order).reshape(values.shape)
-        result = torch.where(shares.cpu(), combined, values.cpu())
+        values = partial.detach().as_subclass(torch.Tensor).double().cpu()
+        shares = partial.shares.cpu() if partial.shares is not None else torch.ones_like(values, dtype=torch.bool)
+        result = torch.where(shares, over_workers(values, partial.order, partial.norms), values)
         return result.to(partial.device, partial.dtype)
+
+
+def over_workers(local: torch.Tensor, order: float, norms: ShardedNorms) -> torch.Tensor:
+    """Norms of order ``order`` over every worker, entry by entry, from this worker's shares ``local`` (CPU): the
+    largest share for the infinity norm, else the root of the summed powers (each slice held by ``norms.copies``
+    workers counts once). A collective."""
+    if math.isinf(order):
+        return max_over_world(local.abs().reshape(-1), norms.name()).reshape(local.shape)
+    summed = sum_over_world(local.abs().pow(order).reshape(-1), norms.name()) / norms.copies
+    return summed.pow(1.0 / order).reshape(local.shape)
