@@ -612,8 +612,11 @@ def check_zero3_model_holds_its_shards() -> dict[str, Any]:
         torch.save({"model": start}, path)  # a whole checkpoint, as one process writes it
     hvd.barrier()
     fabric.load(path, {"model": model})
+    held = {name: p.untyped_storage().data_ptr() for name, p in model.named_parameters() if p.numel()}
     optimizer = fabric.setup_optimizers(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
     numel_with_optimizer = sum(p.numel() for p in model.parameters())
+    stepped = {piece.untyped_storage().data_ptr() for piece in optimizer.optimizer.slices}
+    moved = sorted(name for name, at in held.items() if at not in stepped)  # copied, not taken over
     norms = []
     for tokens, targets in token_batches(steps):
         fabric.backward(token_loss(model(tokens), targets))
@@ -627,6 +630,7 @@ def check_zero3_model_holds_its_shards() -> dict[str, Any]:
     return {
         "numel_here": numel_here,
         "numel_with_optimizer": numel_with_optimizer,
+        "moved": moved,
         "shard_gradients": shard_gradients,
         "whole": sum(value.numel() for value in start.values()),
         "load_difference": load_difference,

@@ -27,7 +27,7 @@ from hvd_plugins.core.comm.counters import CommCounters, Scope
 from hvd_plugins.core.comm.in_flight import InFlight, finish_each
 from hvd_plugins.core.comm.partners import PartnerGroup, start_slices_gather
 from hvd_plugins.core.comm.wire import nbytes
-from hvd_plugins.core.sync.meta import make_parameter_real
+from hvd_plugins.core.sync.meta import make_parameter_real, replace_values
 from hvd_plugins.core.sync.parts import PART_FORMAT
 from hvd_plugins.core.sync.sharded.partition import ShardedBucket, Signature
 
@@ -128,10 +128,11 @@ class ShardedOptimizer(Optimizer):
         """This worker's slice of ``bucket``, read from its whole parameters; where they are a model's shards
         (``shard="parameters"``, set up before this optimizer), left for ``fill_slice`` once their unit is whole."""
         first = bucket.parameters[0]
-        values = torch.empty(bucket.layout.shard_numel, dtype=first.dtype, device=first.device)
         if any(p.shape != shape for p, shape in zip(bucket.parameters, bucket.shapes, strict=True)):
-            self._unfilled.add(index)
-            return Parameter(values)
+            self._unfilled.add(index)  # no memory until filled, or given the slice the model holds (``adopt_slice``)
+            size = bucket.layout.shard_numel if first.is_meta else 0
+            return Parameter(torch.empty(size, dtype=first.dtype, device=first.device))
+        values = torch.empty(bucket.layout.shard_numel, dtype=first.dtype, device=first.device)
         with torch.no_grad():
             bucket.read_slice([p.detach() for p in bucket.parameters], values)
         return Parameter(values)
@@ -176,8 +177,21 @@ class ShardedOptimizer(Optimizer):
         self._unfilled.discard(index)
         if piece.is_meta:
             make_parameter_real(piece, device)
+        elif piece.numel() != bucket.layout.shard_numel:  # left empty at construction
+            piece.data = torch.empty(bucket.layout.shard_numel, dtype=piece.dtype, device=device)
         with torch.no_grad():
             bucket.read_slice([p.detach() for p in bucket.parameters], piece.data)
+
+    def adopt_slice(self, index: int, values: torch.Tensor) -> None:
+        """Bucket ``index``'s slice made ``values`` itself, no copy: the slice the model held for a unit laid out as
+        this bucket is (its old optimizer let go), which the unit's parameters go on viewing."""
+        piece = self.slices[index]
+        assert values.shape == (self.buckets[index].layout.shard_numel,) and values.dtype == piece.dtype
+        self._unfilled.discard(index)
+        if piece.is_meta:
+            replace_values(piece, values)
+        else:
+            piece.data = values
 
     def _refresh_slices(self) -> None:
         """The slices from the parameters as they are now (a checkpoint restore, a callback may have changed

@@ -384,8 +384,16 @@ class ParameterStage(GradientStage):
         previous = {unit.index: unit for unit in old.units}
         pieces = self._pieces()
         units: dict[int, Unit] = {}
+        kept = {id(each) for each in (*optimizers, self._frozen) if each is not None}
         for index in sorted(set(previous) | set(pieces)):
             before = previous.get(index)
+            if before is not None and adoptable(before.pieces, pieces.get(index, []), kept):
+                for (sharded, bucket_index), (old_sharded, old_index) in zip(pieces[index], before.pieces, strict=True):
+                    if sharded is not old_sharded:
+                        sharded.adopt_slice(bucket_index, old_sharded.slices[old_index].detach())
+                before.let_go()
+                units[index] = self._unit(index, pieces[index], whole=False)
+                continue
             if before is not None:
                 before.gather(full=True)
             for sharded, bucket_index in pieces.get(index, []):
@@ -399,7 +407,8 @@ class ParameterStage(GradientStage):
                     if id(parameter) not in kept:
                         parameter.data = parameter.data.clone()  # whole, of its own
                 before.let_go()
-        kept = {id(each) for each in (*optimizers, self._frozen) if each is not None}
+            if index in units:
+                units[index].free()  # its slices hold it now: the next unit is gathered with this one freed
         for dropped in {id(s): s for unit in old.units for s, _ in unit.pieces if id(s) not in kept}.values():
             dropped.release_slices()  # a holder's: its memory goes now, whoever still refers to it
         self._hook_units(units)
@@ -444,11 +453,11 @@ class ParameterStage(GradientStage):
                     pieces.setdefault(bucket.unit, []).append((sharded, index))
         return pieces
 
-    def _unit(self, index: int, pieces: Sequence[tuple[ShardedOptimizer, int]]) -> Unit:
+    def _unit(self, index: int, pieces: Sequence[tuple[ShardedOptimizer, int]], whole: bool = True) -> Unit:
         name, module = self._names[index]
         own = index == len(self._names) - 1  # small and read across the forward: no half-precision copy
         dtype = None if own else self.param_dtype
-        return Unit(index, name, module, pieces, self.route.counters, self.route.scope, dtype)
+        return Unit(index, name, module, pieces, self.route.counters, self.route.scope, dtype, whole)
 
     def _install(self) -> None:
         assert self._model is not None
@@ -555,6 +564,22 @@ SHARD_STAGES: dict[str, type[ShardStage]] = {
     stage.shard: stage for stage in (OptimizerStage, GradientStage, ParameterStage)
 }
 """``shard=`` names and the stage each stands for."""
+
+
+def adoptable(
+    old: Sequence[tuple[ShardedOptimizer, int]], new: Sequence[tuple[ShardedOptimizer, int]], kept: set[int]
+) -> bool:
+    """Whether a unit's new buckets are its old ones laid out alike (the same parameters, layout and dtype, one by
+    one), each old one either the same or of an optimizer let go: the new slices are then the old ones, no gather."""
+
+    def described(pieces: Sequence[tuple[ShardedOptimizer, int]]) -> list[tuple[object, ...]]:
+        return [
+            (tuple(map(id, s.buckets[i].parameters)), s.buckets[i].flat, s.slices[i].dtype) for s, i in pieces
+        ]
+
+    if not new or described(old) != described(new):
+        return False
+    return all(s is t or (id(s) not in kept and not s.unfilled(i)) for (s, i), (t, _) in zip(old, new, strict=True))
 
 
 class _Done(InFlight[torch.Tensor]):

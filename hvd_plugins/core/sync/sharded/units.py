@@ -235,6 +235,7 @@ class Unit:
         counters: CommCounters,
         scope: Scope,
         compute_dtype: torch.dtype | None = None,
+        whole: bool = True,
     ) -> None:
         self.index, self.name, self.module = index, name, module
         self.pieces = list(pieces)  # (sharded optimizer, bucket index) of every bucket of this unit
@@ -251,14 +252,22 @@ class Unit:
         self.awaiting_input_gradients = False
         """With ``frozen``: the unit's inputs need gradients this backward, which it has not computed yet."""
         self.flats: list[torch.Tensor] = []
-        for sharded, index_ in self.pieces:  # the model is whole when its units are found
-            bucket = sharded.buckets[index_]
-            with torch.no_grad():
-                flat = bucket.flat.pack([p.detach() for p in bucket.parameters], padded=True)
-            self.flats.append(flat)
-        self.whole = True
+        self.whole = whole
+        """``whole``: the parameters are whole now and fill the flat buffers; else the slices already hold them."""
         self._pending: list[InFlight[list[torch.Tensor]] | None] | None = None  # a gather started, not finished
-        self._view()
+        for sharded, index_ in self.pieces:
+            bucket, piece = sharded.buckets[index_], sharded.slices[index_]
+            if whole:
+                with torch.no_grad():
+                    flat = bucket.flat.pack([p.detach() for p in bucket.parameters], padded=True)
+            else:
+                flat = torch.empty(bucket.flat.padded_numel, dtype=piece.dtype, device=piece.device)
+                flat.untyped_storage().resize_(0)  # memory only while gathered
+            self.flats.append(flat)
+        if whole:
+            self._view()
+        else:
+            self._view_shards()
 
     def parameters(self) -> Iterable[Parameter]:
         for sharded, index in self.pieces:
