@@ -31,8 +31,22 @@ from hvd_plugins.core.comm.wire import nbytes
 
 BucketOperation = Callable[[int, torch.Tensor, str], InFlight[torch.Tensor | None] | None]
 """Starts a mode's operation on bucket ``index``'s flattened gradients (named; the same name on every worker).
-A result as long as the bucket or longer is written back into the gradients; a None result writes nothing
-(the operation put its result elsewhere, as a sharded mode does). None instead of an operation: nothing to do."""
+A result as long as the bucket or longer is written back into the gradients; a None result writes nothing.
+None instead of an operation: nothing to do."""
+
+
+class KeepsBuckets:
+    """A bucket operation that keeps each bucket's flat buffer and puts its result elsewhere (a reduce-scatter into
+    the workers' slices), as a DDP communication hook may: the reducer lends a new buffer each step, laid out by
+    ``layouts`` (padded as the operation splits it), hands it over when the bucket is complete, and lands nothing
+    in the gradients, so no whole gradient outlives the operation."""
+
+    def __init__(self, start: BucketOperation, layouts: Sequence[FlatLayout]) -> None:
+        self.start = start
+        self.layouts = list(layouts)
+
+    def __call__(self, index: int, flat: torch.Tensor, name: str) -> InFlight[torch.Tensor | None] | None:
+        return self.start(index, flat, name)
 
 
 VIEW_ALONE_BYTES = 2**20
@@ -52,10 +66,9 @@ class BucketReducer:
     the bucket starts (a user replaced it, a sparse one) is copied in once and the view takes its place;
     ``counters`` count those bytes (``copied_bytes``) and the sparse ones (``view_fallbacks``).
 
-    ``layouts`` (a sharded mode, ZeRO-2/3): a bucket goes to the workers' slices, so each step gets a new padded
-    buffer, lent the same way, which the operation splits as it is and drops once it lands: no whole gradient
-    outlives the sum, and nothing is written back. ``alone``: a gradient of ``VIEW_ALONE_BYTES`` or more is a
-    bucket of its own, handed over as itself.
+    An operation that keeps its buckets (``KeepsBuckets``) gets a new buffer each step, lent the same way and laid
+    out as it asks, and nothing is written back. ``alone``: a gradient of ``VIEW_ALONE_BYTES`` or more is a bucket
+    of its own, handed over as itself.
     """
 
     def __init__(
@@ -70,11 +83,10 @@ class BucketReducer:
         land_early: bool = False,
         max_in_flight: int | None = None,
         alone: bool = False,
-        layouts: Sequence[FlatLayout] | None = None,
         counters: CommCounters | None = None,
     ) -> None:
         self.operation = operation
-        self.sharded = layouts is not None
+        self.keeps_buckets = isinstance(operation, KeepsBuckets)
         self.land_early = land_early
         """Land a bucket whose operation has arrived as soon as a later bucket starts, while backward runs (its
         buffers go at once); else every bucket lands at ``finish``: backward leaves the gradients as it made them."""
@@ -87,10 +99,14 @@ class BucketReducer:
         self.buckets = BackwardBuckets(
             parameters, bucket_bytes, self.start, passes, backward_order, buckets, split_alone
         )
-        self.layouts = list(layouts) if layouts is not None else [FlatLayout.of(b) for b in self.buckets.buckets]
+        self.layouts = (
+            operation.layouts
+            if isinstance(operation, KeepsBuckets)
+            else [FlatLayout.of(b) for b in self.buckets.buckets]
+        )
         self._flats: dict[int, torch.Tensor] = {}
-        """Each bucket's flat buffer, which its gradients view: kept from step to step, or, ``sharded``, this step's
-        (handed to the operation when the bucket starts). None for a gradient alone: it is its own bucket."""
+        """Each bucket's flat buffer, which its gradients view: kept from step to step, or, ``keeps_buckets``, this
+        step's (handed to the operation when the bucket starts). None for a gradient alone: it is its own bucket."""
         self._lent: set[int] = set()  # the buckets whose views were lent to the gradients this step
         self._in_flight: dict[int, InFlight[torch.Tensor | None] | None] = {}
         self._landing: dict[int, torch.Tensor | None] = {}  # where each started bucket's result goes
@@ -145,7 +161,7 @@ class BucketReducer:
 
     def _alone(self, bucket: Sequence[torch.Tensor]) -> bool:
         """Whether ``bucket`` is one large gradient handed over as itself (``alone``)."""
-        return not self.sharded and len(bucket) == 1 and self.buckets.alone_from_bytes is not None
+        return not self.keeps_buckets and len(bucket) == 1 and self.buckets.alone_from_bytes is not None
 
     def _lender(self, index: int) -> Callable[[torch.Tensor], None]:
         def lend(gradient: torch.Tensor) -> None:
@@ -163,7 +179,7 @@ class BucketReducer:
         layout = self.layouts[index]
         flat = self._flats.get(index)
         if flat is None or flat.dtype != gradient.dtype or flat.device != gradient.device:
-            flat = self._flats[index] = layout.new_flat(gradient, padded=self.sharded)
+            flat = self._flats[index] = layout.new_flat(gradient, padded=self.keeps_buckets)
             flat[layout.numel :].zero_()
         for parameter, view in zip(self.buckets.buckets[index], layout.views(flat), strict=True):
             if parameter.grad is None and parameter.requires_grad and _fits(parameter, view):
@@ -179,14 +195,14 @@ class BucketReducer:
             if gradient.is_contiguous():
                 return gradient.view(-1), gradient.view(-1)
         like = next((p.grad for p in parameters if p.grad is not None and not p.grad.is_sparse), parameters[0])
-        flat = self._flats.pop(index, None) if self.sharded else self._flats.get(index)
+        flat = self._flats.pop(index, None) if self.keeps_buckets else self._flats.get(index)
         if flat is None or flat.dtype != like.dtype or flat.device != like.device:
-            flat = layout.new_flat(like, padded=self.sharded)
+            flat = layout.new_flat(like, padded=self.keeps_buckets)
             flat[layout.numel :].zero_()
-            if not self.sharded:
+            if not self.keeps_buckets:
                 self._flats[index] = flat
-        self._into_views(parameters, layout, flat, keep=not self.sharded)
-        if self.sharded:  # the whole gradients go once the operation drops the bucket: nothing lands in them
+        self._into_views(parameters, layout, flat, keep=not self.keeps_buckets)
+        if self.keeps_buckets:  # the whole gradients go once the operation drops the bucket: nothing lands in them
             return flat, None
         return flat, flat
 

@@ -190,7 +190,6 @@ class ShardedGradientSync(GradientSync):
             buckets=[bucket.parameters for bucket in buckets],
             land_early=self.stage.land_early,
             max_in_flight=self.stage.max_in_flight,
-            layouts=[bucket.flat for bucket in buckets] if self.stage.land_early else None,
             counters=self.counters,
         )
         reducer.armed = self.stage.armed()

@@ -32,7 +32,7 @@ from hvd_plugins.core.comm.counters import CommCounters, Scope
 from hvd_plugins.core.comm.in_flight import InFlight, Meanwhile, Then
 from hvd_plugins.core.comm.parameters import optimizer_parameters
 from hvd_plugins.core.comm.partners import GroupSum, PartnerGroup, add_in_order, start_reduce_scatter
-from hvd_plugins.core.comm.reducer import BucketOperation
+from hvd_plugins.core.comm.reducer import BucketOperation, KeepsBuckets
 from hvd_plugins.core.comm.shards import LocalShard
 from hvd_plugins.core.comm.topology import NodeGroups
 from hvd_plugins.core.comm.two_level import TwoLevelSum
@@ -237,7 +237,7 @@ class GradientStage(ShardStage):
             route.counters.record(route.scope, pending.piece_nbytes * route.world.size)
             return Then(pending, lambda pieces: land(add_in_order(pieces)))
 
-        return scatter
+        return KeepsBuckets(scatter, [bucket.flat for bucket in sharded.buckets])
 
     def owned_gradients(self, sharded: ShardedOptimizer) -> list[torch.Tensor]:
         return sharded.owned_gradients()
