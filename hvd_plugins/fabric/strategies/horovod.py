@@ -18,6 +18,7 @@ import contextlib
 from collections.abc import Generator, Sequence
 from contextlib import AbstractContextManager, ExitStack
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -49,6 +50,7 @@ from hvd_plugins.core.config import (
     SyncMode,
     UnitPolicy,
 )
+from hvd_plugins.core.dcp_read import is_dcp_checkpoint, read_dcp, refuse_other_directory, restore
 from hvd_plugins.core.recompute import checkpoint_activations
 from hvd_plugins.core.sync.base import GradientSync
 from hvd_plugins.core.sync.guards import SyncGuards
@@ -362,9 +364,17 @@ class HorovodStrategy(HorovodStrategyShared, ParallelStrategy):
         strict: bool = True,
         **kwargs: Any,
     ) -> dict[str, Any]:
-        """Load on every worker, then take rank 0's modules and optimizer states, so all continue alike."""
+        """Load on every worker, then take rank 0's modules and optimizer states, so all continue alike. A directory
+        is read as torch's distributed checkpointing wrote it (FSDP2's ``dcp.save``, Lightning's sharded FSDP
+        checkpoints), whole on every worker, at any number of workers (``core.dcp_read``)."""
         with param_groups_kept(self._wrapped):
-            remainder = super().load_checkpoint(path, state, strict, **kwargs)  # weights_only since Fabric 2.4
+            if Path(path).is_dir():
+                if not is_dcp_checkpoint(path):
+                    refuse_other_directory(path)
+                whole = read_dcp(path)
+                remainder = restore(state, whole, strict, self.load_module_state_dict) if state else whole
+            else:
+                remainder = super().load_checkpoint(path, state, strict, **kwargs)  # weights_only since Fabric 2.4
         objects = state.values() if isinstance(state, dict) else [state] if state is not None else []
         for obj in objects:
             if isinstance(obj, Module) and not self.config.shards_parameters:  # sharded: each took its slices

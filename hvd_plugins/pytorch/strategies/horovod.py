@@ -90,6 +90,7 @@ from hvd_plugins.pytorch.utilities.rank_zero import follow_rank
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
+
 class HorovodStrategy(HorovodStrategyShared, UnitInit):
     """Data-parallel training over Horovod (Gloo or MPI controller; NCCL on GPUs). The arguments become
     ``self.config``, a frozen ``HorovodConfig`` (same names, more detail), validated at once.

@@ -560,6 +560,7 @@ class ParameterStage(GradientStage):
             raise RuntimeError("local_shards: the model is not sharded yet; call it after the strategy set it up")
         return self._state.local_shards(self._model)
 
+
 SHARD_STAGES: dict[str, type[ShardStage]] = {
     stage.shard: stage for stage in (OptimizerStage, GradientStage, ParameterStage)
 }
@@ -573,9 +574,7 @@ def adoptable(
     one), each old one either the same or of an optimizer let go: the new slices are then the old ones, no gather."""
 
     def described(pieces: Sequence[tuple[ShardedOptimizer, int]]) -> list[tuple[object, ...]]:
-        return [
-            (tuple(map(id, s.buckets[i].parameters)), s.buckets[i].flat, s.slices[i].dtype) for s, i in pieces
-        ]
+        return [(tuple(map(id, s.buckets[i].parameters)), s.buckets[i].flat, s.slices[i].dtype) for s, i in pieces]
 
     if not new or described(old) != described(new):
         return False

@@ -1,0 +1,114 @@
+"""A checkpoint torch's FSDP2 wrote with ``dcp.save``, loaded by ``fabric.load`` under HorovodStrategy.
+
+``--write`` (under ``torch.distributed.run``, Gloo): ``AttentionGPT`` with ``fully_shard`` per block and on the
+root trains 2 AdamW steps, then saves ``{"model": get_model_state_dict, "optim": get_optimizer_state_dict}`` with
+``dcp.save`` into ``<out>/fsdp2``, as FSDP2's docs and torchtitan do; rank 0 also writes the whole state
+(``reference.pt``) to compare with.
+
+``--load`` (under ``horovodrun``, another number of workers): for each shard mode a fresh model and AdamW set up
+by Fabric load the directory with ``fabric.load``; each worker reports how far its parameters and consolidated
+AdamW moments are from the reference, and the message a directory that is no checkpoint gives.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+from _common import parse_out, write_result
+from sharded_fabric_checks import AttentionGPT, token_loss
+
+SHARD_MODES = ("none", "optimizer", "parameters")
+
+
+def write(out: Path) -> None:
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
+    from torch.distributed.fsdp import fully_shard
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    torch.manual_seed(3)
+    model = AttentionGPT()
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    generator = torch.Generator().manual_seed(20 + rank)
+    for _ in range(2):
+        tokens = torch.randint(0, 48, (2, 13), generator=generator)
+        token_loss(model(tokens[:, :-1]), tokens[:, 1:]).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)}
+    dcp.save(state, checkpoint_id=str(out / "fsdp2"))
+    whole = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    reference = {
+        "model": get_model_state_dict(model, options=whole),
+        "optim": get_optimizer_state_dict(model, optimizer, options=whole),
+    }
+    if rank == 0:
+        torch.save(reference, out / "reference.pt")
+    write_result(out, rank, {"saved": True})
+    dist.destroy_process_group()
+
+
+def load(out: Path) -> None:
+    import horovod.torch as hvd
+    from lightning.fabric import Fabric
+
+    from hvd_plugins.fabric import HorovodStrategy
+
+    reference = torch.load(out / "reference.pt", weights_only=False)
+    report: dict[str, Any] = {}
+    after: dict[str, dict[str, torch.Tensor]] = {}  # the weights after one step from the loaded state, per mode
+    for shard in SHARD_MODES:
+        fabric = Fabric(strategy=HorovodStrategy(shard=shard), accelerator="cpu")
+        fabric.launch()
+        torch.manual_seed(100 + hvd.rank())  # other values than the checkpoint's on every worker
+        module = AttentionGPT()
+        model, optimizer = fabric.setup(module, torch.optim.AdamW(module.parameters(), lr=1e-2))
+        fabric.load(out / "fsdp2", {"model": model, "optim": optimizer})
+        weights = {key: value.clone() for key, value in model.state_dict().items()}
+        names = [name for name, _ in model.module.named_parameters()]
+        moments = optimizer.state_dict()["state"]  # consolidated, by index: a collective when sharded
+        saved = reference["optim"]["state"]
+        report[shard] = {
+            "weights": max(float((weights[k] - v).abs().max()) for k, v in reference["model"].items()),
+            "moments": max(
+                float((moments[index][key] - saved[name][key]).abs().max())
+                for index, name in enumerate(names)
+                for key in ("exp_avg", "exp_avg_sq")
+            ),
+            "steps": sorted({float(moments[index]["step"]) for index in range(len(names))}),
+        }
+        # one more step from the loaded state (every worker the same batch): equal in every mode
+        tokens = torch.randint(0, 48, (2, 13), generator=torch.Generator().manual_seed(7))
+        fabric.backward(token_loss(model(tokens[:, :-1]), tokens[:, 1:]))
+        optimizer.step()
+        after[shard] = {key: value.clone() for key, value in model.state_dict().items()}
+        report[shard]["moved"] = max(float((after[shard][k] - weights[k]).abs().max()) for k in weights)
+        report[shard]["from_unsharded"] = max(float((after[shard][k] - after["none"][k]).abs().max()) for k in weights)
+    empty = out / f"not_a_checkpoint_{hvd.rank()}"
+    empty.mkdir(exist_ok=True)
+    try:
+        fabric.load(empty, {"model": model})
+        report["refused"] = ""
+    except ValueError as error:
+        report["refused"] = str(error)
+    write_result(out, hvd.rank(), report)
+
+
+if __name__ == "__main__":
+    out, _ = parse_out()
+    if "--write" in sys.argv:
+        write(out)
+    else:
+        load(out)
