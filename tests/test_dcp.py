@@ -2,7 +2,8 @@
 
 Two processes under ``torch.distributed.run`` train a small GPT with ``fully_shard`` and save it with
 ``dcp.save`` (tests/workers/dcp_interop.py); four Horovod workers on two emulated nodes then load the directory
-into a model and AdamW set up unsharded, with ZeRO-1 and with ZeRO-3, and take a step from it.
+into a model and AdamW set up unsharded, with ZeRO-1 and with ZeRO-3, and take a step from it; the Trainer reads
+it through ``ckpt_path=`` under ZeRO-3 for ``validate`` and ``fit``.
 """
 
 from __future__ import annotations
@@ -14,7 +15,12 @@ from hvd_launch import TWO_NODES, WORKERS, run_job
 
 from hvd_plugins.testing.launch import run_bounded
 
-COVERS = ("hvd_plugins.core.dcp_read", "hvd_plugins.fabric.strategies.horovod")
+COVERS = (
+    "hvd_plugins.core.dcp_read",
+    "hvd_plugins.fabric.strategies.horovod",
+    "hvd_plugins.fabric.strategies.shared",
+    "hvd_plugins.pytorch.strategies.horovod",
+)
 """The modules these real jobs exercise beyond their unit files."""
 
 SHARD_MODES = ("none", "optimizer", "parameters")
@@ -22,7 +28,9 @@ EXACT = 0.0
 TOLERANCE = 1e-6
 
 
-def test_an_fsdp2_dcp_checkpoint_loads_at_another_world_size_in_every_shard_mode(tmp_path: Path) -> None:
+def test_an_fsdp2_dcp_checkpoint_loads_at_another_world_size_in_every_shard_mode_and_through_ckpt_path(
+    tmp_path: Path,
+) -> None:
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
     command += [str(WORKERS / "dcp_interop.py"), "--write", "--out", str(tmp_path)]
     written = run_bounded(command, 300, out_dir=tmp_path, cwd=WORKERS)
@@ -36,4 +44,8 @@ def test_an_fsdp2_dcp_checkpoint_loads_at_another_world_size_in_every_shard_mode
             assert found["steps"] == [2.0], (rank, shard, found)  # AdamW's step counts came along
             assert found["moved"] > 1e-4, (rank, shard, found)  # the step from the loaded state trained
             assert found["from_unsharded"] <= TOLERANCE, (rank, shard, found)
+        trainer = report["trainer"]  # ckpt_path= under ZeRO-3: validate, then fit one step from its state
+        assert trainer["weights"] == EXACT, (rank, trainer)
+        assert trainer["from_fabric_step"] <= TOLERANCE and trainer["global_step"] == 1, (rank, trainer)
+        assert trainer["val_loss"] == job.results[0]["trainer"]["val_loss"], (rank, trainer)
         assert "not a checkpoint" in report["refused"] and ".metadata" in report["refused"], report["refused"]

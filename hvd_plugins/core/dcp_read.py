@@ -70,6 +70,34 @@ def read_dcp(path: str | Path) -> dict[str, Any]:
     return state
 
 
+LIGHTNING_VERSION_KEY = "pytorch-lightning_version"
+
+
+def as_lightning_checkpoint(whole: dict[str, Any], lightning_version: str) -> dict[str, Any]:
+    """A checkpoint read by ``read_dcp`` in the layout the Trainer restores: Lightning's sharded FSDP checkpoints
+    keep the model under ``model`` and each optimizer under ``optimizer_<index>``; a plain ``dcp.save`` of
+    ``{"model": ..., "optim": ...}`` (FSDP2's docs) gives the model and one optimizer, and no training position
+    (a fit starts from step 0 with them), so it is marked as of ``lightning_version``: nothing to migrate."""
+    if "state_dict" in whole:
+        return whole
+    if "model" not in whole:
+        raise ValueError(
+            f"this checkpoint directory holds {sorted(whole)[:6]} but no model: the Trainer reads the model's state "
+            "under 'model' (Lightning's sharded checkpoints, or dcp.save({'model': get_model_state_dict(model)}))"
+        )
+    checkpoint = dict(whole)
+    checkpoint["state_dict"] = checkpoint.pop("model")
+    numbered = sorted((key for key in checkpoint if key.startswith("optimizer_")), key=lambda k: int(k.split("_")[1]))
+    optimizers = [checkpoint.pop(key) for key in numbered] or [
+        checkpoint.pop(key) for key in ("optim", "optimizer") if key in checkpoint
+    ]
+    if optimizers:
+        checkpoint["optimizer_states"] = optimizers
+        checkpoint.setdefault("lr_schedulers", [])  # none saved: a scheduler starts afresh
+    checkpoint.setdefault(LIGHTNING_VERSION_KEY, lightning_version)
+    return checkpoint
+
+
 def by_parameter_index(saved: Mapping[str, Any], optimizer: Optimizer, model: Module) -> dict[str, Any]:
     """``saved`` optimizer state in the layout ``optimizer.load_state_dict`` takes: as it is when its param groups
     list indices; by the parameters' names in ``model`` when they list names (DCP's layout)."""

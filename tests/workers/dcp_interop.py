@@ -96,6 +96,7 @@ def load(out: Path) -> None:
         after[shard] = {key: value.clone() for key, value in model.state_dict().items()}
         report[shard]["moved"] = max(float((after[shard][k] - weights[k]).abs().max()) for k in weights)
         report[shard]["from_unsharded"] = max(float((after[shard][k] - after["none"][k]).abs().max()) for k in weights)
+    report["trainer"] = trainer_loads(out, reference, after["none"])
     empty = out / f"not_a_checkpoint_{hvd.rank()}"
     empty.mkdir(exist_ok=True)
     try:
@@ -104,6 +105,64 @@ def load(out: Path) -> None:
     except ValueError as error:
         report["refused"] = str(error)
     write_result(out, hvd.rank(), report)
+
+
+def trainer_loads(out: Path, reference: dict[str, Any], stepped: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """The same directory through the Trainer's ``ckpt_path=``, ZeRO-3: ``validate`` takes its weights, and
+    ``fit`` starts from its weights and AdamW moments (a plain DCP checkpoint holds no loop position) for one step
+    on the batch the Fabric loop stepped on, which must give ``stepped``, the unsharded Fabric step."""
+    import lightning.pytorch as pl
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from hvd_plugins import HorovodStrategy as TrainerStrategy
+
+    class GPTModule(pl.LightningModule):
+        """``AttentionGPT``'s parameters under the same names, as a LightningModule."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            gpt = AttentionGPT()
+            self.embed, self.blocks, self.head = gpt.embed, gpt.blocks, gpt.head
+
+        def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+            return AttentionGPT.forward(self, tokens)  # type: ignore[arg-type]
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            return token_loss(self(batch[0][:, :-1]), batch[0][:, 1:])
+
+        def validation_step(self, batch: Any, batch_idx: int) -> None:
+            self.log("val_loss", token_loss(self(batch[0][:, :-1]), batch[0][:, 1:]), sync_dist=True)
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+    tokens = torch.randint(0, 48, (2, 13), generator=torch.Generator().manual_seed(7))
+    data = DataLoader(TensorDataset(tokens), batch_size=2)  # every worker the whole of it: the same batch
+    found: dict[str, Any] = {}
+    for function in ("validate", "fit"):
+        trainer = pl.Trainer(
+            strategy=TrainerStrategy(shard="parameters"),
+            accelerator="cpu",
+            max_steps=1,
+            use_distributed_sampler=False,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            num_sanity_val_steps=0,
+            limit_val_batches=1,
+        )
+        module = GPTModule()
+        if function == "validate":
+            found["val_loss"] = trainer.validate(module, data, ckpt_path=out / "fsdp2", verbose=False)[0]["val_loss"]
+            weights = module.state_dict()  # whole again after validate
+            found["weights"] = max(float((weights[k] - v).abs().max()) for k, v in reference["model"].items())
+        else:
+            trainer.fit(module, data, ckpt_path=out / "fsdp2")
+            weights = module.state_dict()  # whole again after fit
+            found["from_fabric_step"] = max(float((weights[k] - v).abs().max()) for k, v in stepped.items())
+            found["global_step"] = trainer.global_step
+    return found
 
 
 if __name__ == "__main__":

@@ -11,10 +11,12 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from types import ModuleType
 from typing import Any, TypeVar
 
 import torch
+from lightning.fabric import __version__ as lightning_version
 from lightning.fabric.plugins import CheckpointIO
 from lightning.fabric.utilities.rank_zero import rank_zero_only
 from torch import Tensor
@@ -29,10 +31,17 @@ from hvd_plugins.core.comm.counters import CommCounters
 from hvd_plugins.core.comm.shards import LocalShard
 from hvd_plugins.core.comm.topology import Topology
 from hvd_plugins.core.config import HorovodConfig
+from hvd_plugins.core.dcp_read import (
+    as_lightning_checkpoint,
+    by_parameter_index,
+    is_dcp_checkpoint,
+    read_dcp,
+    refuse_other_directory,
+)
 from hvd_plugins.core.elastic.reset import sync_after_reset
 from hvd_plugins.core.sync.base import GradientSync
 from hvd_plugins.core.sync.guards import SyncGuards
-from hvd_plugins.core.sync.parts import read_parts_beside, write_parts_beside
+from hvd_plugins.core.sync.parts import is_parts_marker, read_parts_beside, write_parts_beside
 from hvd_plugins.core.sync.table import make_gradient_sync
 from hvd_plugins.core.training_state import broadcast_optimizer_state_
 from hvd_plugins.core.worker import prepare_worker
@@ -161,10 +170,12 @@ class HorovodStrategyShared(ABC):
             for index, optimizer in enumerate(optimizers):
                 broadcast_optimizer_state_(optimizer, root_rank=0, name=f"{prefix}{index}")
 
-    def _load_optimizer_states(self, optimizers: Sequence[Optimizer], states: Sequence[Any]) -> None:
+    def _load_optimizer_states(self, optimizers: Sequence[Optimizer], states: Sequence[Any], model: Module) -> None:
         """Each optimizer takes its saved state (whole, or this worker's part) through the sync mode, on this
-        worker's device; then rank 0's everywhere, where every worker holds the whole state."""
-        for optimizer, state in zip(optimizers, states, strict=False):
+        worker's device; then rank 0's everywhere, where every worker holds the whole state. A state saved by
+        parameter name (DCP's layout) is matched by the names of ``model``'s parameters."""
+        for optimizer, saved in zip(optimizers, states, strict=False):
+            state = dict(saved) if is_parts_marker(saved) else by_parameter_index(saved, optimizer, model)
             if self.gradient_sync is None:
                 optimizer.load_state_dict(state)
             else:
@@ -202,10 +213,18 @@ class HorovodStrategyShared(ABC):
         writes its own beside ``filepath``; the checkpoint (written by rank 0) keeps a marker in their place."""
         write_parts_beside(checkpoint, filepath, self.checkpoint_io.save_checkpoint)
 
-    def _read_optimizer_parts(self, checkpoint: dict[str, Any], filepath: Any) -> None:
-        """The optimizer states of a checkpoint saved in parts: this worker's own part where the workers are as
-        many as when it was saved, else the whole states, consolidated from every part."""
+    def _read_checkpoint(self, filepath: Any, read_file: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+        """A Trainer checkpoint: a directory torch's distributed checkpointing wrote, read whole on this worker
+        (``dcp_read``) in the layout Lightning restores; else the file ``read_file`` reads, with the optimizer
+        states of a checkpoint saved in parts: this worker's own part where the workers are as many as when it was
+        saved, else the whole states, consolidated from every part."""
+        if Path(filepath).is_dir():
+            if not is_dcp_checkpoint(filepath):
+                refuse_other_directory(filepath)
+            return as_lightning_checkpoint(read_dcp(filepath), lightning_version)
+        checkpoint = read_file()
         read_parts_beside(checkpoint, filepath, self.world_size, self.global_rank)
+        return checkpoint
 
     @property
     def daso_sync(self) -> Any:

@@ -329,12 +329,12 @@ class HorovodStrategy(HorovodStrategyShared, UnitInit):
     @override
     def load_checkpoint(self, checkpoint_path: CheckpointPath, *args: Any, **kwargs: Any) -> dict[str, Any]:
         """Hand the gradient sync its state; Lightning restores checkpoints before ``setup`` builds the sync. In an
-        elastic fit, after a reset, the path names the last commit, in host memory."""
+        elastic fit, after a reset, the path names the last commit, in host memory (a directory: ``dcp_read``)."""
         if self.elastic is not None and names_the_commit(checkpoint_path):
             checkpoint = self.elastic.restore(self._trainer, scale_lr=self.config.scale_lr)
         else:
-            checkpoint = super().load_checkpoint(checkpoint_path, *args, **kwargs)
-            self._read_optimizer_parts(checkpoint, checkpoint_path)
+            read_file = partial(super().load_checkpoint, checkpoint_path, *args, **kwargs)
+            checkpoint = self._read_checkpoint(checkpoint_path, read_file)
         self._take_sync_state(checkpoint)
         self._resume_position.restore(self._trainer, checkpoint)
         return checkpoint
@@ -355,7 +355,7 @@ class HorovodStrategy(HorovodStrategyShared, UnitInit):
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
-        self._load_optimizer_states(self.optimizers, checkpoint["optimizer_states"])
+        self._load_optimizer_states(self.optimizers, checkpoint["optimizer_states"], self.lightning_module or Module())
 
     @override
     def process_dataloader(self, dataloader: object) -> object:
