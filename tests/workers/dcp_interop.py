@@ -123,6 +123,7 @@ def trainer_loads(out: Path, reference: dict[str, Any], stepped: dict[str, torch
             super().__init__()
             gpt = AttentionGPT()
             self.embed, self.blocks, self.head = gpt.embed, gpt.blocks, gpt.head
+            self.seen: dict[str, torch.Tensor] = {}
 
         def forward(self, tokens: torch.Tensor) -> torch.Tensor:
             return AttentionGPT.forward(self, tokens)  # type: ignore[arg-type]
@@ -132,6 +133,7 @@ def trainer_loads(out: Path, reference: dict[str, Any], stepped: dict[str, torch
 
         def validation_step(self, batch: Any, batch_idx: int) -> None:
             self.log("val_loss", token_loss(self(batch[0][:, :-1]), batch[0][:, 1:]), sync_dist=True)
+            self.seen = {key: value.clone() for key, value in self.state_dict().items()}  # in inference mode
 
         def configure_optimizers(self) -> torch.optim.Optimizer:
             return torch.optim.AdamW(self.parameters(), lr=1e-2)
@@ -157,6 +159,7 @@ def trainer_loads(out: Path, reference: dict[str, Any], stepped: dict[str, torch
             found["val_loss"] = trainer.validate(module, data, ckpt_path=out / "fsdp2", verbose=False)[0]["val_loss"]
             weights = module.state_dict()  # whole again after validate
             found["weights"] = max(float((weights[k] - v).abs().max()) for k, v in reference["model"].items())
+            found["seen"] = max(float((module.seen[k] - v).abs().max()) for k, v in reference["model"].items())
         else:
             trainer.fit(module, data, ckpt_path=out / "fsdp2")
             weights = module.state_dict()  # whole again after fit

@@ -18,7 +18,7 @@ from torch.utils.hooks import RemovableHandle
 
 from hvd_plugins.core.comm.shards import LocalShard
 from hvd_plugins.core.comm.world import world_rank
-from hvd_plugins.core.sync.sharded.units import ShardedUnits
+from hvd_plugins.core.sync.sharded.units import ShardedUnits, eager
 
 UNITS_IN_PARTS_KEY = "hvd_plugins_units_in_optimizer_parts"
 """Marks the model state of an elastic commit under ``shard="parameters"``: it holds what no unit owns, and the
@@ -98,10 +98,11 @@ class UnitStates:
         def load_whole(module: Module, state: dict[str, Any], prefix: str, *args: Any) -> None:
             self._load_whole(module, state, prefix, *args)
 
-        # functions, not bound methods: copy.deepcopy(model) (an EMA copy) copies a function as it is, a method's self
+        # functions, not bound methods: copy.deepcopy(model) (an EMA copy) copies a function as it is, a method's self;
+        # run outside inference mode (a validation_step of trainer.validate may ask): Horovod's thread writes gathers
         self._hooks = [
-            model._register_state_dict_hook(whole_state),
-            model._register_load_state_dict_pre_hook(load_whole, with_module=True),
+            model._register_state_dict_hook(eager(whole_state)),
+            model._register_load_state_dict_pre_hook(eager(load_whole), with_module=True),
         ]
 
     def unhook(self) -> None:
