@@ -5,6 +5,8 @@ root trains 2 AdamW steps, then saves ``{"model": get_model_state_dict, "optim":
 ``dcp.save`` into ``<out>/fsdp2``, as FSDP2's docs and torchtitan do; rank 0 also writes the whole state
 (``reference.pt``) to compare with.
 
+``--write-lightning`` (one process): a Trainer's checkpoint laid out as Lightning's sharded FSDP writes it.
+
 ``--load`` (under ``horovodrun``, another number of workers): for each shard mode a fresh model and AdamW set up
 by Fabric load the directory with ``fabric.load``; each worker reports how far its parameters and consolidated
 AdamW moments are from the reference, and the message a directory that is no checkpoint gives.
@@ -16,11 +18,86 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import lightning.pytorch as pl
 import torch
 from _common import parse_out, write_result
 from sharded_fabric_checks import AttentionGPT, token_loss
+from torch.utils.data import DataLoader, TensorDataset
+
+from hvd_plugins import HorovodStrategy as TrainerStrategy
 
 SHARD_MODES = ("none", "optimizer", "parameters")
+
+
+class GPTModule(pl.LightningModule):
+    """``AttentionGPT``'s parameters under the same names, as a LightningModule."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        gpt = AttentionGPT()
+        self.embed, self.blocks, self.head = gpt.embed, gpt.blocks, gpt.head
+        self.seen: dict[str, torch.Tensor] = {}
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return AttentionGPT.forward(self, tokens)  # type: ignore[arg-type]
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return token_loss(self(batch[0][:, :-1]), batch[0][:, 1:])
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self.log("val_loss", token_loss(self(batch[0][:, :-1]), batch[0][:, 1:]), sync_dist=True)
+        self.seen = {key: value.clone() for key, value in self.state_dict().items()}  # in inference mode
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+
+def lightning_data() -> DataLoader:
+    """Two batches of two sequences: a Lightning epoch of two steps, the same on every worker (no sampler)."""
+    tokens = torch.randint(0, 48, (4, 13), generator=torch.Generator().manual_seed(9))
+    return DataLoader(TensorDataset(tokens), batch_size=2)
+
+
+def lightning_trainer(max_steps: int, **options: Any) -> pl.Trainer:
+    return pl.Trainer(
+        accelerator="cpu",
+        max_steps=max_steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        use_distributed_sampler=False,
+        num_sanity_val_steps=0,
+        **options,
+    )
+
+
+def write_lightning(out: Path) -> None:
+    """One process trains ``GPTModule`` one epoch (2 steps) and saves it; the checkpoint is laid out again as
+    Lightning's ``FSDPStrategy(state_dict_type="sharded")`` writes it (FSDP needs a GPU in Lightning): DCP of
+    ``{"model": state_dict, "optimizer_0": optimizer state by parameter name}``, the rest in ``meta.pt``. The same
+    process then resumes from its own file for one more step: the weights to compare with."""
+    import torch.distributed.checkpoint as dcp
+
+    torch.manual_seed(3)
+    module = GPTModule()
+    trainer = lightning_trainer(2, devices=1)
+    trainer.fit(module, lightning_data())
+    file = out / "lightning.ckpt"
+    trainer.save_checkpoint(file)
+    checkpoint = torch.load(file, weights_only=False)
+    names = [name for name, _ in module.named_parameters()]
+    saved = checkpoint.pop("optimizer_states")[0]
+    by_name = {
+        "state": {names[index]: state for index, state in saved["state"].items()},
+        "param_groups": [{**group, "params": [names[i] for i in group["params"]]} for group in saved["param_groups"]],
+    }
+    folder = out / "lightning_sharded"
+    dcp.save({"model": checkpoint.pop("state_dict"), "optimizer_0": by_name}, checkpoint_id=str(folder), no_dist=True)
+    torch.save(checkpoint, folder / "meta.pt")
+    resumed = GPTModule()
+    lightning_trainer(3, devices=1).fit(resumed, lightning_data(), ckpt_path=file)
+    torch.save(resumed.state_dict(), out / "lightning_after.pt")
 
 
 def write(out: Path) -> None:
@@ -97,6 +174,7 @@ def load(out: Path) -> None:
         report[shard]["moved"] = max(float((after[shard][k] - weights[k]).abs().max()) for k in weights)
         report[shard]["from_unsharded"] = max(float((after[shard][k] - after["none"][k]).abs().max()) for k in weights)
     report["trainer"] = trainer_loads(out, reference, after["none"])
+    report["lightning"] = trainer_resumes_lightning(out)
     empty = out / f"not_a_checkpoint_{hvd.rank()}"
     empty.mkdir(exist_ok=True)
     try:
@@ -111,33 +189,6 @@ def trainer_loads(out: Path, reference: dict[str, Any], stepped: dict[str, torch
     """The same directory through the Trainer's ``ckpt_path=``, ZeRO-3: ``validate`` takes its weights, and
     ``fit`` starts from its weights and AdamW moments (a plain DCP checkpoint holds no loop position) for one step
     on the batch the Fabric loop stepped on, which must give ``stepped``, the unsharded Fabric step."""
-    import lightning.pytorch as pl
-    from torch.utils.data import DataLoader, TensorDataset
-
-    from hvd_plugins import HorovodStrategy as TrainerStrategy
-
-    class GPTModule(pl.LightningModule):
-        """``AttentionGPT``'s parameters under the same names, as a LightningModule."""
-
-        def __init__(self) -> None:
-            super().__init__()
-            gpt = AttentionGPT()
-            self.embed, self.blocks, self.head = gpt.embed, gpt.blocks, gpt.head
-            self.seen: dict[str, torch.Tensor] = {}
-
-        def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-            return AttentionGPT.forward(self, tokens)  # type: ignore[arg-type]
-
-        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-            return token_loss(self(batch[0][:, :-1]), batch[0][:, 1:])
-
-        def validation_step(self, batch: Any, batch_idx: int) -> None:
-            self.log("val_loss", token_loss(self(batch[0][:, :-1]), batch[0][:, 1:]), sync_dist=True)
-            self.seen = {key: value.clone() for key, value in self.state_dict().items()}  # in inference mode
-
-        def configure_optimizers(self) -> torch.optim.Optimizer:
-            return torch.optim.AdamW(self.parameters(), lr=1e-2)
-
     tokens = torch.randint(0, 48, (2, 13), generator=torch.Generator().manual_seed(7))
     data = DataLoader(TensorDataset(tokens), batch_size=2)  # every worker the whole of it: the same batch
     found: dict[str, Any] = {}
@@ -168,9 +219,25 @@ def trainer_loads(out: Path, reference: dict[str, Any], stepped: dict[str, torch
     return found
 
 
+def trainer_resumes_lightning(out: Path) -> dict[str, Any]:
+    """Lightning's sharded layout through ``ckpt_path=`` under ZeRO-3: the fit goes on from the step it stopped at
+    (its loops from ``meta.pt``) for one more step, equal to the one process that resumed from its own file."""
+    module = GPTModule()
+    trainer = lightning_trainer(3, strategy=TrainerStrategy(shard="parameters"))
+    trainer.fit(module, lightning_data(), ckpt_path=out / "lightning_sharded")
+    weights, expected = module.state_dict(), torch.load(out / "lightning_after.pt")
+    return {
+        "global_step": trainer.global_step,
+        "epoch": trainer.current_epoch,
+        "from_one_process": max(float((weights[k] - v).abs().max()) for k, v in expected.items()),
+    }
+
+
 if __name__ == "__main__":
     out, _ = parse_out()
     if "--write" in sys.argv:
         write(out)
+    elif "--write-lightning" in sys.argv:
+        write_lightning(out)
     else:
         load(out)
