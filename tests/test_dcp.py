@@ -55,4 +55,5 @@ def test_an_fsdp2_dcp_checkpoint_loads_at_another_world_size_in_every_shard_mode
         assert trainer["val_loss"] == job.results[0]["trainer"]["val_loss"], (rank, trainer)
         resumed = report["lightning"]  # Lightning's sharded layout: the fit goes on from its step 2
         assert resumed["global_step"] == 3 and resumed["from_one_process"] <= TOLERANCE, (rank, resumed)
+        assert resumed["summary_total"] == resumed["whole"], (rank, resumed)  # the model, not this worker's shard
         assert "not a checkpoint" in report["refused"] and ".metadata" in report["refused"], report["refused"]

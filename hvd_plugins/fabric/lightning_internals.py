@@ -47,6 +47,7 @@ __all__ = [
     "TrainerLauncher",
     "allow_compiled_models",
     "checkpoint_content",
+    "count_summaries_with",
     "end_fit_in_place",
     "fabric_optimizer_target",
     "fit_arguments_resuming_commit",
@@ -125,6 +126,11 @@ TOUCHED: tuple[Private, ...] = (
     Private(f"{FABRIC}.loggers.csv_logs", "CSVLogger._version", "set on instances", "rank 0's folder after a reset"),
     Private(f"{FABRIC}.loggers.tensorboard", "TensorBoardLogger._version", "set on instances", "the same"),
     Private(f"{FABRIC}.wrappers", "_FabricOptimizer._optimizer", "set on instances", "what zero_grad works on"),
+    # the Trainer's model summary counts whole parameters (shard="parameters" holds shards)
+    Private(f"{TRAINER}.callbacks.model_summary", "ModelSummary._summary", "defined", "wrapped: counts whole"),
+    Private(f"{TRAINER}.utilities.model_summary", "ModelSummary._model", "set on instances", "its parameters"),
+    Private(f"{TRAINER}.utilities.model_summary", "ModelSummary._layer_summary", "set on instances", "its layers"),
+    Private(f"{TRAINER}.utilities.model_summary", "LayerSummary._module", "set on instances", "a layer's module"),
     # compiled models (pytorch/strategies/horovod.py)
     Private(f"{TRAINER}.trainer.trainer", "_verify_strategy_supports_compile", "defined", "wrapped: lets ours compile"),
 )
@@ -245,6 +251,45 @@ def module_trainer(module: pl.LightningModule | None) -> pl.Trainer | None:
     """``LightningModule._trainer``: the Trainer a module is attached to, None when it is not (its ``trainer``
     property raises then)."""
     return module._trainer if module is not None else None
+
+
+def count_summaries_with(trainer: pl.Trainer, numel: Callable[[torch.nn.Parameter], int]) -> None:
+    """The Trainer's model summary callbacks (``ModelSummary._summary``) count each parameter's elements with
+    ``numel``: under ``shard="parameters"`` a parameter holds this worker's shard, and the summary should show the
+    model, as it does for FSDP's parameters (a DTensor counts its whole)."""
+    from torch.nn.parameter import UninitializedParameter
+
+    summary_callback = importlib.import_module(f"{TRAINER}.callbacks").ModelSummary  # the Trainer's, when asked
+
+    def counted(parameters: Iterable[torch.nn.Parameter]) -> int:
+        return sum(numel(p) for p in parameters if not isinstance(p, UninitializedParameter))
+
+    class Counted:
+        """Lightning's summary with its counts of elements taken from ``numel``."""
+
+        @property
+        def param_nums(self) -> list[int]:
+            return [counted(layer._module.parameters()) for layer in self._layer_summary.values()]  # type: ignore[attr-defined]
+
+        @property
+        def total_parameters(self) -> int:
+            return counted(self._model.parameters())  # type: ignore[attr-defined]
+
+        @property
+        def trainable_parameters(self) -> int:
+            return counted(p for p in self._model.parameters() if p.requires_grad)  # type: ignore[attr-defined]
+
+    for callback in trainer.callbacks:  # type: ignore[attr-defined]
+        if isinstance(callback, summary_callback) and not getattr(callback, "_hvd_plugins_counted", False):
+            made = callback._summary
+
+            def summary(trainer: Any, module: Any, made: Callable[..., Any] = made) -> Any:
+                found = made(trainer, module)
+                found.__class__ = type(f"Counted{type(found).__name__}", (Counted, type(found)), {})
+                return found
+
+            callback._summary = summary
+            callback._hvd_plugins_counted = True
 
 
 def checkpoint_content(trainer: pl.Trainer) -> dict[str, Any]:

@@ -65,7 +65,7 @@ def lightning_trainer(max_steps: int, **options: Any) -> pl.Trainer:
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
-        enable_model_summary=False,
+        enable_model_summary="callbacks" in options,
         use_distributed_sampler=False,
         num_sanity_val_steps=0,
         **options,
@@ -219,17 +219,30 @@ def trainer_loads(out: Path, reference: dict[str, Any], stepped: dict[str, torch
     return found
 
 
+class SummaryTotal(pl.Callback):
+    """The parameters the Trainer's model summary counts once the fit has set the model up (sharded)."""
+
+    total = 0
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        summary = next(c for c in trainer.callbacks if isinstance(c, pl.callbacks.ModelSummary))  # type: ignore[attr-defined]
+        self.total = summary._summary(trainer, pl_module).total_parameters
+
+
 def trainer_resumes_lightning(out: Path) -> dict[str, Any]:
     """Lightning's sharded layout through ``ckpt_path=`` under ZeRO-3: the fit goes on from the step it stopped at
-    (its loops from ``meta.pt``) for one more step, equal to the one process that resumed from its own file."""
-    module = GPTModule()
-    trainer = lightning_trainer(3, strategy=TrainerStrategy(shard="parameters"))
+    (its loops from ``meta.pt``) for one more step, equal to the one process that resumed from its own file. The
+    model summary counts the whole model, though each parameter holds a shard."""
+    module, counted = GPTModule(), SummaryTotal()
+    trainer = lightning_trainer(3, strategy=TrainerStrategy(shard="parameters"), callbacks=[counted])
     trainer.fit(module, lightning_data(), ckpt_path=out / "lightning_sharded")
     weights, expected = module.state_dict(), torch.load(out / "lightning_after.pt")
     return {
         "global_step": trainer.global_step,
         "epoch": trainer.current_epoch,
         "from_one_process": max(float((weights[k] - v).abs().max()) for k, v in expected.items()),
+        "summary_total": counted.total,
+        "whole": sum(p.numel() for p in GPTModule().parameters()),
     }
 
 

@@ -160,6 +160,10 @@ class GradientSync(TrainingLoopHooks, ABC):
         """Take back a whole model state, saved at any world size or by one process."""
         model.load_state_dict(state, strict=strict)
 
+    def whole_numel(self, parameter: torch.nn.Parameter) -> int:
+        """How many elements ``parameter`` has in the whole model (here every worker holds it whole)."""
+        return parameter.numel()
+
     def local_shards(self) -> dict[str, LocalShard]:
         """This worker's part of each parameter, where parameters are sharded (``shard="parameters"``)."""
         raise ValueError(

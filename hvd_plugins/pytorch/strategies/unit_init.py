@@ -1,6 +1,6 @@
 """Where the Trainer builds and places a model that ``shard="parameters"`` splits: on the meta device, so that
 no worker holds it whole; each worker makes only its slices real at setup (``core.sync.meta``), and a checkpoint
-is loaded after that.
+is loaded after that. The model summary counts the whole model, though each parameter holds a shard.
 """
 
 from __future__ import annotations
@@ -13,7 +13,9 @@ from lightning.pytorch.strategies import ParallelStrategy
 from typing_extensions import override
 
 from hvd_plugins.core.config import HorovodConfig
+from hvd_plugins.core.sync.base import GradientSync
 from hvd_plugins.core.training_state import move_module_
+from hvd_plugins.fabric.lightning_internals import count_summaries_with
 
 
 class UnitInit(ParallelStrategy):
@@ -21,6 +23,18 @@ class UnitInit(ParallelStrategy):
     (as DeepSpeed's stage 3 builds partitioned); elsewhere as Lightning builds."""
 
     config: HorovodConfig
+    gradient_sync: GradientSync | None
+
+    @override
+    def setup_environment(self) -> None:
+        """The Trainer's model summary told to count each parameter whole (``count_summaries_with``): under
+        ``shard="parameters"`` a parameter holds this worker's shard when the summary is made, after setup."""
+        super().setup_environment()
+        if self.lightning_module is not None:
+            count_summaries_with(self.lightning_module.trainer, self._whole_numel)
+
+    def _whole_numel(self, parameter: torch.nn.Parameter) -> int:
+        return parameter.numel() if self.gradient_sync is None else self.gradient_sync.whole_numel(parameter)
 
     @override
     def model_to_device(self) -> None:

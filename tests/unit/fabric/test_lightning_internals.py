@@ -99,6 +99,26 @@ def test_the_trainer_classes_load_when_first_asked_for(internals: ModuleType, tr
         internals.Trainer  # noqa: B018  (only the Trainer's private classes load this way)
 
 
+@pytest.mark.parametrize(
+    ("internals", "trainer"), [(INTERNALS[0], "lightning.pytorch"), (INTERNALS[1], "pytorch_lightning")]
+)
+def test_the_model_summary_counts_each_parameter_as_it_is_told(internals: ModuleType, trainer: str) -> None:
+    """As under shard="parameters", where each parameter holds a shard and the count must be the whole's."""
+    pl = importlib.import_module(trainer)
+    demo = importlib.import_module(f"{trainer}.demos.boring_classes")
+    module = demo.BoringModel()
+    summary = pl.callbacks.ModelSummary(max_depth=2)
+    fit = pl.Trainer(accelerator="cpu", devices=1, callbacks=[summary], logger=False, enable_progress_bar=False)
+    plain = summary._summary(fit, module)
+    internals.count_summaries_with(fit, lambda parameter: 3 * parameter.numel())
+    internals.count_summaries_with(fit, lambda parameter: 3 * parameter.numel())  # once is enough
+    counted = summary._summary(fit, module)
+    assert counted.total_parameters == 3 * plain.total_parameters > 0
+    assert counted.trainable_parameters == 3 * plain.trainable_parameters
+    assert counted.param_nums == [3 * count for count in plain.param_nums]
+    assert counted.model_size == pytest.approx(3 * plain.model_size)
+
+
 @pytest.mark.parametrize("trainer", ["lightning.pytorch", "pytorch_lightning"])
 def test_a_fit_resumes_from_the_commit_through_the_ckpt_path_of_fit_impl(trainer: str) -> None:
     fit = importlib.import_module(trainer).Trainer._fit_impl

@@ -340,6 +340,9 @@ class ShardedGradientSync(GradientSync):
     def load_model_state_dict(self, model: Module, state: Mapping[str, Any], strict: bool = True) -> None:
         self.stage.load_model_state_dict(model, state, strict)
 
+    def whole_numel(self, parameter: torch.nn.Parameter) -> int:
+        return self.stage.whole_shape(parameter).numel()
+
     def local_shards(self) -> dict[str, LocalShard]:
         if not isinstance(self.stage, ParameterStage):
             return super().local_shards()  # ZeRO-1/2: the parameters stay whole

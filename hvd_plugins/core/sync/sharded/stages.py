@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.nn import Module
+from torch.nn import Module, Parameter
 from torch.optim import Optimizer
 
 from hvd_plugins.core.comm.compression import Compressor, NoCompression
@@ -151,6 +151,10 @@ class ShardStage(ABC):
 
     def load_model_state_dict(self, model: Module, state: Mapping[str, Any], strict: bool) -> None:
         model.load_state_dict(state, strict=strict)
+
+    def whole_shape(self, parameter: Parameter) -> torch.Size:
+        """``parameter``'s shape in the whole model (ZeRO-1/2: the shape it has)."""
+        return parameter.shape
 
     def armed(self) -> bool:
         """Whether backward's hooks start the buckets (no collective is needed in a job of one worker)."""
@@ -553,6 +557,10 @@ class ParameterStage(GradientStage):
 
     def load_model_state_dict(self, model: Module, state: Mapping[str, Any], strict: bool) -> None:
         self._state.load(model, state, strict)
+
+    def whole_shape(self, parameter: Parameter) -> torch.Size:
+        """A unit's parameter holds this worker's shard: its whole shape is the one taken when it was sharded."""
+        return self._shapes.get(id(parameter), parameter.shape)
 
     def local_shards(self) -> dict[str, LocalShard]:
         """This worker's part of each sharded parameter, by state dict name (``UnitStates.local_shards``)."""
