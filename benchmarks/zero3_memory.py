@@ -121,6 +121,14 @@ def worker_main(args: argparse.Namespace) -> None:
     )
 
 
+def next_token_loss(model: Any, tokens: Any) -> Any:
+    """The model's cross-entropy on each next token of ``tokens``: the loss every training setting steps on."""
+    import torch
+
+    logits = model(tokens[:, :-1])
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), tokens[:, 1:].reshape(-1))
+
+
 def fabric_run(gpt: Any, tokens: Any, setting: str, steps: int, note: Any) -> int:
     import torch
     from lightning.fabric import Fabric
@@ -149,8 +157,7 @@ def fabric_run(gpt: Any, tokens: Any, setting: str, steps: int, note: Any) -> in
         optimizer = fabric.setup_optimizers(torch.optim.SGD(model.parameters(), lr=1e-3))
         note("optimizer")
     for step in range(steps):
-        logits = model(tokens[:, :-1])
-        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), tokens[:, 1:].reshape(-1))
+        loss = next_token_loss(model, tokens)
         fabric.backward(loss)
         optimizer.step()
         optimizer.zero_grad()
@@ -180,8 +187,7 @@ def fsdp2_run(gpt: Any, tokens: Any, steps: int, note: Any) -> int:
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
     note("optimizer")
     for step in range(steps):
-        logits = model(tokens[:, :-1])
-        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), tokens[:, 1:].reshape(-1))
+        loss = next_token_loss(model, tokens)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()

@@ -45,12 +45,15 @@ def refuse_other_directory(path: str | Path) -> None:
 
 def read_dcp(path: str | Path) -> dict[str, Any]:
     """The whole checkpoint at ``path`` as one nested dict (tensors whole, on the CPU), Lightning's ``meta.pt``
-    merged in; a missing or unreadable shard file is named in the error."""
+    merged in; a directory that is no DCP checkpoint, and a missing or unreadable shard file, are named in the
+    error."""
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.format_utils import _EmptyStateDictLoadPlanner
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
+    if not is_dcp_checkpoint(path):
+        refuse_other_directory(path)
     reader = FileSystemReader(path)
     files = {getattr(info, "relative_path", "") for info in reader.read_metadata().storage_data.values()}
     if missing := sorted(name for name in files if name and not (Path(path) / name).is_file()):
@@ -104,7 +107,7 @@ def by_parameter_index(saved: Mapping[str, Any], optimizer: Optimizer, model: Mo
     groups = saved.get("param_groups", [])
     if not any(isinstance(name, str) for group in groups for name in group.get("params", [])):
         return dict(saved)
-    names = parameter_names(model)
+    names = saved_names(model)
     ours = [group["params"] for group in optimizer.param_groups]
     if len(groups) != len(ours):
         raise ValueError(
@@ -133,8 +136,9 @@ def by_parameter_index(saved: Mapping[str, Any], optimizer: Optimizer, model: Mo
     return {"state": state, "param_groups": converted}
 
 
-def parameter_names(model: Module) -> dict[int, str]:
-    """Each parameter's name in ``model``'s state dict (a compiled model's prefix dropped), by id."""
+def saved_names(model: Module) -> dict[int, str]:
+    """Each parameter's name as ``get_optimizer_state_dict`` keys it (the first of a tied weight's names, a compiled
+    model's prefix dropped), by id."""
     return {id(p): name.replace(COMPILED_PREFIX, "") for name, p in model.named_parameters()}
 
 

@@ -193,18 +193,7 @@ def trainer_loads(out: Path, reference: dict[str, Any], stepped: dict[str, torch
     data = DataLoader(TensorDataset(tokens), batch_size=2)  # every worker the whole of it: the same batch
     found: dict[str, Any] = {}
     for function in ("validate", "fit"):
-        trainer = pl.Trainer(
-            strategy=TrainerStrategy(shard="parameters"),
-            accelerator="cpu",
-            max_steps=1,
-            use_distributed_sampler=False,
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            num_sanity_val_steps=0,
-            limit_val_batches=1,
-        )
+        trainer = lightning_trainer(1, strategy=TrainerStrategy(shard="parameters"), limit_val_batches=1)
         module = GPTModule()
         if function == "validate":
             found["val_loss"] = trainer.validate(module, data, ckpt_path=out / "fsdp2", verbose=False)[0]["val_loss"]

@@ -50,7 +50,7 @@ from hvd_plugins.core.config import (
     SyncMode,
     UnitPolicy,
 )
-from hvd_plugins.core.dcp_read import is_dcp_checkpoint, read_dcp, refuse_other_directory, restore
+from hvd_plugins.core.dcp_read import read_dcp, restore
 from hvd_plugins.core.recompute import checkpoint_activations
 from hvd_plugins.core.sync.base import GradientSync
 from hvd_plugins.core.sync.guards import SyncGuards
@@ -369,10 +369,7 @@ class HorovodStrategy(HorovodStrategyShared, ParallelStrategy):
         checkpoints), whole on every worker, at any number of workers (``core.dcp_read``)."""
         with param_groups_kept(self._wrapped):
             if Path(path).is_dir():
-                if not is_dcp_checkpoint(path):
-                    refuse_other_directory(path)
-                whole = read_dcp(path)
-                remainder = restore(state, whole, strict, self.load_module_state_dict) if state else whole
+                remainder = restore(state or {}, read_dcp(path), strict, self.load_module_state_dict)
             else:
                 remainder = super().load_checkpoint(path, state, strict, **kwargs)  # weights_only since Fabric 2.4
         objects = state.values() if isinstance(state, dict) else [state] if state is not None else []

@@ -31,13 +31,7 @@ from hvd_plugins.core.comm.counters import CommCounters
 from hvd_plugins.core.comm.shards import LocalShard
 from hvd_plugins.core.comm.topology import Topology
 from hvd_plugins.core.config import HorovodConfig
-from hvd_plugins.core.dcp_read import (
-    as_lightning_checkpoint,
-    by_parameter_index,
-    is_dcp_checkpoint,
-    read_dcp,
-    refuse_other_directory,
-)
+from hvd_plugins.core.dcp_read import as_lightning_checkpoint, by_parameter_index, read_dcp
 from hvd_plugins.core.elastic.reset import sync_after_reset
 from hvd_plugins.core.sync.base import GradientSync
 from hvd_plugins.core.sync.guards import SyncGuards
@@ -219,8 +213,6 @@ class HorovodStrategyShared(ABC):
         states of a checkpoint saved in parts: this worker's own part where the workers are as many as when it was
         saved, else the whole states, consolidated from every part."""
         if Path(filepath).is_dir():
-            if not is_dcp_checkpoint(filepath):
-                refuse_other_directory(filepath)
             return as_lightning_checkpoint(read_dcp(filepath), lightning_version)
         checkpoint = read_file()
         read_parts_beside(checkpoint, filepath, self.world_size, self.global_rank)
