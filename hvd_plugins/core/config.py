@@ -35,7 +35,7 @@ UnitPolicy = Collection[type] | Callable[[Any], bool] | None
 them), a function of a module, or None for the model's repeated blocks (the members of a ``ModuleList`` or
 ``Sequential`` of one class, or the classes of Hugging Face's ``_no_split_modules``); what no unit holds is the
 model's own unit, whole for the whole forward and backward."""
-ShardCheckpoint = Literal["full", "parts"]
+ShardCheckpoint = Literal["full", "parts", "dcp"]
 StateDictType = Literal["full", "sharded"]
 """``full``: a checkpoint holds the whole optimizer state, by rank 0; ``parts``: every worker writes its part."""
 ParamDtype = Literal["auto", "full", "bf16", "fp16"]
@@ -58,7 +58,7 @@ GRADIENT_OPS: tuple[str, ...] = get_args(GradientOp)
 SYNC_MODES: tuple[str, ...] = get_args(SyncMode)
 SHARDS: tuple[str, ...] = get_args(Shard)
 SHARD_CHECKPOINTS: tuple[str, ...] = get_args(ShardCheckpoint)
-STATE_DICT_TYPES: dict[str, str] = {"full": "full", "sharded": "parts"}
+STATE_DICT_TYPES: dict[str, str] = {"full": "full", "sharded": "dcp"}
 """``state_dict_type`` (Lightning's ``FSDPStrategy`` name) -> the ``shard_checkpoint`` it means."""
 HIERARCHICAL_IMPLS: tuple[str, ...] = get_args(HierarchicalImpl)
 
@@ -108,11 +108,12 @@ class HorovodConfig:
     shard: Shard = "none"
     """One of SHARDS: what is split over the workers instead of held whole by each (docs/sharding.rst)."""
     shard_checkpoint: ShardCheckpoint = "full"
-    """With ``shard``: checkpoints hold the whole optimizer state (``"full"``) or every worker writes its part."""
+    """Checkpoints whole, written by rank 0 (``"full"``); in torch's distributed checkpoint format, every worker
+    writing its own shards (``"dcp"``); or, with ``shard``, with every worker's optimizer part beside (``"parts"``)."""
     auto_wrap_policy: UnitPolicy = None
     """With ``shard="parameters"``: which modules are units (see UnitPolicy); classes are kept as a frozenset."""
     state_dict_type: StateDictType | None = None
-    """``FSDPStrategy``'s name for ``shard_checkpoint``: ``"full"`` is ``"full"``, ``"sharded"`` is ``"parts"``."""
+    """``FSDPStrategy``'s name for ``shard_checkpoint``: ``"full"`` is ``"full"``, ``"sharded"`` is ``"dcp"``."""
     activation_checkpointing_policy: UnitPolicy = None
     """Modules (classes, or a function of a module) whose activations are recomputed in backward instead of kept."""
     reshard_after_forward: bool = True
@@ -163,7 +164,7 @@ class HorovodConfig:
         _choice("shard_checkpoint", self.shard_checkpoint, SHARD_CHECKPOINTS)
         if self.state_dict_type is not None:
             self._take_state_dict_type()
-        if self.shard_checkpoint != "full" and self.shard == "none":
+        if self.shard_checkpoint == "parts" and self.shard == "none":
             raise ValueError(
                 f"shard_checkpoint={self.shard_checkpoint!r} works only with shard='optimizer', 'gradients' or "
                 "'parameters', not shard='none', whose workers each hold the whole state"

@@ -124,7 +124,9 @@ def test_the_core_is_layered_backend_then_comm_then_sync() -> None:
     core = "hvd_plugins.core"
     assert not _offenders(f"{core}.backend", (core,), allowed=(f"{core}.backend",))
     assert not _offenders(f"{core}.comm", (core,), allowed=(f"{core}.backend", f"{core}.comm"))
-    below_sync = (f"{core}.backend", f"{core}.comm", f"{core}.sync", f"{core}.config", f"{core}.faults")
+    checkpoint = (f"{core}.backend", f"{core}.comm", f"{core}.checkpoint")  # DCP's layout: below every mode
+    assert not _offenders(f"{core}.checkpoint", (core,), allowed=checkpoint)
+    below_sync = (*checkpoint, f"{core}.sync", f"{core}.config", f"{core}.faults")
     assert not _offenders(f"{core}.sync", (core,), allowed=below_sync)
 
 

@@ -51,7 +51,7 @@ def test_the_trainer_strategy_takes_exactly_the_config_fields() -> None:
 
 def test_fabric_takes_the_fields_that_need_no_trainer() -> None:
     trainer_only = {"scale_lr", "daso", "average_buffers", "check_finite_gradients", "auto_requeue", "elastic"}
-    trainer_only |= {"shard_checkpoint", "state_dict_type"}  # Fabric's checkpoints hold the whole state
+    trainer_only |= {"shard_checkpoint"}  # Fabric writes whole or DCP checkpoints (state_dict_type), not parts
     assert _arguments(FabricHorovodStrategy) == set(HorovodConfig.argument_names()) - trainer_only - {
         "commit_every_n_steps"
     }

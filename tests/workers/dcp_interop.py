@@ -59,16 +59,15 @@ def lightning_data() -> DataLoader:
 
 
 def lightning_trainer(max_steps: int, **options: Any) -> pl.Trainer:
+    defaults = {"enable_checkpointing": False, "enable_model_summary": "callbacks" in options}
     return pl.Trainer(
         accelerator="cpu",
         max_steps=max_steps,
         logger=False,
-        enable_checkpointing=False,
         enable_progress_bar=False,
-        enable_model_summary="callbacks" in options,
         use_distributed_sampler=False,
         num_sanity_val_steps=0,
-        **options,
+        **{**defaults, **options},
     )
 
 

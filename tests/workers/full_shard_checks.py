@@ -425,12 +425,12 @@ def fit_built_late(make: Any, shard: str, on_meta: bool, **strategy: Any) -> tup
 def check_built_on_the_meta_device() -> dict[str, Any]:
     """``init_module(empty_init=True)`` and ``configure_model`` build on the meta device; each worker makes its
     slices real unit by unit, and training equals the same model built whole from the same seed. The first also
-    saves its checkpoint in parts (``state_dict_type="sharded"``)."""
+    saves its checkpoint in parts (``shard_checkpoint="parts"``)."""
     found: dict[str, Any] = {}
     builds = {"init_module": lambda: UnitNet(seed=None), "configure_model": lambda: ConfiguredNet(seed=None)}
     for name, make in builds.items():
         reference, _, whole, _ = fit_built_late(make, "none", on_meta=False)
-        extra = {"state_dict_type": "sharded"} if name == "init_module" else {}
+        extra = {"shard_checkpoint": "parts"} if name == "init_module" else {}
         sharded, trainer, held, on_meta = fit_built_late(make, "parameters", on_meta=True, **extra)
         expected = parameters_of(reference)
         found[name] = {

@@ -34,6 +34,7 @@ import torch
 from torch.nn import Module
 from torch.optim import Optimizer
 
+from hvd_plugins.core.checkpoint.dcp_read import by_parameter_name
 from hvd_plugins.core.comm.parameters import optimizer_parameters
 from hvd_plugins.core.comm.shards import LocalShard
 from hvd_plugins.core.comm.topology import Topology
@@ -155,6 +156,16 @@ class GradientSync(TrainingLoopHooks, ABC):
     def model_state_dict(self, model: Module) -> dict[str, Any]:
         """The model's whole state, as a checkpoint keeps it: here every worker holds every parameter."""
         return model.state_dict()
+
+    def model_pieces(self, model: Module) -> dict[str, Any]:
+        """The model's state as a DCP checkpoint saves it, no gather: what this worker holds whole as it is (DCP
+        writes each such tensor once), a sharded parameter as this worker's part of it (``FlatPieces``)."""
+        return self.model_state_dict(model)
+
+    def optimizer_pieces(self, optimizer: Optimizer, names: Mapping[int, str]) -> dict[str, Any]:
+        """The optimizer's state as a DCP checkpoint saves it, keyed by parameter name (``names``: ``saved_names``
+        of the model): here the whole state, which every worker holds."""
+        return by_parameter_name(self.optimizer_state_dict(optimizer), optimizer, names)
 
     def load_model_state_dict(self, model: Module, state: Mapping[str, Any], strict: bool = True) -> None:
         """Take back a whole model state, saved at any world size or by one process."""

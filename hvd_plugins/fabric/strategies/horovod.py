@@ -15,7 +15,7 @@ DASO is a Trainer feature (its schedule follows epochs and the loss the Trainer 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Generator, Sequence
+from collections.abc import Callable, Generator, Sequence
 from contextlib import AbstractContextManager, ExitStack
 from functools import partial
 from pathlib import Path
@@ -35,6 +35,7 @@ from typing_extensions import override
 from hvd_plugins.core.backend import capabilities
 from hvd_plugins.core.backend import optimizer as horovod_optimizer
 from hvd_plugins.core.backend.startup import init_horovod
+from hvd_plugins.core.checkpoint.dcp_read import read_dcp, restore
 from hvd_plugins.core.comm.counters import CommCounters
 from hvd_plugins.core.compiled_graphs import GraphCuts
 from hvd_plugins.core.config import (
@@ -47,10 +48,10 @@ from hvd_plugins.core.config import (
     ParamDtypeArgument,
     Shard,
     StallTimeout,
+    StateDictType,
     SyncMode,
     UnitPolicy,
 )
-from hvd_plugins.core.dcp_read import read_dcp, restore
 from hvd_plugins.core.recompute import checkpoint_activations
 from hvd_plugins.core.sync.base import GradientSync
 from hvd_plugins.core.sync.guards import SyncGuards
@@ -108,6 +109,8 @@ class HorovodStrategy(HorovodStrategyShared, ParallelStrategy):
         param_dtype: with ``shard="parameters"``, gather units in this dtype to compute: ``"auto"`` (bf16 under
             ``precision="bf16-mixed"`` on GPUs), ``"full"``/None, ``"bf16"``/``torch.bfloat16``, ``"fp16"``.
         activation_checkpointing_policy: modules (classes) whose activations backward recomputes instead of keeping.
+        state_dict_type: ``"full"``: ``fabric.save`` writes one file, rank 0 holding the whole state; ``"sharded"``:
+            a directory in torch's distributed checkpoint format (DCP), every worker writing its own shards.
         hierarchical_impl: ``"portable"`` (every build) or ``"native"`` (MPI + NCCL only).
         compress_node_local: with ``sync="hierarchical"``, compress the node-local legs too.
         bucket_mb: gradient bucket size of the two-level sync, in MiB.
@@ -137,6 +140,7 @@ class HorovodStrategy(HorovodStrategyShared, ParallelStrategy):
         reshard_after_forward: bool = True,
         param_dtype: ParamDtypeArgument = "auto",
         activation_checkpointing_policy: UnitPolicy = None,
+        state_dict_type: StateDictType = "full",
         hierarchical_impl: HierarchicalImpl = "portable",
         compress_node_local: bool = False,
         bucket_mb: float = 32.0,
@@ -169,6 +173,7 @@ class HorovodStrategy(HorovodStrategyShared, ParallelStrategy):
             reshard_after_forward=reshard_after_forward,
             param_dtype=param_dtype,
             activation_checkpointing_policy=activation_checkpointing_policy,
+            state_dict_type=state_dict_type,
             hierarchical_impl=hierarchical_impl,
             compress_node_local=compress_node_local,
             bucket_mb=bucket_mb,
@@ -366,7 +371,7 @@ class HorovodStrategy(HorovodStrategyShared, ParallelStrategy):
     ) -> dict[str, Any]:
         """Load on every worker, then take rank 0's modules and optimizer states, so all continue alike. A directory
         is read as torch's distributed checkpointing wrote it (FSDP2's ``dcp.save``, Lightning's sharded FSDP
-        checkpoints), whole on every worker, at any number of workers (``core.dcp_read``)."""
+        checkpoints), whole on every worker, at any number of workers (``core.checkpoint.dcp_read``)."""
         with param_groups_kept(self._wrapped):
             if Path(path).is_dir():
                 remainder = restore(state or {}, read_dcp(path), strict, self.load_module_state_dict)
@@ -381,6 +386,33 @@ class HorovodStrategy(HorovodStrategyShared, ParallelStrategy):
                 index = next((i for i, o in enumerate(self._wrapped) if o is inner), len(self._wrapped))
                 broadcast_optimizer_state_(inner, root_rank=0, name=f"loaded_opt{index}")
         return remainder
+
+    @override
+    def save_checkpoint(
+        self,
+        path: CheckpointPath,
+        state: dict[str, Module | Optimizer | Any],
+        storage_options: Any | None = None,
+        filter: dict[str, Callable[[str, Any], bool]] | None = None,
+    ) -> None:
+        """With ``state_dict_type="sharded"``: a DCP directory, as Lightning's ``FSDPStrategy`` writes it, every
+        worker writing its own shards of the modules and optimizers (no gather), the rest in ``meta.pt``."""
+        if not self._writes_dcp:
+            return super().save_checkpoint(path, state, storage_options, filter)
+        model = next((obj for obj in state.values() if isinstance(obj, Module)), self._sharded_module)
+        tensors: dict[str, Any] = {}
+        meta: dict[str, Any] = {}
+        for key, obj in state.items():
+            if isinstance(obj, Module):
+                target, value = tensors, self._saved_model_state(obj)
+            elif isinstance(obj, Optimizer):
+                target, value = tensors, self._saved_optimizer_state(obj, model)
+            else:
+                target, value = meta, obj.state_dict() if callable(getattr(obj, "state_dict", None)) else obj
+            keep = (filter or {}).get(key)
+            target[key] = {k: v for k, v in value.items() if keep(k, v)} if keep is not None else value
+        self._write_dcp(path, tensors, meta)
+        return None
 
     @override
     def get_module_state_dict(self, module: Module) -> dict[str, Any]:

@@ -9,8 +9,9 @@ waits). It also holds the one rule of both faces for an elastic reset (``forget_
 
 from __future__ import annotations
 
+import contextlib
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from types import ModuleType
 from typing import Any, TypeVar
@@ -26,12 +27,19 @@ from torch.optim import Optimizer
 from hvd_plugins.core.backend.module import horovod_torch
 from hvd_plugins.core.backend.runner import local_launch_size
 from hvd_plugins.core.backend.startup import init_horovod
+from hvd_plugins.core.checkpoint.dcp_read import (
+    as_lightning_checkpoint,
+    by_parameter_index,
+    by_parameter_name,
+    read_dcp,
+    saved_names,
+)
+from hvd_plugins.core.checkpoint.dcp_write import save_dcp
 from hvd_plugins.core.comm import collectives
 from hvd_plugins.core.comm.counters import CommCounters
 from hvd_plugins.core.comm.shards import LocalShard
 from hvd_plugins.core.comm.topology import Topology
 from hvd_plugins.core.config import HorovodConfig
-from hvd_plugins.core.dcp_read import as_lightning_checkpoint, by_parameter_index, read_dcp
 from hvd_plugins.core.elastic.reset import sync_after_reset
 from hvd_plugins.core.sync.base import GradientSync
 from hvd_plugins.core.sync.guards import SyncGuards
@@ -64,6 +72,7 @@ class HorovodStrategyShared(ABC):
     local_rank: int
     num_nodes: int
     parallel_devices: list[torch.device] | None
+    _committing_now = False  # inside ``_committing``: an elastic commit asks for the state
 
     def _plan_launch(self) -> None:
         """When the Trainer or Fabric is built: start Horovod now (for rank-zero output), unless this process
@@ -201,6 +210,58 @@ class HorovodStrategyShared(ABC):
             model.load_state_dict(state, strict=strict)
         else:
             self.gradient_sync.load_model_state_dict(model, state, strict)
+
+    @property
+    def _writes_dcp(self) -> bool:
+        """Whether a checkpoint saved now is a DCP directory, every worker writing its own shards
+        (``state_dict_type="sharded"``); an elastic commit keeps its own form in host memory."""
+        return self.config.shard_checkpoint == "dcp" and not self._committing_now
+
+    @contextlib.contextmanager
+    def _committing(self) -> Iterator[None]:
+        """Inside, the state asked for is an elastic commit's (the sync mode's ``committing``), never DCP pieces."""
+        self._committing_now = True
+        try:
+            with self.gradient_sync.committing() if self.gradient_sync is not None else contextlib.nullcontext():
+                yield
+        finally:
+            self._committing_now = False
+
+    def _saved_model_state(self, model: Module | None) -> dict[str, Any]:
+        """The model's state for the checkpoint being saved: whole (``_model_state``), or this worker's pieces of it
+        for a DCP checkpoint (no gather: ``GradientSync.model_pieces``)."""
+        assert model is not None
+        if not self._writes_dcp:
+            return self._model_state(model)
+        return model.state_dict() if self.gradient_sync is None else self.gradient_sync.model_pieces(model)
+
+    def _saved_optimizer_state(self, optimizer: Optimizer, model: Module | None) -> dict[str, Any]:
+        """An optimizer's state for the checkpoint being saved: as the sync mode gives it (sharded: gathered whole,
+        or parts), or for a DCP checkpoint this worker's pieces, keyed by the names of ``model``'s parameters."""
+        sync = self.gradient_sync
+        if not self._writes_dcp:
+            return sync.optimizer_state_dict(optimizer) if sync is not None else optimizer.state_dict()
+        names = saved_names(model or Module())
+        if sync is None:
+            return by_parameter_name(optimizer.state_dict(), optimizer, names)
+        return sync.optimizer_pieces(optimizer, names)
+
+    def _write_dcp(self, path: Any, tensors: dict[str, Any], meta: dict[str, Any]) -> None:
+        """``tensors`` written by every worker into the DCP directory ``path``, ``meta`` beside them (``dcp_write``),
+        bounded like every wait."""
+        with self._guards.waiting("saving a sharded checkpoint"):
+            save_dcp(path, tensors, meta, self.global_rank, self.world_size)
+
+    def _write_trainer_dcp(self, checkpoint: dict[str, Any], filepath: Any) -> bool:
+        """A Trainer checkpoint as Lightning's sharded FSDP writes it, when DCP is the form: the model under
+        ``model``, each optimizer under ``optimizer_<index>``, the rest in ``meta.pt``. Returns whether it wrote."""
+        if not self._writes_dcp:
+            return False
+        meta = dict(checkpoint)
+        tensors = {"model": meta.pop("state_dict")}
+        tensors.update({f"optimizer_{index}": state for index, state in enumerate(meta.pop("optimizer_states", []))})
+        self._write_dcp(filepath, tensors, meta)
+        return True
 
     def _write_optimizer_parts(self, checkpoint: dict[str, Any], filepath: Any) -> None:
         """Optimizer states a sharded mode gave as this worker's parts (``shard_checkpoint="parts"``): every worker

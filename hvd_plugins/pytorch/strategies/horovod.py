@@ -9,7 +9,6 @@ mode runs: every mode offers the same hooks. Launch with ``horovodrun -np N pyth
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from contextlib import nullcontext
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
@@ -308,12 +307,13 @@ class HorovodStrategy(HorovodStrategyShared, UnitInit):
     ) -> None:
         self._add_sync_state(checkpoint)
         self._resume_position.record(self._trainer, checkpoint)
-        self._write_optimizer_parts(checkpoint, filepath)
-        super().save_checkpoint(checkpoint, filepath, storage_options)
+        if not self._write_trainer_dcp(checkpoint, filepath):
+            self._write_optimizer_parts(checkpoint, filepath)
+            super().save_checkpoint(checkpoint, filepath, storage_options)
 
     def checkpoint_content(self, trainer: pl.Trainer) -> dict[str, Any]:
         """What an elastic commit keeps: a checkpoint's content now, as the sync mode commits it (sharded: parts)."""
-        with self.gradient_sync.committing() if self.gradient_sync is not None else nullcontext():
+        with self._committing():
             checkpoint = checkpoint_content(trainer)
         self._add_sync_state(checkpoint)
         return checkpoint
@@ -341,7 +341,7 @@ class HorovodStrategy(HorovodStrategyShared, UnitInit):
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        return self._model_state(self.lightning_module)
+        return self._saved_model_state(self.lightning_module)
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
@@ -349,9 +349,8 @@ class HorovodStrategy(HorovodStrategyShared, UnitInit):
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        """What a checkpoint keeps of ``optimizer``: its whole state, as the sync mode gives it (sharded: gathered)."""
         inner = optimizer.optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
-        return self.gradient_sync.optimizer_state_dict(inner) if self.gradient_sync else super().optimizer_state(inner)
+        return self._saved_optimizer_state(inner, self.lightning_module)
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:

@@ -15,17 +15,18 @@ def test_gradient_predivide_factor_and_adasum_are_refused_with_daso() -> None:
 
 
 def test_state_dict_type_is_fsdp_strategys_name_for_shard_checkpoint() -> None:
-    assert HorovodConfig(shard="parameters", state_dict_type="sharded").shard_checkpoint == "parts"
+    assert HorovodConfig(shard="parameters", state_dict_type="sharded").shard_checkpoint == "dcp"
+    assert HorovodConfig(state_dict_type="sharded").shard_checkpoint == "dcp"  # unsharded too: DCP splits the writes
     assert HorovodConfig(shard="gradients", state_dict_type="full").shard_checkpoint == "full"
-    assert HorovodConfig(shard="optimizer", state_dict_type="sharded", shard_checkpoint="parts").shard_checkpoint == (
-        "parts"
-    )
+    assert HorovodConfig(shard="optimizer", shard_checkpoint="parts").shard_checkpoint == "parts"
     with pytest.raises(ValueError, match=r"state_dict_type='full' and shard_checkpoint='parts' disagree"):
         HorovodConfig(shard="gradients", state_dict_type="full", shard_checkpoint="parts")
+    with pytest.raises(ValueError, match=r"state_dict_type='sharded' and shard_checkpoint='parts' disagree"):
+        HorovodConfig(shard="gradients", state_dict_type="sharded", shard_checkpoint="parts")
     with pytest.raises(ValueError, match=r"state_dict_type='local' is not supported; choose one of \['full'"):
         HorovodConfig(shard="gradients", state_dict_type="local")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="shard_checkpoint='parts' works only with shard="):
-        HorovodConfig(state_dict_type="sharded")  # nothing is sharded to write in parts
+        HorovodConfig(shard_checkpoint="parts")  # nothing is sharded to write in parts
 
 
 def test_full_sharding_inside_the_node_is_accepted_and_daso_is_not() -> None:

@@ -10,7 +10,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
-from hvd_plugins.core.dcp_read import (
+from hvd_plugins.core.checkpoint.dcp_read import (
     by_parameter_index,
     is_dcp_checkpoint,
     read_dcp,

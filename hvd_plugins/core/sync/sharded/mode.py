@@ -300,6 +300,13 @@ class ShardedGradientSync(GradientSync):
             part["copy"] = self.nodes.topology.node_index  # every node holds the same parts: node 0's are written
         return part
 
+    def optimizer_pieces(self, optimizer: Optimizer, names: Mapping[int, str]) -> dict[str, Any]:
+        """This worker's slices of the state, by parameter name, as a DCP checkpoint saves them (no collective)."""
+        return self._sharded(optimizer).pieces(names)
+
+    def model_pieces(self, model: Module) -> dict[str, Any]:
+        return self.stage.model_pieces(model)
+
     def _commit_parts(self, sharded: ShardedOptimizer) -> dict[str, Any]:
         part = sharded.part(with_values=True)  # a unit's slices are its only copy (``shard="parameters"``)
         if self.copies > 1:  # the other nodes hold this part too

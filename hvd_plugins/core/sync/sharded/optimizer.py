@@ -23,6 +23,7 @@ import torch
 from torch.nn import Parameter
 from torch.optim import Optimizer
 
+from hvd_plugins.core.checkpoint.boxes import FlatPieces
 from hvd_plugins.core.comm.counters import CommCounters, Scope
 from hvd_plugins.core.comm.in_flight import InFlight, finish_each
 from hvd_plugins.core.comm.partners import PartnerGroup, start_slices_gather
@@ -364,6 +365,26 @@ class ShardedOptimizer(Optimizer):
             saved = {key: value for key, value in group.items() if key != "params"}
             saved["params"] = [indices[id(p)] for p in group["params"]]
             groups.append(saved)
+        return {"state": state, "param_groups": groups}
+
+    def pieces(self, names: Mapping[int, str]) -> dict[str, Any]:
+        """The state as a DCP checkpoint keeps it, by parameter name (``get_optimizer_state_dict``'s layout): of each
+        parameter, this worker's part of each state tensor (``FlatPieces``: views, no gather, no copy) and its
+        scalars, which every worker holding a slice of its bucket holds alike (DCP writes them once)."""
+        state: dict[str, dict[str, Any]] = {names[id(p)]: dict(values) for p, values in self._parked.values()}
+        for bucket, piece in zip(self.buckets, self.slices, strict=True):
+            own = self.inner.state.get(piece, {}) if self.inner is not None else {}
+            for key, value in own.items():
+                if is_shaped(value):
+                    for parameter, shard in bucket.local_shards(value.detach()):
+                        state.setdefault(names[id(parameter)], {})[key] = FlatPieces(shard)
+                else:
+                    for parameter in bucket.parameters:
+                        state.setdefault(names[id(parameter)], {})[key] = copy_of(value)
+        groups = []
+        for group in self.param_groups:
+            settings = {key: value for key, value in group.items() if key != "params"}
+            groups.append({**settings, "params": [names[id(p)] for p in group["params"]]})
         return {"state": state, "param_groups": groups}
 
     def _parked_by_index(self) -> dict[int, dict[str, Any]]:

@@ -152,6 +152,10 @@ class ShardStage(ABC):
     def load_model_state_dict(self, model: Module, state: Mapping[str, Any], strict: bool) -> None:
         model.load_state_dict(state, strict=strict)
 
+    def model_pieces(self, model: Module) -> dict[str, Any]:
+        """The model's state as a DCP checkpoint saves it (ZeRO-1/2: every worker holds it whole)."""
+        return model.state_dict()
+
     def whole_shape(self, parameter: Parameter) -> torch.Size:
         """``parameter``'s shape in the whole model (ZeRO-1/2: the shape it has)."""
         return parameter.shape
@@ -557,6 +561,9 @@ class ParameterStage(GradientStage):
 
     def load_model_state_dict(self, model: Module, state: Mapping[str, Any], strict: bool) -> None:
         self._state.load(model, state, strict)
+
+    def model_pieces(self, model: Module) -> dict[str, Any]:
+        return model.state_dict() if self._units is None else self._state.pieces(model)
 
     def whole_shape(self, parameter: Parameter) -> torch.Size:
         """A unit's parameter holds this worker's shard: its whole shape is the one taken when it was sharded."""

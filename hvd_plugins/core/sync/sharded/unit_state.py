@@ -16,6 +16,7 @@ import torch
 from torch.nn import Module
 from torch.utils.hooks import RemovableHandle
 
+from hvd_plugins.core.checkpoint.boxes import FlatPieces
 from hvd_plugins.core.comm.shards import LocalShard
 from hvd_plugins.core.comm.world import world_rank
 from hvd_plugins.core.sync.sharded.units import ShardedUnits, eager
@@ -54,6 +55,15 @@ class UnitStates:
             state = {key: value for key, value in model.state_dict().items() if key not in owned}
         state.update(self._frozen_whole(names))
         state[UNITS_IN_PARTS_KEY] = True
+        return state
+
+    def pieces(self, model: Module) -> dict[str, Any]:
+        """The state as a DCP checkpoint saves it, with no gather: this worker's part of each unit's parameter
+        (``FlatPieces``, views of its slices), and what no unit owns as every worker holds it."""
+        owned = self._owned_names(parameter_names(model))
+        with self._state_as_held():
+            state: dict[str, Any] = {key: value for key, value in model.state_dict().items() if key not in owned}
+        state.update((name, FlatPieces(shard)) for name, shard in self.local_shards(model).items())
         return state
 
     def load(self, model: Module, state: Mapping[str, Any], strict: bool) -> None:

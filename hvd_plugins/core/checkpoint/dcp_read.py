@@ -136,6 +136,25 @@ def by_parameter_index(saved: Mapping[str, Any], optimizer: Optimizer, model: Mo
     return {"state": state, "param_groups": converted}
 
 
+def by_parameter_name(state: Mapping[str, Any], optimizer: Optimizer, names: Mapping[int, str]) -> dict[str, Any]:
+    """An optimizer's ``state_dict()`` (keyed by index) in DCP's layout, keyed by the names (``saved_names``) of the
+    parameters it steps: ``by_parameter_index``'s inverse."""
+    ordered = [p for group in optimizer.param_groups for p in group["params"]]
+    unnamed = [index for index, p in enumerate(ordered) if id(p) not in names]
+    if unnamed:
+        raise ValueError(
+            f"{type(optimizer).__name__} steps {len(unnamed)} parameter(s) the model does not hold (indices "
+            f"{unnamed[:4]}): a sharded checkpoint names optimizer state by the model's parameter names, so save "
+            "the optimizer with the model whose parameters it steps"
+        )
+    named = [names[id(p)] for p in ordered]
+    groups = [
+        {**{k: v for k, v in group.items() if k != "params"}, "params": [named[i] for i in group["params"]]}
+        for group in state["param_groups"]
+    ]
+    return {"state": {named[int(i)]: values for i, values in state["state"].items()}, "param_groups": groups}
+
+
 def saved_names(model: Module) -> dict[int, str]:
     """Each parameter's name as ``get_optimizer_state_dict`` keys it (the first of a tied weight's names, a compiled
     model's prefix dropped), by id."""
