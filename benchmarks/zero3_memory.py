@@ -72,25 +72,8 @@ def worker_main(args: argparse.Namespace) -> None:
     bench.one_thread_per_worker()
     size = json.loads(args.size)
 
-    class GPT(nn.Module):
-        """Token and position embeddings, blocks, a final norm, a head tied to the token embedding."""
-
-        def __init__(self) -> None:
-            super().__init__()
-            self.embedding = nn.Embedding(size["vocab"], size["d_model"])
-            self.position = nn.Embedding(size["context"], size["d_model"])
-            self.blocks = nn.ModuleList(
-                bench.TransformerBlock(size["d_model"], size["heads"]) for _ in range(size["layers"])
-            )
-            self.norm = nn.LayerNorm(size["d_model"])
-            self.head = nn.Linear(size["d_model"], size["vocab"], bias=False)
-            self.head.weight = self.embedding.weight
-
-        def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-            x = self.embedding(tokens) + self.position(torch.arange(tokens.size(1), device=tokens.device))
-            for block in self.blocks:
-                x = block(x)
-            return self.head(self.norm(x))
+    def GPT() -> nn.Module:  # what the settings build, as they are handed a class
+        return bench.TiedGPT(**size)
 
     with torch.device("meta"):  # no memory: what the units hold
         probe = GPT()

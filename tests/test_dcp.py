@@ -102,3 +102,12 @@ def one_process_reads(out: Path) -> None:
     assert all(torch.equal(whole["model"][k], v) for k, v in reference["model"].items())
     consolidated = _load_distributed_checkpoint(out / "trainer" / "epoch=0-step=2.ckpt")
     assert consolidated["global_step"] == 2 and set(consolidated["model"]) == set(reference["model"])
+
+
+def test_a_worker_killed_while_a_background_save_writes_leaves_the_last_complete_checkpoint(tmp_path: Path) -> None:
+    killed = run_job("dcp_roundtrip.py", "--killed", np=4, hosts=TWO_NODES, out_dir=tmp_path, timeout=300)
+    assert killed.returncode != 0 and not killed.results, killed.output[-2000:]  # the job ended, none finished
+    assert list(tmp_path.glob(".killed.writing-*")), sorted(p.name for p in tmp_path.iterdir())  # left aside
+    resumed = run_job("dcp_roundtrip.py", "--resume-killed", np=2, out_dir=tmp_path, timeout=300).check()
+    for rank, found in resumed.results.items():
+        assert found["left"] == {"step": 1} and found["weights"] == EXACT, (rank, found)

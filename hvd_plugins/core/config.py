@@ -114,6 +114,9 @@ class HorovodConfig:
     """With ``shard="parameters"``: which modules are units (see UnitPolicy); classes are kept as a frozenset."""
     state_dict_type: StateDictType | None = None
     """``FSDPStrategy``'s name for ``shard_checkpoint``: ``"full"`` is ``"full"``, ``"sharded"`` is ``"dcp"``."""
+    async_save: bool = False
+    """With DCP checkpoints: a save returns once each worker has copied its shards into host memory, and a thread
+    writes them while training goes on (torchtitan's ``async_mode``; the next save waits for it)."""
     activation_checkpointing_policy: UnitPolicy = None
     """Modules (classes, or a function of a module) whose activations are recomputed in backward instead of kept."""
     reshard_after_forward: bool = True
@@ -152,7 +155,7 @@ class HorovodConfig:
 
     def __post_init__(self) -> None:
         booleans = ("scale_lr", "compress_node_local", "average_buffers", "check_finite_gradients", "auto_requeue")
-        for name in (*booleans, "reshard_after_forward"):
+        for name in (*booleans, "reshard_after_forward", "async_save"):
             value = getattr(self, name)
             if not isinstance(value, bool) and value not in (0, 1):
                 raise ValueError(f"{name}={value!r} must be True or False")
@@ -164,6 +167,11 @@ class HorovodConfig:
         _choice("shard_checkpoint", self.shard_checkpoint, SHARD_CHECKPOINTS)
         if self.state_dict_type is not None:
             self._take_state_dict_type()
+        if self.async_save and self.shard_checkpoint != "dcp":
+            raise ValueError(
+                f"async_save=True writes sharded checkpoints in the background, but checkpoints here are "
+                f"{self.shard_checkpoint!r}: give state_dict_type='sharded' with it"
+            )
         if self.shard_checkpoint == "parts" and self.shard == "none":
             raise ValueError(
                 f"shard_checkpoint={self.shard_checkpoint!r} works only with shard='optimizer', 'gradients' or "

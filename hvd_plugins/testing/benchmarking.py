@@ -222,6 +222,26 @@ class TransformerBlock(nn.Module):
         return x + self.mlp(self.norm2(x))
 
 
+class TiedGPT(nn.Module):
+    """Token and position embeddings, a ``ModuleList`` of ``TransformerBlock`` (the default units of
+    ``shard="parameters"``), a final norm, and a head tied to the token embedding: pythia's layout."""
+
+    def __init__(self, vocab: int, d_model: int, layers: int, heads: int, context: int) -> None:
+        super().__init__()
+        self.embedding = nn.Embedding(vocab, d_model)
+        self.position = nn.Embedding(context, d_model)
+        self.blocks = nn.ModuleList(TransformerBlock(d_model, heads) for _ in range(layers))
+        self.norm = nn.LayerNorm(d_model)
+        self.head = nn.Linear(d_model, vocab, bias=False)
+        self.head.weight = self.embedding.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embedding(tokens) + self.position(torch.arange(tokens.size(1), device=tokens.device))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x))
+
+
 class TransformerLM(SyntheticTaskModule):
     """A decoder-only Transformer language model trained on next-token cross-entropy with AdamW.
 

@@ -37,7 +37,8 @@ NOT_DEFAULT: dict[str, Any] = {
 }
 """A value other than the default for every field that combines with the others (``shard`` needs the flat sync:
 its own test below)."""
-ALONE = {"shard", "shard_checkpoint", "state_dict_type", "auto_wrap_policy", "reshard_after_forward", "param_dtype"}
+ALONE = {"shard", "shard_checkpoint", "state_dict_type", "async_save", "auto_wrap_policy", "reshard_after_forward"}
+ALONE |= {"param_dtype"}
 
 
 def _arguments(strategy: type) -> set[str]:

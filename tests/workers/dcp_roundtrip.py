@@ -2,12 +2,16 @@
 and by FSDP2.
 
 ``--save`` (``horovodrun``, 4 workers on two emulated nodes): for each shard mode ``AttentionGPT`` trains AdamW
-steps under Fabric and ``fabric.save`` writes a DCP directory after each (the second replaces the first); rank 0
-keeps the whole state beside it to compare with (``reference_<mode>.pt``). A ZeRO-3 Trainer fit writes a DCP
-directory at every step through ``ModelCheckpoint``, and keeps its final weights (``trainer_after.pt``).
+steps under Fabric and ``fabric.save`` writes a DCP directory after the first two (the second replaces the first;
+ZeRO-3 saves with ``async_save`` and trains a third step while the files are written); rank 0 keeps the saved
+state whole beside it to compare with (``reference_<mode>.pt``). A ZeRO-3 Trainer fit with ``async_save`` writes a
+DCP directory at every step through ``ModelCheckpoint``, and keeps its final weights (``trainer_after.pt``).
 
 ``--load`` (``horovodrun``, 2 workers): each directory loads into a ZeRO-3 Fabric model and AdamW (the unsharded
 one's also into ``shard="none"``); the Trainer resumes from its step-2 directory and trains to step 3.
+
+``--killed`` (``horovodrun``, 4 workers): a ZeRO-3 ``async_save`` whose rank 3 dies mid-write; ``--resume-killed``
+(2 workers) loads the folder: the last complete checkpoint.
 
 ``--fsdp2`` (``torch.distributed.run``, 2 processes): FSDP2's ``dcp.load`` reads the ZeRO-3 directory into a
 ``fully_shard`` model's ``get_model_state_dict`` and ``get_optimizer_state_dict``.
@@ -15,7 +19,10 @@ one's also into ``shard="none"``); the Trainer resumes from its step-2 directory
 
 from __future__ import annotations
 
+import copy
 import json
+import os
+import signal
 import sys
 from pathlib import Path
 from typing import Any
@@ -48,20 +55,27 @@ def save(out: Path) -> None:
 
     report: dict[str, Any] = {}
     for shard in SAVED_MODES:
-        fabric = Fabric(strategy=HorovodStrategy(shard=shard, state_dict_type="sharded"), accelerator="cpu")
+        background = shard == "parameters"  # async_save: the files written while the next step trains
+        strategy = HorovodStrategy(shard=shard, state_dict_type="sharded", async_save=background)
+        fabric = Fabric(strategy=strategy, accelerator="cpu")
         fabric.launch()
         torch.manual_seed(3)
         module = AttentionGPT()
         model, optimizer = fabric.setup(module, torch.optim.AdamW(module.parameters(), lr=1e-2))
         folder = out / f"fabric_{shard}"
-        for step in range(2):
+        for step in range(3):
             tokens = batch(step)
             fabric.backward(token_loss(model(tokens[:, :-1]), tokens[:, 1:]))
             optimizer.step()
             optimizer.zero_grad()
+            if step == 2:
+                break  # trained after the last save: none of it may reach the checkpoint
             fabric.save(folder, {"model": model, "optim": optimizer, "step": step + 1})
-        weights = {key: value.clone() for key, value in model.state_dict().items()}  # gathered: a collective
-        moments = by_name(optimizer.state_dict(), [name for name, _ in model.module.named_parameters()])
+            if step == 1:  # the state saved, gathered whole (collectives beside the thread that writes)
+                weights = {key: value.clone() for key, value in model.state_dict().items()}
+                names = [name for name, _ in model.module.named_parameters()]
+                moments = copy.deepcopy(by_name(optimizer.state_dict(), names))  # unsharded: the live tensors
+        strategy.wait_for_checkpoint()
         if fabric.global_rank == 0:
             torch.save({"model": weights, "optim": moments}, out / f"reference_{shard}.pt")
         report[shard] = (folder / f"__{hvd.rank()}_0.distcp").stat().st_size
@@ -76,7 +90,7 @@ def trainer_saves(out: Path) -> list[str]:
     torch.manual_seed(3)
     module = GPTModule()
     every_step = ModelCheckpoint(dirpath=out / "trainer", every_n_train_steps=1, save_top_k=-1)
-    strategy = TrainerStrategy(shard="parameters", state_dict_type="sharded")
+    strategy = TrainerStrategy(shard="parameters", state_dict_type="sharded", async_save=True)
     trainer = lightning_trainer(3, strategy=strategy, callbacks=[every_step], enable_checkpointing=True)
     trainer.fit(module, lightning_data())
     weights = module.state_dict()
@@ -127,6 +141,74 @@ def trainer_resumes(out: Path) -> dict[str, Any]:
         "global_step": trainer.global_step,
         "from_four_workers": max(float((weights[k] - v).abs().max()) for k, v in expected.items()),
     }
+
+
+def killed_mid_write(out: Path) -> None:
+    """ZeRO-3 with ``async_save``: the step-1 checkpoint completes; while step 2's is written in the background,
+    rank 3 dies once its own files are on disk (the others wait for it to report): the job ends."""
+    import horovod.torch as hvd
+    from lightning.fabric import Fabric
+
+    from hvd_plugins.fabric import HorovodStrategy
+
+    strategy = HorovodStrategy(shard="parameters", state_dict_type="sharded", async_save=True)
+    fabric = Fabric(strategy=strategy, accelerator="cpu")
+    fabric.launch()
+    torch.manual_seed(3)
+    module = AttentionGPT()
+    model, optimizer = fabric.setup(module, torch.optim.AdamW(module.parameters(), lr=1e-2))
+    folder = out / "killed"
+    for step in range(2):
+        tokens = batch(step)
+        fabric.backward(token_loss(model(tokens[:, :-1]), tokens[:, 1:]))
+        optimizer.step()
+        optimizer.zero_grad()
+        if step == 0:
+            fabric.save(folder, {"model": model, "optim": optimizer, "step": 1})
+            strategy.wait_for_checkpoint()
+            weights = {key: value.clone() for key, value in model.state_dict().items()}
+            if hvd.rank() == 0:
+                torch.save(weights, out / "killed_reference.pt")
+            if hvd.rank() == 3:
+                die_after_writing()
+    fabric.save(folder, {"model": model, "optim": optimizer, "step": 2})
+    strategy.wait_for_checkpoint()  # never returns: rank 3 is gone
+    write_result(out, hvd.rank(), {"finished": True})
+
+
+def die_after_writing() -> None:
+    """The next checkpoint this process writes kills it once its own files are written."""
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    write_data = FileSystemWriter.write_data
+
+    def write_then_die(self: Any, plan: Any, planner: Any) -> Any:
+        written = write_data(self, plan, planner)
+        written.wait()
+        os.kill(os.getpid(), signal.SIGKILL)
+        return written
+
+    FileSystemWriter.write_data = write_then_die  # type: ignore[method-assign]
+
+
+def resume_after_kill(out: Path) -> None:
+    """2 workers resume from the killed job's folder: the step-1 checkpoint, whole."""
+    import horovod.torch as hvd
+    from lightning.fabric import Fabric
+
+    from hvd_plugins.fabric import HorovodStrategy
+
+    fabric = Fabric(strategy=HorovodStrategy(shard="parameters"), accelerator="cpu")
+    fabric.launch()
+    module = AttentionGPT()
+    model, optimizer = fabric.setup(module, torch.optim.AdamW(module.parameters(), lr=1e-2))
+    left = fabric.load(out / "killed", {"model": model, "optim": optimizer})
+    weights, expected = model.state_dict(), torch.load(out / "killed_reference.pt")
+    write_result(
+        out,
+        hvd.rank(),
+        {"left": left, "weights": max(float((weights[k] - v).abs().max()) for k, v in expected.items())},
+    )
 
 
 def fsdp2_loads(out: Path) -> None:
@@ -180,6 +262,10 @@ if __name__ == "__main__":
     out, _ = parse_out()
     if "--save" in sys.argv:
         save(out)
+    elif "--killed" in sys.argv:
+        killed_mid_write(out)
+    elif "--resume-killed" in sys.argv:
+        resume_after_kill(out)
     elif "--fsdp2" in sys.argv:
         fsdp2_loads(out)
     else:

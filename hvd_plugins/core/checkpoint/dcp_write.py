@@ -18,6 +18,7 @@ collective, so no worker waits on it.
 from __future__ import annotations
 
 import shutil
+import threading
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -31,6 +32,7 @@ from torch.distributed.checkpoint.metadata import MetadataIndex
 from hvd_plugins.core.backend.module import horovod_torch
 from hvd_plugins.core.checkpoint.boxes import FlatPieces
 from hvd_plugins.core.checkpoint.dcp_read import LIGHTNING_META_FILE
+from hvd_plugins.core.comm.shards import LocalShard
 
 T = TypeVar("T")
 
@@ -50,10 +52,18 @@ class SaveFailed(RuntimeError):
     """A worker failed while the checkpoint was written: named on every worker."""
 
 
-def save_dcp(path: str | Path, state: dict[str, Any], meta: dict[str, Any], rank: int, size: int) -> None:
+def save_dcp(
+    path: str | Path, state: dict[str, Any], meta: dict[str, Any], rank: int, size: int, background: bool = False
+) -> PendingSave | None:
     """``state`` (tensors, ``FlatPieces`` and nested dicts of them) written by every worker into the DCP directory
     ``path``, and ``meta`` beside it in ``meta.pt`` by rank 0 (a collective: every worker calls it, with its own
-    pieces). On return ``path`` holds the complete checkpoint on every worker."""
+    pieces). On return ``path`` holds the complete checkpoint on every worker.
+
+    With ``background``, each worker first copies what it writes into host memory of its own (``staged``); the
+    plans are made, and the files written and put in place by a thread, whose ``PendingSave`` is returned: the
+    caller waits on it before its next save, and the process does not exit before it ends."""
+    if background:
+        state, meta = staged(state), staged(meta)
     target = Path(path)
     token = _from_root(uuid.uuid4().hex if rank == 0 else "", size, "token")
     writing = target.parent / f".{target.name}.writing-{token}"
@@ -83,15 +93,64 @@ def save_dcp(path: str | Path, state: dict[str, Any], meta: dict[str, Any], rank
         pending.wait()
         return pending.value()
 
-    results = _everyone(write, size, "write")
-
-    def finish() -> None:
+    def finish(results: list[Any]) -> None:
         writer.finish(metadata=metadata, results=results)
         torch.save(meta, writing / LIGHTNING_META_FILE)
         _replace(writing, target)
 
-    done: Any = _outcome(finish) if rank == 0 else None
-    _raise_failures([_from_root(done, size, "finish")])
+    def write_and_finish() -> None:
+        results = _everyone(write, size, "write")
+        done: Any = _outcome(lambda: finish(results)) if rank == 0 else None
+        _raise_failures([_from_root(done, size, "finish")])
+
+    if not background:
+        write_and_finish()
+        return None
+    return PendingSave(write_and_finish, target)
+
+
+class PendingSave:
+    """A checkpoint whose files a thread writes (``save_dcp(background=True)``). The thread is not a daemon: a
+    process that ends meanwhile waits for it, and so for the other workers' writes, before it exits."""
+
+    def __init__(self, work: Callable[[], None], target: Path) -> None:
+        self.target = target
+        self._failure: BaseException | None = None
+
+        def run() -> None:
+            try:
+                work()
+            except BaseException as error:  # kept for ``wait``, which raises it in the training thread
+                self._failure = error
+
+        self._thread = threading.Thread(target=run, name=f"hvd_plugins checkpoint {target.name}", daemon=False)
+        self._thread.start()
+
+    def done(self) -> bool:
+        return not self._thread.is_alive()
+
+    def wait(self) -> None:
+        """Until the checkpoint is in place on every worker; a failure of the write raised here."""
+        self._thread.join()
+        if self._failure is not None:
+            failure, self._failure = self._failure, None
+            raise SaveFailed(f"writing the checkpoint {str(self.target)!r} in the background failed: {failure}")
+
+
+def staged(value: T) -> T:
+    """``value`` with every tensor (and each ``FlatPieces``' values) copied into host memory of its own, the rest
+    of its dicts and lists copied too: what training changes next does not reach a checkpoint being written."""
+    found: Any = value
+    if isinstance(value, FlatPieces):
+        shard = value.shard
+        found = FlatPieces(LocalShard(shard.values.detach().to("cpu", copy=True), shard.start, shard.shape))
+    elif isinstance(value, torch.Tensor):
+        found = value.detach().to("cpu", copy=True)
+    elif isinstance(value, dict):
+        found = {key: staged(item) for key, item in value.items()}
+    elif isinstance(value, list | tuple):
+        found = type(value)(staged(item) for item in value)
+    return found
 
 
 def _replace(written: Path, target: Path) -> None:

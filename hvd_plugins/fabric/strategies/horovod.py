@@ -111,6 +111,8 @@ class HorovodStrategy(HorovodStrategyShared, ParallelStrategy):
         activation_checkpointing_policy: modules (classes) whose activations backward recomputes instead of keeping.
         state_dict_type: ``"full"``: ``fabric.save`` writes one file, rank 0 holding the whole state; ``"sharded"``:
             a directory in torch's distributed checkpoint format (DCP), every worker writing its own shards.
+        async_save: with ``state_dict_type="sharded"``, ``fabric.save`` returns once each worker has copied its
+            shards into host memory; a thread writes them (the next save, and teardown, wait for it).
         hierarchical_impl: ``"portable"`` (every build) or ``"native"`` (MPI + NCCL only).
         compress_node_local: with ``sync="hierarchical"``, compress the node-local legs too.
         bucket_mb: gradient bucket size of the two-level sync, in MiB.
@@ -141,6 +143,7 @@ class HorovodStrategy(HorovodStrategyShared, ParallelStrategy):
         param_dtype: ParamDtypeArgument = "auto",
         activation_checkpointing_policy: UnitPolicy = None,
         state_dict_type: StateDictType = "full",
+        async_save: bool = False,
         hierarchical_impl: HierarchicalImpl = "portable",
         compress_node_local: bool = False,
         bucket_mb: float = 32.0,
@@ -174,6 +177,7 @@ class HorovodStrategy(HorovodStrategyShared, ParallelStrategy):
             param_dtype=param_dtype,
             activation_checkpointing_policy=activation_checkpointing_policy,
             state_dict_type=state_dict_type,
+            async_save=async_save,
             hierarchical_impl=hierarchical_impl,
             compress_node_local=compress_node_local,
             bucket_mb=bucket_mb,
@@ -372,6 +376,7 @@ class HorovodStrategy(HorovodStrategyShared, ParallelStrategy):
         """Load on every worker, then take rank 0's modules and optimizer states, so all continue alike. A directory
         is read as torch's distributed checkpointing wrote it (FSDP2's ``dcp.save``, Lightning's sharded FSDP
         checkpoints), whole on every worker, at any number of workers (``core.checkpoint.dcp_read``)."""
+        self._finish_pending_save()
         with param_groups_kept(self._wrapped):
             if Path(path).is_dir():
                 remainder = restore(state or {}, read_dcp(path), strict, self.load_module_state_dict)
@@ -447,8 +452,7 @@ class HorovodStrategy(HorovodStrategyShared, ParallelStrategy):
 
     @override
     def teardown(self) -> None:
-        self._guards.stop_checking()
-        self._graph_cuts.close()
+        self._stop_watching()
         if self.gradient_sync is not None:
             self.gradient_sync.teardown(self._wrapped)
         super().teardown()

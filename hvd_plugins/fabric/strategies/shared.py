@@ -34,11 +34,12 @@ from hvd_plugins.core.checkpoint.dcp_read import (
     read_dcp,
     saved_names,
 )
-from hvd_plugins.core.checkpoint.dcp_write import save_dcp
+from hvd_plugins.core.checkpoint.dcp_write import PendingSave, save_dcp
 from hvd_plugins.core.comm import collectives
 from hvd_plugins.core.comm.counters import CommCounters
 from hvd_plugins.core.comm.shards import LocalShard
 from hvd_plugins.core.comm.topology import Topology
+from hvd_plugins.core.compiled_graphs import GraphCuts
 from hvd_plugins.core.config import HorovodConfig
 from hvd_plugins.core.elastic.reset import sync_after_reset
 from hvd_plugins.core.sync.base import GradientSync
@@ -73,6 +74,8 @@ class HorovodStrategyShared(ABC):
     num_nodes: int
     parallel_devices: list[torch.device] | None
     _committing_now = False  # inside ``_committing``: an elastic commit asks for the state
+    _pending_save: PendingSave | None = None  # a DCP checkpoint a thread writes (``async_save``)
+    _graph_cuts: GraphCuts
 
     def _plan_launch(self) -> None:
         """When the Trainer or Fabric is built: start Horovod now (for rank-zero output), unless this process
@@ -138,6 +141,7 @@ class HorovodStrategyShared(ABC):
         """After an elastic reset, in both faces: rank-zero output and the watchdog follow this worker's new rank,
         and the gradient sync is built again only if the old world shaped it (``core.elastic.reset``)."""
         rank, size = self.global_rank, self.world_size
+        self._pending_save = None  # its world is gone: the last checkpoint put in place stays the last
         self._follow_rank(rank)
         self._guards.follow_world(rank, size)
         self.gradient_sync, state = sync_after_reset(self.gradient_sync, self._synced_optimizers())
@@ -248,9 +252,30 @@ class HorovodStrategyShared(ABC):
 
     def _write_dcp(self, path: Any, tensors: dict[str, Any], meta: dict[str, Any]) -> None:
         """``tensors`` written by every worker into the DCP directory ``path``, ``meta`` beside them (``dcp_write``),
-        bounded like every wait."""
+        bounded like every wait; with ``async_save``, by a thread, once the last save's thread is done."""
+        self._finish_pending_save()
         with self._guards.waiting("saving a sharded checkpoint"):
-            save_dcp(path, tensors, meta, self.global_rank, self.world_size)
+            background = self.config.async_save
+            self._pending_save = save_dcp(path, tensors, meta, self.global_rank, self.world_size, background)
+
+    def wait_for_checkpoint(self) -> None:
+        """Until the checkpoint a thread writes (``async_save=True``) is in place on every worker (a collective: call
+        it on every worker). The next save, a load, teardown and the process's exit wait for it anyway."""
+        self._finish_pending_save()
+
+    def _finish_pending_save(self) -> None:
+        pending, self._pending_save = self._pending_save, None
+        if pending is not None:
+            with self._guards.waiting("writing a sharded checkpoint in the background"):
+                pending.wait()
+
+    def _stop_watching(self) -> None:
+        """At teardown, in both faces: the checkpoint being written finished, then no wait bounded, no graph cut."""
+        try:
+            self._finish_pending_save()
+        finally:
+            self._guards.stop_checking()
+            self._graph_cuts.close()
 
     def _write_trainer_dcp(self, checkpoint: dict[str, Any], filepath: Any) -> bool:
         """A Trainer checkpoint as Lightning's sharded FSDP writes it, when DCP is the form: the model under
@@ -273,6 +298,7 @@ class HorovodStrategyShared(ABC):
         (``dcp_read``) in the layout Lightning restores; else the file ``read_file`` reads, with the optimizer
         states of a checkpoint saved in parts: this worker's own part where the workers are as many as when it was
         saved, else the whole states, consolidated from every part."""
+        self._finish_pending_save()
         if Path(filepath).is_dir():
             return as_lightning_checkpoint(read_dcp(filepath), lightning_version)
         checkpoint = read_file()

@@ -102,7 +102,7 @@ class HorovodStrategy(HorovodStrategyShared, UnitInit):
         scale_lr: multiply learning rates (and schedulers' base lrs) by the number of workers.
         sync: ``"allreduce"`` (flat), ``"hierarchical"`` (node, then across nodes) or ``"daso"``.
         shard: ``"none"``; ``"optimizer"`` (ZeRO-1), ``"gradients"`` (ZeRO-2), ``"parameters"`` (ZeRO-3) split those.
-        shard_checkpoint, state_dict_type: sharded checkpoints whole (``"full"``) or in ``"parts"`` (``"sharded"``).
+        state_dict_type, async_save: checkpoints whole (``"full"``) or DCP (``"sharded"``), written in the background?
         auto_wrap_policy, reshard_after_forward: ``shard="parameters"``'s units (module classes), freed after forward?
         param_dtype: the dtype ``shard="parameters"`` gathers units in: ``"auto"`` (bf16-mixed on GPUs: bf16), "full".
         activation_checkpointing_policy: modules (classes) whose activations backward recomputes instead of keeping.
@@ -139,6 +139,7 @@ class HorovodStrategy(HorovodStrategyShared, UnitInit):
         shard: Shard = "none",
         shard_checkpoint: ShardCheckpoint = "full",
         state_dict_type: StateDictType | None = None,
+        async_save: bool = False,
         auto_wrap_policy: UnitPolicy = None,
         reshard_after_forward: bool = True,
         param_dtype: ParamDtypeArgument = "auto",
@@ -176,8 +177,7 @@ class HorovodStrategy(HorovodStrategyShared, UnitInit):
         self.elastic = ElasticFit(self.config.commit_every_n_steps) if runs_elastic(self.config) else None
         """With an elastic launch: the commits and resets of this strategy's fits (``elastic.resets`` counts)."""
 
-    def __repr__(self) -> str:
-        """Named with its Lightning package: Lightning prints it when a Trainer of the other package refuses it."""
+    def __repr__(self) -> str:  # named with its Lightning package: Lightning prints it refusing the other package's
         return describe_strategy(self)
 
     @property
@@ -380,8 +380,7 @@ class HorovodStrategy(HorovodStrategyShared, UnitInit):
 
     @override
     def teardown(self) -> None:
-        self._guards.stop_checking()
-        self._graph_cuts.close()
+        self._stop_watching()
         if self.gradient_sync is not None:
             self.gradient_sync.teardown(self.optimizers)  # its state (the measured route) stays for a later fit
         trainer = self._trainer
