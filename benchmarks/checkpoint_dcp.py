@@ -115,9 +115,12 @@ def load_worker(args: argparse.Namespace) -> None:
     found = {}
     for name in SAVES[:2]:
         fabric.barrier()
+        reset_peak()
+        before = resident()["VmRSS"]
         start = time.perf_counter()
         fabric.load(Path(args.path) / name, {"model": model, "optimizer": optimizer})
         found[name] = time.perf_counter() - start
+        found[f"{name} peak"] = resident()["VmHWM"] - before
     write_rank_file(args.out, fabric.global_rank, found)
 
 
@@ -150,7 +153,8 @@ def run(size: dict[str, Any], workdir: Path) -> str:
             timeout=1800,
         )
         if sorted(job.results) == list(range(workers)):
-            loads[workers] = {name: max(job.results[r][name] for r in range(workers)) for name in SAVES[:2]}
+            keys = job.results[0]
+            loads[workers] = {name: max(job.results[r][name] for r in range(workers)) for name in keys}
         print(f"  load at {workers}: {loads.get(workers)}", flush=True)
     for save, found in saved.items():
         read = "full" if save == "full" else "sharded"
@@ -161,17 +165,18 @@ def run(size: dict[str, Any], workdir: Path) -> str:
                 f"{found['stopped']:.1f}",
                 f"{found['during']:.1f} (alone {found['step']:.1f})" if save == "async" else f"{found['step']:.1f}",
                 f"{found['peak'] / GIB:.2f}",
-                f"{loads[4][read]:.1f}" if 4 in loads else "failed",
-                f"{loads[2][read]:.1f}" if 2 in loads else "failed",
+                f"{loads[4][read]:.1f} ({loads[4][read + ' peak'] / GIB:.2f})" if 4 in loads else "failed",
+                f"{loads[2][read]:.1f} ({loads[2][read + ' peak'] / GIB:.2f})" if 2 in loads else "failed",
             ]
         )
-    header = ("save", "to disk s", "training stopped s", "step s", "rank 0 peak GiB", "load at 4 s", "load at 2 s")
+    header = ("save", "to disk s", "training stopped s", "step s", "rank 0 peak GiB", "load at 4 s (GiB)", "at 2")
     return (
         f"Model: TiedGPT {size}; 4 workers on two emulated hosts, shard='parameters', SGD with momentum.\n"
         "to disk: from fabric.save until the checkpoint is in place on every worker; training stopped: until "
         "fabric.save returned; step: a training step (for async, the one run while the files are written); "
         "rank 0 peak: its resident memory growth during the save; load: fabric.load into a fresh ZeRO-3 model "
-        "and optimizer (the largest worker's time).\n\n" + format_table(header, rows)
+        "and optimizer, the largest worker's time and, in brackets, its peak resident memory growth.\n\n"
+        + format_table(header, rows)
     )
 
 

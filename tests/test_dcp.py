@@ -22,6 +22,7 @@ from hvd_plugins.testing.launch import run_bounded
 COVERS = (
     "hvd_plugins.core.checkpoint.boxes",
     "hvd_plugins.core.checkpoint.dcp_read",
+    "hvd_plugins.core.checkpoint.dcp_source",
     "hvd_plugins.core.checkpoint.dcp_write",
     "hvd_plugins.fabric.strategies.horovod",
     "hvd_plugins.fabric.strategies.shared",
@@ -79,6 +80,7 @@ def test_a_sharded_checkpoint_is_written_by_every_worker_and_read_at_two_workers
             found = report[case]
             assert found["weights"] == EXACT and found["moments"] == EXACT, (rank, case, found)
             assert found["steps"] == [2.0] and found["left"] == {"step": 2}, (rank, case, found)
+        assert "size mismatch for model." in report["other_model"], report["other_model"]  # named, on every worker
         resumed = report["trainer"]  # 4 workers' step-2 directory, resumed at 2 workers
         assert resumed["global_step"] == 3 and resumed["from_four_workers"] <= TOLERANCE, (rank, resumed)
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]

@@ -128,7 +128,25 @@ def load(out: Path) -> None:
                 "left": left,
             }
     report["trainer"] = trainer_resumes(out)
+    report["other_model"] = other_model_refused(out)
     write_result(out, hvd.rank(), report)
+
+
+def other_model_refused(out: Path) -> str:
+    """A checkpoint of another model (wider) loaded under ZeRO-3: the error every worker raises alike."""
+    from lightning.fabric import Fabric
+
+    from hvd_plugins.fabric import HorovodStrategy
+
+    fabric = Fabric(strategy=HorovodStrategy(shard="parameters"), accelerator="cpu")
+    fabric.launch()
+    module = AttentionGPT(width=40)
+    model, optimizer = fabric.setup(module, torch.optim.AdamW(module.parameters(), lr=1e-2))
+    try:
+        fabric.load(out / "fabric_parameters", {"model": model, "optim": optimizer})
+    except RuntimeError as error:
+        return str(error)
+    return ""
 
 
 def trainer_resumes(out: Path) -> dict[str, Any]:

@@ -58,8 +58,9 @@ def _in_row(row: int, boxes: list[Box]) -> list[Box]:
 
 @dataclass(frozen=True)
 class FlatPieces:
-    """This worker's part of one tensor (``LocalShard``: flat values from ``start``) in the form DCP saves: DCP
-    asks it for its write items (``__create_write_items__``) and, through ``PiecesPlanner``, for each box's data."""
+    """This worker's part of one tensor (``LocalShard``: flat values from ``start``) in the form DCP saves and
+    loads: DCP asks it for its write items (``__create_write_items__``) or the chunks to read into
+    (``__create_chunk_list__``) and, through the planners, for each box's values."""
 
     shard: LocalShard
 
@@ -89,6 +90,15 @@ class FlatPieces:
                     size=torch.Size(self.shard.shape),
                 ),
             )
+            for (offsets, sizes), _ in self.boxes()
+        ]
+
+    def __create_chunk_list__(self) -> list[Any]:
+        """DCP's chunks of this part (a load reads the saved boxes that overlap them)."""
+        from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+
+        return [
+            ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes))
             for (offsets, sizes), _ in self.boxes()
         ]
 

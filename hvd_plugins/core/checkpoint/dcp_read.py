@@ -43,14 +43,15 @@ def refuse_other_directory(path: str | Path) -> None:
     )
 
 
-def read_dcp(path: str | Path) -> dict[str, Any]:
-    """The whole checkpoint at ``path`` as one nested dict (tensors whole, on the CPU), Lightning's ``meta.pt``
-    merged in; a directory that is no DCP checkpoint, and a missing or unreadable shard file, are named in the
-    error."""
+def read_dcp(path: str | Path, lazy: Callable[[str], bool] = lambda key: False) -> dict[str, Any]:
+    """The checkpoint at ``path`` as one nested dict (tensors whole, on the CPU), Lightning's ``meta.pt`` merged
+    in; each top-level key that ``lazy`` accepts is left on disk as a ``DcpSource``, read later where it is loaded
+    (a sharded mode then reads only its slices). A directory that is no DCP checkpoint, and a missing or
+    unreadable shard file, are named in the error."""
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.api import CheckpointException
-    from torch.distributed.checkpoint.format_utils import _EmptyStateDictLoadPlanner
-    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    from hvd_plugins.core.checkpoint.dcp_source import DcpSource, read_selected
 
     if not is_dcp_checkpoint(path):
         refuse_other_directory(path)
@@ -61,12 +62,16 @@ def read_dcp(path: str | Path) -> dict[str, Any]:
             f"the checkpoint directory {str(path)!r} lacks {len(missing)} of the {len(files)} shard files its "
             f"{METADATA_FILE!r} names: {missing[:4]}. Copy every file the job that saved it wrote"
         )
+    metadata = reader.read_metadata()
+    tops = {str((metadata.planner_data or {}).get(key, (key,))[0]) for key in metadata.state_dict_metadata}
+    left = {key for key in tops if lazy(key)}
     state: dict[str, Any] = {}
     try:
-        _load_state_dict(state, storage_reader=reader, planner=_EmptyStateDictLoadPlanner(), no_dist=True)
+        read_selected(reader, state, lambda entry: str(entry[0]) not in left)
     except CheckpointException as error:  # a BaseException: a failure on some rank, wrapped
         causes = [str(cause) for cause in getattr(error, "failures", {}).values()] or [str(error)]
         raise ValueError(f"cannot read the checkpoint directory {str(path)!r}: {_first_line(causes[-1])}") from None
+    state.update((key, DcpSource(Path(path), key)) for key in left)
     meta = Path(path) / LIGHTNING_META_FILE
     if meta.is_file():
         state.update(torch.load(meta, map_location="cpu", weights_only=False))
@@ -170,17 +175,18 @@ def restore(
     state: Module | Optimizer | dict[str, Any],
     checkpoint: dict[str, Any],
     strict: bool,
-    load_module: Callable[[Module, dict[str, Any], bool], None],
+    load_module: Callable[[Module, Any, bool], None],
+    load_optimizer: Callable[[Optimizer, Any, Module], None],
 ) -> dict[str, Any]:
     """``state``'s objects given their parts of ``checkpoint`` (read by ``read_dcp``), as Fabric's ``load`` gives
-    them from a file: a module through ``load_module``, an optimizer after ``by_parameter_index`` (by the names of
-    the module in ``state`` whose parameters it steps), anything else with a ``load_state_dict`` through it, plain
-    values replaced. Returns what is left of the checkpoint."""
+    them from a file: a module through ``load_module``, an optimizer through ``load_optimizer`` with the module in
+    ``state`` whose parameters it steps (its state is keyed by their names), anything else with a
+    ``load_state_dict`` through it, plain values replaced. Returns what is left of the checkpoint."""
     if isinstance(state, Module):
         load_module(state, checkpoint, strict)
         return {}
     if isinstance(state, Optimizer):
-        state.load_state_dict(checkpoint)
+        load_optimizer(state, checkpoint, Module())
         return {}
     missing = [name for name in state if name not in checkpoint]
     if strict and missing:
@@ -195,7 +201,7 @@ def restore(
         if isinstance(obj, Module):
             load_module(obj, checkpoint.pop(name), strict)
         elif isinstance(obj, Optimizer):
-            obj.load_state_dict(by_parameter_index(checkpoint.pop(name), obj, _stepped_by(obj, modules)))
+            load_optimizer(obj, checkpoint.pop(name), _stepped_by(obj, modules))
         elif callable(getattr(obj, "load_state_dict", None)):
             obj.load_state_dict(checkpoint.pop(name))
         else:

@@ -34,7 +34,8 @@ import torch
 from torch.nn import Module
 from torch.optim import Optimizer
 
-from hvd_plugins.core.checkpoint.dcp_read import by_parameter_name
+from hvd_plugins.core.checkpoint.dcp_read import by_parameter_index, by_parameter_name
+from hvd_plugins.core.checkpoint.dcp_source import DcpSource, read_model
 from hvd_plugins.core.comm.parameters import optimizer_parameters
 from hvd_plugins.core.comm.shards import LocalShard
 from hvd_plugins.core.comm.topology import Topology
@@ -166,6 +167,17 @@ class GradientSync(TrainingLoopHooks, ABC):
         """The optimizer's state as a DCP checkpoint saves it, keyed by parameter name (``names``: ``saved_names``
         of the model): here the whole state, which every worker holds."""
         return by_parameter_name(self.optimizer_state_dict(optimizer), optimizer, names)
+
+    def load_model_pieces(self, model: Module, source: DcpSource, strict: bool = True) -> None:
+        """The model's state read from a DCP checkpoint in place, each worker only the boxes of what it holds
+        (``model_pieces``: the live tensors it holds whole, its pieces of a sharded parameter)."""
+        read_model(source, self.model_pieces(model), strict, type(model).__name__)
+
+    def load_optimizer_pieces(self, optimizer: Optimizer, model: Module, source: DcpSource) -> None:
+        """The optimizer's state from a DCP checkpoint (keyed by the names of ``model``'s parameters): here whole,
+        as every worker holds it."""
+        whole = source.read(lambda path: True)
+        self.load_optimizer_state_dict(optimizer, by_parameter_index(whole, optimizer, model))
 
     def load_model_state_dict(self, model: Module, state: Mapping[str, Any], strict: bool = True) -> None:
         """Take back a whole model state, saved at any world size or by one process."""

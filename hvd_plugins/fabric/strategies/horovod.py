@@ -378,8 +378,13 @@ class HorovodStrategy(HorovodStrategyShared, ParallelStrategy):
         checkpoints), whole on every worker, at any number of workers (``core.checkpoint.dcp_read``)."""
         self._finish_pending_save()
         with param_groups_kept(self._wrapped):
-            if Path(path).is_dir():
-                remainder = restore(state or {}, read_dcp(path), strict, self.load_module_state_dict)
+            if Path(path).is_dir():  # modules and optimizers read in place, each worker what it holds
+                given = state if isinstance(state, dict) else {}
+                lazy = {key for key, obj in given.items() if isinstance(obj, Module | Optimizer)}
+                checkpoint = read_dcp(path, lazy=lazy.__contains__)
+                remainder = restore(
+                    state or {}, checkpoint, strict, self.load_module_state_dict, self._load_optimizer_state
+                )
             else:
                 remainder = super().load_checkpoint(path, state, strict, **kwargs)  # weights_only since Fabric 2.4
         objects = state.values() if isinstance(state, dict) else [state] if state is not None else []

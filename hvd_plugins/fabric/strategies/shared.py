@@ -34,6 +34,7 @@ from hvd_plugins.core.checkpoint.dcp_read import (
     read_dcp,
     saved_names,
 )
+from hvd_plugins.core.checkpoint.dcp_source import DcpSource, read_model
 from hvd_plugins.core.checkpoint.dcp_write import PendingSave, save_dcp
 from hvd_plugins.core.comm import collectives
 from hvd_plugins.core.comm.counters import CommCounters
@@ -182,13 +183,24 @@ class HorovodStrategyShared(ABC):
         worker's device; then rank 0's everywhere, where every worker holds the whole state. A state saved by
         parameter name (DCP's layout) is matched by the names of ``model``'s parameters."""
         for optimizer, saved in zip(optimizers, states, strict=False):
-            state = dict(saved) if is_parts_marker(saved) else by_parameter_index(saved, optimizer, model)
-            if self.gradient_sync is None:
-                optimizer.load_state_dict(state)
-            else:
-                self.gradient_sync.load_optimizer_state_dict(optimizer, state)
+            self._load_optimizer_state(optimizer, saved, model)
         optimizers_to_device(list(optimizers), self.root_device)
         self._share_loaded_optimizer_states(optimizers)
+
+    def _load_optimizer_state(self, optimizer: Optimizer, saved: Any, model: Module) -> None:
+        """One optimizer's saved state taken through the sync mode: whole, this worker's part, keyed by the names of
+        ``model``'s parameters, or left in a DCP checkpoint (a sharded mode reads only its slices of it)."""
+        sync = self.gradient_sync
+        if isinstance(saved, DcpSource):
+            if sync is not None:
+                sync.load_optimizer_pieces(optimizer, model, saved)
+                return
+            saved = saved.read(lambda path: True)
+        state = dict(saved) if is_parts_marker(saved) else by_parameter_index(saved, optimizer, model)
+        if sync is None:
+            optimizer.load_state_dict(state)
+        else:
+            sync.load_optimizer_state_dict(optimizer, state)
 
     # ------------------------------------------------------------------ checkpoints
     def _add_sync_state(self, checkpoint: dict[str, Any]) -> None:
@@ -207,10 +219,15 @@ class HorovodStrategyShared(ABC):
         assert model is not None
         return model.state_dict() if self.gradient_sync is None else self.gradient_sync.model_state_dict(model)
 
-    def _load_model_state(self, model: Module | None, state: Mapping[str, Any], strict: bool) -> None:
+    def _load_model_state(self, model: Module | None, state: Mapping[str, Any] | DcpSource, strict: bool) -> None:
         """A saved model state taken back through the sync mode (before a sync exists: by the module itself)."""
         assert model is not None
-        if self.gradient_sync is None:
+        if isinstance(state, DcpSource):  # read in place from the directory, each worker what it holds
+            if self.gradient_sync is None:
+                read_model(state, model.state_dict(), strict, type(model).__name__)
+            else:
+                self.gradient_sync.load_model_pieces(model, state, strict)
+        elif self.gradient_sync is None:
             model.load_state_dict(state, strict=strict)
         else:
             self.gradient_sync.load_model_state_dict(model, state, strict)
@@ -299,8 +316,8 @@ class HorovodStrategyShared(ABC):
         states of a checkpoint saved in parts: this worker's own part where the workers are as many as when it was
         saved, else the whole states, consolidated from every part."""
         self._finish_pending_save()
-        if Path(filepath).is_dir():
-            return as_lightning_checkpoint(read_dcp(filepath), lightning_version)
+        if Path(filepath).is_dir():  # the model and optimizers left on disk, read in place when loaded
+            return as_lightning_checkpoint(read_dcp(filepath, lazy=lightning_tensors), lightning_version)
         checkpoint = read_file()
         read_parts_beside(checkpoint, filepath, self.world_size, self.global_rank)
         return checkpoint
@@ -352,3 +369,9 @@ class HorovodStrategyShared(ABC):
         if self.world_size > 1 and horovod_torch().is_initialized():
             with self._guards.waiting(f"barrier {name or ''}".strip()):
                 horovod_torch().barrier()
+
+
+def lightning_tensors(key: str) -> bool:
+    """The keys of a Trainer's DCP checkpoint that hold the model and the optimizers (Lightning's sharded layout, or
+    a plain ``dcp.save`` of ``{"model": ..., "optim": ...}``)."""
+    return key in ("model", "optim", "optimizer") or key.startswith("optimizer_")

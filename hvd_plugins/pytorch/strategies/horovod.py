@@ -102,7 +102,7 @@ class HorovodStrategy(HorovodStrategyShared, UnitInit):
         scale_lr: multiply learning rates (and schedulers' base lrs) by the number of workers.
         sync: ``"allreduce"`` (flat), ``"hierarchical"`` (node, then across nodes) or ``"daso"``.
         shard: ``"none"``; ``"optimizer"`` (ZeRO-1), ``"gradients"`` (ZeRO-2), ``"parameters"`` (ZeRO-3) split those.
-        state_dict_type, async_save: checkpoints whole (``"full"``) or DCP (``"sharded"``), written in the background?
+        shard_checkpoint, state_dict_type, async_save: ``"full"``, ``"dcp"`` (``"sharded"``), ``"parts"``; DCP async?
         auto_wrap_policy, reshard_after_forward: ``shard="parameters"``'s units (module classes), freed after forward?
         param_dtype: the dtype ``shard="parameters"`` gathers units in: ``"auto"`` (bf16-mixed on GPUs: bf16), "full".
         activation_checkpointing_policy: modules (classes) whose activations backward recomputes instead of keeping.

@@ -35,6 +35,8 @@ import torch
 from torch.nn import Module
 from torch.optim import Optimizer
 
+from hvd_plugins.core.checkpoint.dcp_read import saved_names
+from hvd_plugins.core.checkpoint.dcp_source import DcpSource
 from hvd_plugins.core.comm.compression import Compressor
 from hvd_plugins.core.comm.counters import CommCounters, Scope
 from hvd_plugins.core.comm.reducer import BucketReducer
@@ -306,6 +308,10 @@ class ShardedGradientSync(GradientSync):
 
     def model_pieces(self, model: Module) -> dict[str, Any]:
         return self.stage.model_pieces(model)
+
+    def load_optimizer_pieces(self, optimizer: Optimizer, model: Module, source: DcpSource) -> None:
+        """Only this worker's slices of the state read from the checkpoint (``ShardedOptimizer.load_pieces``)."""
+        self._sharded(optimizer).load_pieces(saved_names(model), source)
 
     def _commit_parts(self, sharded: ShardedOptimizer) -> dict[str, Any]:
         part = sharded.part(with_values=True)  # a unit's slices are its only copy (``shard="parameters"``)

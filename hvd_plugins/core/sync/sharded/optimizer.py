@@ -24,6 +24,8 @@ from torch.nn import Parameter
 from torch.optim import Optimizer
 
 from hvd_plugins.core.checkpoint.boxes import FlatPieces
+from hvd_plugins.core.checkpoint.dcp_source import DcpSource
+from hvd_plugins.core.checkpoint.dcp_source import is_shaped as is_saved_shaped
 from hvd_plugins.core.comm.counters import CommCounters, Scope
 from hvd_plugins.core.comm.in_flight import InFlight, finish_each
 from hvd_plugins.core.comm.partners import PartnerGroup, start_slices_gather
@@ -386,6 +388,61 @@ class ShardedOptimizer(Optimizer):
             settings = {key: value for key, value in group.items() if key != "params"}
             groups.append({**settings, "params": [names[id(p)] for p in group["params"]]})
         return {"state": state, "param_groups": groups}
+
+    def load_pieces(self, names: Mapping[int, str], source: DcpSource) -> None:
+        """This worker's slices of the state in a DCP checkpoint (``source``, keyed by parameter name as ``pieces``
+        saves it): each slice-shaped state tensor read straight into a new slice of it, only the boxes this worker
+        steps; the param groups, step counts and the state of parameters in no bucket read whole (they are small)."""
+        entries = source.entries()
+        laid_out = {id(p) for bucket in self.buckets for p in bucket.parameters}
+        in_buckets = {names[key] for key in laid_out}
+
+        def small(path: tuple[str, ...]) -> bool:
+            return path[0] != "state" or path[1] not in in_buckets or not is_saved_shaped(entries[path])
+
+        saved = source.read(small)
+        self._take_param_groups(saved.get("param_groups", []), names)
+        states: dict[str, dict[str, Any]] = saved.get("state", {})
+        by_name = {names[id(p)]: p for group in self.param_groups for p in group["params"]}
+        self._parked = {
+            id(p): (p, dict(states[name])) for name, p in by_name.items() if id(p) not in laid_out and name in states
+        }
+        if self.inner is None:
+            return
+        targets: dict[str, dict[str, Any]] = {}
+        for bucket, piece in zip(self.buckets, self.slices, strict=True):
+            own: dict[str, Any] = {}
+            for parameter in bucket.parameters:  # scalars (a step count): alike for every parameter of a bucket
+                own.update((key, copy_of(value)) for key, value in states.get(names[id(parameter)], {}).items())
+            shaped = {
+                path[2]
+                for parameter in bucket.parameters
+                for path, entry in entries.items()
+                if path[:2] == ("state", names[id(parameter)]) and len(path) == 3 and is_saved_shaped(entry)
+            }
+            for key in sorted(shaped):
+                own[key] = torch.zeros(piece.shape, dtype=piece.dtype, device=piece.device)
+                for parameter, shard in bucket.local_shards(own[key]):
+                    targets.setdefault(names[id(parameter)], {})[key] = FlatPieces(shard)
+            if own:
+                self.inner.state[piece] = own
+        source.read_into({"state": targets})
+
+    def _take_param_groups(self, saved: Sequence[Mapping[str, Any]], names: Mapping[int, str]) -> None:
+        """The saved param groups' settings (lr, betas, ...), each group holding the same parameters by name."""
+        if len(saved) != len(self.param_groups):
+            raise ValueError(
+                f"the checkpoint's optimizer state has {len(saved)} param groups, this optimizer "
+                f"{len(self.param_groups)}: build the optimizer with the param groups of the run that saved it"
+            )
+        for index, (group, ours) in enumerate(zip(saved, self.param_groups, strict=True)):
+            wanted = {names[id(p)] for p in ours["params"]}
+            if set(group.get("params", [])) != wanted:
+                raise ValueError(
+                    f"param group {index} of the checkpoint's optimizer state holds other parameters than this "
+                    f"optimizer's: missing {sorted(wanted - set(group.get('params', [])))[:3]}"
+                )
+            ours.update({key: value for key, value in group.items() if key != "params"})
 
     def _parked_by_index(self) -> dict[int, dict[str, Any]]:
         indices = self.parameter_indices()

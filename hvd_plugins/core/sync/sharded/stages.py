@@ -563,7 +563,7 @@ class ParameterStage(GradientStage):
         self._state.load(model, state, strict)
 
     def model_pieces(self, model: Module) -> dict[str, Any]:
-        return model.state_dict() if self._units is None else self._state.pieces(model)
+        return model.state_dict() if self._units is None else self._state.pieces(model, self.whole_shape)
 
     def whole_shape(self, parameter: Parameter) -> torch.Size:
         """A unit's parameter holds this worker's shard: its whole shape is the one taken when it was sharded."""

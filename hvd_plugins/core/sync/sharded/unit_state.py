@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
-from torch.nn import Module
+from torch.nn import Module, Parameter
 from torch.utils.hooks import RemovableHandle
 
 from hvd_plugins.core.checkpoint.boxes import FlatPieces
@@ -57,12 +57,19 @@ class UnitStates:
         state[UNITS_IN_PARTS_KEY] = True
         return state
 
-    def pieces(self, model: Module) -> dict[str, Any]:
-        """The state as a DCP checkpoint saves it, with no gather: this worker's part of each unit's parameter
-        (``FlatPieces``, views of its slices), and what no unit owns as every worker holds it."""
-        owned = self._owned_names(parameter_names(model))
+    def pieces(self, model: Module, whole_shape: Callable[[Parameter], torch.Size]) -> dict[str, Any]:
+        """The state as a DCP checkpoint saves and loads it, with no gather: this worker's part of each unit's
+        parameter (``FlatPieces``, views of its slices; none of it where it holds no element), and what no unit owns
+        as every worker holds it."""
+        names = parameter_names(model)
+        owned = self._owned_names(names)
         with self._state_as_held():
             state: dict[str, Any] = {key: value for key, value in model.state_dict().items() if key not in owned}
+        units = self._units()
+        assert units is not None
+        for parameter in (p for unit in units.units for p in unit.parameters()):
+            nothing = LocalShard(parameter.detach()[:0], 0, whole_shape(parameter))
+            state.update((name, FlatPieces(nothing)) for name in names.get(id(parameter), []))
         state.update((name, FlatPieces(shard)) for name, shard in self.local_shards(model).items())
         return state
 

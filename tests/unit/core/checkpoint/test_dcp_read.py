@@ -57,6 +57,7 @@ def test_a_checkpoint_directory_is_read_whole_and_its_optimizer_state_loads_into
         whole,
         True,
         lambda module, state, strict: module.load_state_dict(state, strict=strict),
+        lambda optimizer, state, module: optimizer.load_state_dict(by_parameter_index(state, optimizer, module)),
     )
     assert left == {}
     for mine, theirs in zip(fresh.parameters(), model.parameters(), strict=True):
@@ -98,4 +99,4 @@ def test_a_directory_that_is_no_checkpoint_and_a_missing_shard_file_say_so(tmp_p
 def test_strict_loading_names_what_the_checkpoint_lacks(tmp_path: Path) -> None:
     path, model, _ = saved(tmp_path)
     with pytest.raises(KeyError, match=r"\['scheduler'\]"):
-        restore({"model": model, "scheduler": 1}, read_dcp(path), True, lambda m, s, strict: None)
+        restore({"model": model, "scheduler": 1}, read_dcp(path), True, lambda m, s, strict: None, lambda o, s, m: None)

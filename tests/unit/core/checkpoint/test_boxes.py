@@ -73,3 +73,4 @@ def test_a_failed_save_leaves_the_last_checkpoint(tmp_path: Path) -> None:
     with pytest.raises(SaveFailed, match="failed on 1 worker.*rank 0: ValueError"):
         save_dcp(tmp_path / "ckpt", {"model": {"w": beyond}}, {"epoch": 2}, rank=0, size=1)
     assert read_dcp(tmp_path / "ckpt")["epoch"] == 1
+
