@@ -54,7 +54,9 @@ COVERS = (
     "hvd_plugins.testing.reports",
 )
 
-pytestmark = pytest.mark.multiprocess
+pytestmark = [pytest.mark.multiprocess, pytest.mark.usefixtures("workers_from_the_fork_servers")]
+
+
 
 
 def run_main(module: ModuleType, argv: Sequence[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
