@@ -8,10 +8,8 @@ jobs between files.
 
 from __future__ import annotations
 
-import json
 import shutil
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -20,17 +18,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.append(str(Path(__file__).resolve().parent / "workers"))  # models.py and the checks the tests name
 
 import slurm_jobs
-from hvd_launch import (
-    FORKSERVER,
-    LIGHTNING_PACKAGES,
-    TWO_NODES,
-    forkserver_env,
-    horovodrun_path,
-    run_job,
-    run_on_mpi_nodes,
-)
+from hvd_launch import LIGHTNING_PACKAGES, TWO_NODES, horovodrun_path, run_job, run_on_mpi_nodes
 
-from hvd_plugins.testing.launch import WORKER_PREFIX_VARIABLE, mpi_launch_problem
+from hvd_plugins.testing.launch import mpi_launch_problem
 from hvd_plugins.testing.netns_cluster import ClusterUnavailable, NamespaceCluster
 
 UNIT_TESTS = Path(__file__).resolve().parent / "unit"
@@ -131,18 +121,6 @@ def two_node_reports(
         job.results[0]["route_lines"] = [line for line in job.output.splitlines() if "training steps took" in line]
         _two_node_reports[launch] = job.results
     return _two_node_reports[launch]
-
-
-@pytest.fixture(scope="module")
-def workers_from_the_fork_servers() -> Iterator[None]:
-    """Workers that the code under test starts with a static horovodrun itself (the benchmark scripts) start from
-    this session's fork servers, as ``run_job``'s do (tests/forkserver.py): each skips the seconds of CPU that
-    importing torch, Lightning and Horovod costs."""
-    patch = pytest.MonkeyPatch()
-    for name, value in {**forkserver_env(), WORKER_PREFIX_VARIABLE: json.dumps([str(FORKSERVER), "run"])}.items():
-        patch.setenv(name, value)
-    yield
-    patch.undo()
 
 
 @pytest.fixture(scope="session", params=TWO_WORKER_VARIANTS, ids=lambda variant: "-".join(variant))

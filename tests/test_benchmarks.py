@@ -54,9 +54,7 @@ COVERS = (
     "hvd_plugins.testing.reports",
 )
 
-pytestmark = [pytest.mark.multiprocess, pytest.mark.usefixtures("workers_from_the_fork_servers")]
-
-
+pytestmark = pytest.mark.multiprocess
 
 
 def run_main(module: ModuleType, argv: Sequence[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:

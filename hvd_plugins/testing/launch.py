@@ -169,20 +169,6 @@ def _log_launch(command: Sequence[str], seconds: float) -> None:
         file.write(f"{test_file}\t{' '.join(Path(part).name for part in command[:2])}\t{seconds:.1f}\n")
 
 
-WORKER_PREFIX_VARIABLE = "HVD_PLUGINS_WORKER_PREFIX"
-"""A JSON list of arguments put between the Python interpreter and the script of each Python worker that a static
-``horovodrun`` starts (not an elastic one): the test suite's fork-server runner, which starts a worker from a
-process that has imported torch, Lightning and Horovod already. Unset (as for every user): the plain way."""
-
-
-def with_worker_prefix(worker: Sequence[str]) -> list[str]:
-    """``worker`` with ``WORKER_PREFIX_VARIABLE``'s arguments after its interpreter, where it is a Python one."""
-    prefix = os.environ.get(WORKER_PREFIX_VARIABLE)
-    if not prefix or not worker or worker[0] != sys.executable:
-        return list(worker)
-    return [worker[0], *json.loads(prefix), *worker[1:]]
-
-
 def horovodrun(
     worker: Sequence[str],
     *,
@@ -208,7 +194,6 @@ def horovodrun(
     if controller not in ("gloo", "mpi"):
         raise ValueError(f"controller={controller!r}; choose 'gloo' or 'mpi'")
     launcher = horovodrun_command(probe_build, controller)
-    worker = with_worker_prefix(worker)
     command = [*launcher, "-np", str(np), "-H", hosts or f"localhost:{np}", f"--{controller}", *worker]
     if out_dir is not None:
         command += ["--out", str(out_dir)]

@@ -393,6 +393,13 @@ class ShardedOptimizer(Optimizer):
         """This worker's slices of the state in a DCP checkpoint (``source``, keyed by parameter name as ``pieces``
         saves it): each slice-shaped state tensor read straight into a new slice of it, only the boxes this worker
         steps; the param groups, step counts and the state of parameters in no bucket read whole (they are small)."""
+        unnamed = [p for group in self.param_groups for p in group["params"] if id(p) not in names]
+        if unnamed:
+            raise ValueError(
+                f"{type(self.user_optimizer).__name__} steps {len(unnamed)} parameter(s) that the model loaded with it "
+                "does not hold: a sharded checkpoint keys optimizer state by parameter name, so load the optimizer "
+                "together with the model whose parameters it steps"
+            )
         entries = source.entries()
         laid_out = {id(p) for bucket in self.buckets for p in bucket.parameters}
         in_buckets = {names[key] for key in laid_out}
