@@ -41,19 +41,6 @@ HOSTS = "localhost:2,127.0.0.1:2"
 GIB = 2**30
 
 
-def resident() -> dict[str, int]:
-    found = {}
-    for line in Path("/proc/self/status").read_text().splitlines():
-        key, _, value = line.partition(":")
-        if key in ("VmRSS", "VmHWM"):
-            found[key] = int(value.split()[0]) * 1024
-    return found
-
-
-def reset_peak() -> None:
-    Path("/proc/self/clear_refs").write_text("5")
-
-
 def set_up(size: dict[str, Any], save: str) -> tuple[Any, Any, Any, Any]:
     """A fresh ZeRO-3 Fabric job with the GPT built on the meta device and SGD with momentum."""
     import torch
@@ -91,8 +78,8 @@ def save_worker(args: argparse.Namespace) -> None:
     step = train_step(fabric, model, optimizer, tokens)  # the step time without a save
     path = Path(args.path)
     fabric.barrier()
-    reset_peak()
-    before = resident()["VmRSS"]
+    bench.reset_peak()
+    before = bench.resident()["VmRSS"]
     start = time.perf_counter()
     fabric.save(path, {"model": model, "optimizer": optimizer, "step": 2})
     stopped = time.perf_counter() - start
@@ -101,7 +88,7 @@ def save_worker(args: argparse.Namespace) -> None:
         fabric.strategy.wait_for_checkpoint()
     fabric.barrier()
     complete = time.perf_counter() - start
-    peak = resident()["VmHWM"] - before
+    peak = bench.resident()["VmHWM"] - before
     write_rank_file(
         args.out,
         fabric.global_rank,
@@ -115,12 +102,12 @@ def load_worker(args: argparse.Namespace) -> None:
     found = {}
     for name in [args.save]:  # one checkpoint a job: what a load holds is not hidden by an earlier load's heap
         fabric.barrier()
-        reset_peak()
-        before = resident()["VmRSS"]
+        bench.reset_peak()
+        before = bench.resident()["VmRSS"]
         start = time.perf_counter()
         fabric.load(Path(args.path) / name, {"model": model, "optimizer": optimizer})
         found[name] = time.perf_counter() - start
-        found[f"{name} peak"] = resident()["VmHWM"] - before
+        found[f"{name} peak"] = bench.resident()["VmHWM"] - before
     write_rank_file(args.out, fabric.global_rank, found)
 
 

@@ -50,21 +50,6 @@ WORKERS = 4
 GIB = 2**30
 
 
-def resident() -> dict[str, int]:
-    """This process's resident bytes now and at their peak since the last reset."""
-    found = {}
-    for line in Path("/proc/self/status").read_text().splitlines():
-        key, _, value = line.partition(":")
-        if key in ("VmRSS", "VmHWM"):
-            found[key] = int(value.split()[0]) * 1024
-    return found
-
-
-def reset_peak() -> None:
-    """The peak resident memory (``VmHWM``) set to what is resident now."""
-    Path("/proc/self/clear_refs").write_text("5")
-
-
 def worker_main(args: argparse.Namespace) -> None:
     import torch
     from torch import nn
@@ -81,11 +66,11 @@ def worker_main(args: argparse.Namespace) -> None:
     largest_unit = max(block, sum(p.numel() for p in probe.parameters()) - len(probe.blocks) * block)
     tokens = torch.randint(0, size["vocab"], (1, size["context"] + 1), generator=torch.Generator().manual_seed(0))
     phases: dict[str, int] = {}
-    reset_peak()
-    start = resident()["VmRSS"]
+    bench.reset_peak()
+    start = bench.resident()["VmRSS"]
 
     def note(phase: str, key: str = "VmRSS") -> None:
-        phases[phase] = resident()[key] - start
+        phases[phase] = bench.resident()[key] - start
 
     if args.setting == "fsdp2":
         parameters = fsdp2_run(GPT, tokens, args.steps, note)
@@ -98,7 +83,7 @@ def worker_main(args: argparse.Namespace) -> None:
         import horovod.torch as hvd
 
         rank = hvd.rank()
-    peak = resident()["VmHWM"] - start
+    peak = bench.resident()["VmHWM"] - start
     write_rank_file(
         args.out, rank, {"phases": phases, "peak": peak, "parameters": parameters, "largest_unit": largest_unit}
     )

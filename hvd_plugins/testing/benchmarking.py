@@ -523,6 +523,21 @@ def tensor_count(model: nn.Module) -> int:
     return sum(1 for p in model.parameters() if p.requires_grad)
 
 
+def resident() -> dict[str, int]:
+    """This process's resident bytes now (``VmRSS``) and at their peak since the last reset (``VmHWM``)."""
+    found = {}
+    for line in Path("/proc/self/status").read_text().splitlines():
+        key, _, value = line.partition(":")
+        if key in ("VmRSS", "VmHWM"):
+            found[key] = int(value.split()[0]) * 1024
+    return found
+
+
+def reset_peak() -> None:
+    """The peak resident memory (``VmHWM``) set to what is resident now."""
+    Path("/proc/self/clear_refs").write_text("5")
+
+
 def one_thread_per_worker() -> None:
     """Workers share few cores; one intra-op thread each keeps them from fighting over them."""
     torch.set_num_threads(1)

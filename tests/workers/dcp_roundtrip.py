@@ -47,6 +47,22 @@ def by_name(optimizer_state: dict[str, Any], names: list[str]) -> dict[str, Any]
     return {names[index]: values for index, values in optimizer_state["state"].items()}
 
 
+def from_reference(
+    weights: dict[str, torch.Tensor], moments: dict[str, dict[str, Any]], reference: dict[str, Any]
+) -> dict[str, Any]:
+    """How far loaded weights and AdamW moments (by parameter name) are from the saved ``reference``, and the step
+    counts loaded."""
+    return {
+        "weights": max(float((weights[k] - v).abs().max()) for k, v in reference["model"].items()),
+        "moments": max(
+            float((moments[name][key] - values[key]).abs().max())
+            for name, values in reference["optim"].items()
+            for key in ("exp_avg", "exp_avg_sq")
+        ),
+        "steps": sorted({float(values["step"]) for values in moments.values()}),
+    }
+
+
 def save(out: Path) -> None:
     import horovod.torch as hvd
     from lightning.fabric import Fabric
@@ -117,16 +133,7 @@ def load(out: Path) -> None:
             left = fabric.load(out / f"fabric_{saved}", {"model": model, "optim": optimizer})
             weights = model.state_dict()
             moments = by_name(optimizer.state_dict(), [name for name, _ in model.module.named_parameters()])
-            report[f"{saved}->{shard}"] = {
-                "weights": max(float((weights[k] - v).abs().max()) for k, v in reference["model"].items()),
-                "moments": max(
-                    float((moments[name][key] - values[key]).abs().max())
-                    for name, values in reference["optim"].items()
-                    for key in ("exp_avg", "exp_avg_sq")
-                ),
-                "steps": sorted({float(values["step"]) for values in moments.values()}),
-                "left": left,
-            }
+            report[f"{saved}->{shard}"] = {**from_reference(weights, moments, reference), "left": left}
     report["trainer"] = trainer_resumes(out)
     report["other_model"] = other_model_refused(out)
     write_result(out, hvd.rank(), report)
@@ -260,19 +267,8 @@ def fsdp2_loads(out: Path) -> None:
     weights = get_model_state_dict(model, options=whole)
     moments = get_optimizer_state_dict(model, optimizer, options=whole)["state"]
     reference = torch.load(out / "reference_parameters.pt", weights_only=False)
-    (out / f"fsdp2_rank{dist.get_rank()}.json").write_text(
-        json.dumps(
-            {
-                "weights": max(float((weights[k] - v).abs().max()) for k, v in reference["model"].items()),
-                "moments": max(
-                    float((moments[name][key] - values[key]).abs().max())
-                    for name, values in reference["optim"].items()
-                    for key in ("exp_avg", "exp_avg_sq")
-                ),
-                "steps": sorted({float(values["step"]) for values in moments.values()}),
-            }
-        )
-    )
+    found = from_reference(weights, moments, reference)
+    (out / f"fsdp2_rank{dist.get_rank()}.json").write_text(json.dumps(found))
     dist.destroy_process_group()
 
 
