@@ -66,8 +66,12 @@ def requeue_slurm_job(job_id: str) -> tuple[bool, str]:
         done = subprocess.run(["scontrol", "requeue", job_id], capture_output=True, text=True, timeout=60)
     except (OSError, subprocess.SubprocessError) as error:
         return False, f"scontrol requeue {job_id} could not run ({error})"
+    if done.returncode in (-signal.SIGTERM, -signal.SIGKILL) and not (done.stderr or done.stdout).strip():
+        # The requeue ends every process of the job's step, scontrol itself among them, sometimes before it exits.
+        return True, f"Slurm job {job_id} requeued (Slurm ended scontrol with the job's other processes)"
     if done.returncode != 0:
-        return False, f"scontrol requeue {job_id} failed: {(done.stderr or done.stdout).strip()}"
+        said = (done.stderr or done.stdout).strip()
+        return False, f"scontrol requeue {job_id} failed (exit code {done.returncode}): {said}"
     return True, f"Slurm job {job_id} requeued"
 
 

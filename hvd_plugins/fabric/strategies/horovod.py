@@ -56,12 +56,9 @@ from hvd_plugins.core.recompute import checkpoint_activations
 from hvd_plugins.core.sync.base import GradientSync
 from hvd_plugins.core.sync.guards import SyncGuards
 from hvd_plugins.core.training_state import (
-    broadcast_module_,
     broadcast_optimizer_state_,
     move_module_,
     param_groups_kept,
-    prepare_module_,
-    shape_placeholders_,
     wrap_optimizers,
 )
 from hvd_plugins.fabric.lightning_internals import (
@@ -237,7 +234,7 @@ class HorovodStrategy(HorovodStrategyShared, ParallelStrategy):
     def module_init_context(self, empty_init: bool | None = None) -> AbstractContextManager:
         """``fabric.init_module()`` with ``shard="parameters"`` builds on the meta device (unless ``empty_init=False``):
         each worker makes only its slices real at ``fabric.setup``."""
-        if empty_init is False or not self.config.shards_parameters:
+        if not self._placement.builds_on_meta(empty_init):
             return super().module_init_context(empty_init)
         stack = ExitStack()
         stack.enter_context(torch.device("meta"))
@@ -256,19 +253,16 @@ class HorovodStrategy(HorovodStrategyShared, ParallelStrategy):
         ``module.parameters()`` are this worker's shards. An optimizer set up later over them
         (``fabric.setup_optimizers``, the order litgpt and Lightning's FSDP guide use) takes the units over one at a
         time."""
-        if not self.config.shards_parameters:
-            return self._setup_module(module, keep_meta=False)
-        module = self._setup_module(module, keep_meta=True)
-        self._sharded_module = module
-        with torch.inference_mode(False), torch.enable_grad():  # the slices must train later
-            self._wrap([], module)
+        module = self._setup_module(module)
+        self._placement.set_up_alone(lambda: self._wrap([], module))
         return module
 
-    def _setup_module(self, module: Module, keep_meta: bool) -> Module:
-        """As ``setup_module``; with ``keep_meta``, a model built on the meta device stays so for the sync mode,
-        which makes it real a unit at a time."""
+    def _setup_module(self, module: Module) -> Module:
+        """As ``setup_module``, short of sharding it: placed (``ModelPlacement.prepare``), its activations
+        checkpointed as asked, ``torch.compile``'s graphs cut at gradient buckets."""
         checkpoint_activations(module, self.config.activation_checkpointing_policy)
-        prepare_module_(module, self.root_device, keep_meta)
+        self._placement.prepare(module, self.root_device)
+        self._sharded_module = self._placement.sharded_model(module)
         self._graph_cuts.open()
         return module
 
@@ -278,9 +272,7 @@ class HorovodStrategy(HorovodStrategyShared, ParallelStrategy):
     ) -> tuple[Any, ...]:
         """Rank 0's module everywhere, each optimizer wrapped; ``scheduler`` (Fabric 2.4 added it) now drives the
         wrapped optimizer it was built on."""
-        module = self._setup_module(module, keep_meta=self.config.shards_parameters)
-        if self.config.shards_parameters:
-            self._sharded_module = module
+        module = self._setup_module(module)
         schedulers = [given for given in scheduler if given is not None]
         return (module, self._wrap(optimizers, module, schedulers), *scheduler)
 
@@ -292,8 +284,7 @@ class HorovodStrategy(HorovodStrategyShared, ParallelStrategy):
         return self._wrap([optimizer], module if module is not None else Module())[0]
 
     def _wrap(self, optimizers: list[Optimizer], module: Module, schedulers: Sequence[Any] = ()) -> list[Optimizer]:
-        if self.config.shards_parameters and module is self._sharded_module:
-            shape_placeholders_(module)  # made real a unit at a time as the sync shards it
+        self._placement.before_optimizers(module)
         if self.gradient_sync is None:
             self.gradient_sync = self._build_gradient_sync(self.precision)  # a collective
         self.gradient_sync.refuse_grad_scaler(getattr(self.precision, "scaler", None))
@@ -389,8 +380,8 @@ class HorovodStrategy(HorovodStrategyShared, ParallelStrategy):
                 remainder = super().load_checkpoint(path, state, strict, **kwargs)  # weights_only since Fabric 2.4
         objects = state.values() if isinstance(state, dict) else [state] if state is not None else []
         for obj in objects:
-            if isinstance(obj, Module) and not self.config.shards_parameters:  # sharded: each took its slices
-                broadcast_module_(obj)
+            if isinstance(obj, Module):
+                self._placement.after_load(obj)
             elif isinstance(obj, Optimizer) and self._replicates_optimizer_state:
                 inner = getattr(obj, "optimizer", obj)
                 index = next((i for i, o in enumerate(self._wrapped) if o is inner), len(self._wrapped))

@@ -43,6 +43,7 @@ from hvd_plugins.core.comm.topology import Topology
 from hvd_plugins.core.compiled_graphs import GraphCuts
 from hvd_plugins.core.config import HorovodConfig
 from hvd_plugins.core.elastic.reset import sync_after_reset
+from hvd_plugins.core.placement import ModelPlacement, placement_for
 from hvd_plugins.core.sync.base import GradientSync
 from hvd_plugins.core.sync.guards import SyncGuards
 from hvd_plugins.core.sync.parts import is_parts_marker, read_parts_beside, write_parts_beside
@@ -231,6 +232,11 @@ class HorovodStrategyShared(ABC):
             model.load_state_dict(state, strict=strict)
         else:
             self.gradient_sync.load_model_state_dict(model, state, strict)
+
+    @property
+    def _placement(self) -> ModelPlacement:
+        """Whole on every worker, or sharded where it is set up: what the shard mode means for the model itself."""
+        return placement_for(self.config)
 
     @property
     def _writes_dcp(self) -> bool:

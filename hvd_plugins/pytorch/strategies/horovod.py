@@ -59,7 +59,7 @@ from hvd_plugins.core.recompute import checkpoint_activations
 from hvd_plugins.core.sync.base import GradientSync
 from hvd_plugins.core.sync.daso.config import DasoConfig
 from hvd_plugins.core.sync.guards import SyncGuards
-from hvd_plugins.core.training_state import prepare_module_, scale_learning_rates_, wrap_optimizers
+from hvd_plugins.core.training_state import scale_learning_rates_, wrap_optimizers
 from hvd_plugins.fabric.lightning_internals import (
     CheckpointPath,
     checkpoint_content,
@@ -236,7 +236,7 @@ class HorovodStrategy(HorovodStrategyShared, UnitInit):
         if fitting and (sync_layers := layer_sync(self)) is not None:  # as DDP: while fitting, reverted at teardown
             self.model = sync_layers.apply(self.model)
         checkpoint_activations(self.model, self.config.activation_checkpointing_policy)
-        prepare_module_(self.model, self.root_device, keep_meta=self.config.shards_parameters)
+        self._placement.prepare(self.model, self.root_device)
         self._graph_cuts.open()  # until teardown: graphs torch.compile captures meanwhile end at gradient buckets
         attach_horovod_metric_sync(self.model)
         if self.gradient_sync is None:
@@ -255,8 +255,9 @@ class HorovodStrategy(HorovodStrategyShared, UnitInit):
             RequeueOnPreemption.install(trainer, slurm_job_id() if self.config.auto_requeue else None)
             if self.elastic is not None:
                 ElasticCommitCallback.install(trainer, self.elastic, self.checkpoint_content)  # after the loop events
-        elif self.config.shards_parameters:  # validate, test, predict: sharded too, with no optimizer
-            self.gradient_sync.setup(self.model, [], total_epochs=None)
+        else:  # validate, test, predict: sharded too under shard="parameters"
+            sync, model = self.gradient_sync, self.model
+            self._placement.set_up_alone(lambda: sync.setup(model, [], total_epochs=None))
 
     @override
     def setup_optimizers(self, trainer: pl.Trainer) -> None:

@@ -13,6 +13,7 @@ from lightning.pytorch.strategies import ParallelStrategy
 from typing_extensions import override
 
 from hvd_plugins.core.config import HorovodConfig
+from hvd_plugins.core.placement import placement_for
 from hvd_plugins.core.sync.base import GradientSync
 from hvd_plugins.core.training_state import move_module_
 from hvd_plugins.fabric.lightning_internals import count_summaries_with
@@ -47,7 +48,7 @@ class UnitInit(ParallelStrategy):
     def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
         """With ``shard="parameters"`` on the meta device, unless ``empty_init=False`` asks for the whole model:
         ``Trainer.init_module()`` and ``configure_model`` (which Lightning runs in here) alike."""
-        if empty_init is False or not self.config.shards_parameters:
+        if not placement_for(self.config).builds_on_meta(empty_init):
             with super().tensor_init_context(empty_init):
                 yield
             return
@@ -58,4 +59,4 @@ class UnitInit(ParallelStrategy):
     @override
     def restore_checkpoint_after_setup(self) -> bool:
         """With ``shard="parameters"`` the weights are loaded into the units once they exist, one unit at a time."""
-        return self.config.shards_parameters
+        return placement_for(self.config).restores_after_setup
