@@ -217,6 +217,11 @@ def run_worker(args: argparse.Namespace) -> None:
             **cpu,
         },
     )
+    if args.worker in TORCH_VARIANTS:  # left to exit, gloo's threads can abort the process ("terminate called")
+        import torch.distributed as dist
+
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 # ------------------------------------------------------------------------------------------ driver

@@ -443,7 +443,8 @@ def test_versus_torch_rounds_reads_horovods_timeline_with_both_loops(
             rows[cells[0].split(None, 2)[2]] = [float(cell) for cell in cells[1:]]
     assert sorted(rows) == sorted(versus_torch.LOOPS), printed
     for loop, (step_ms, rounds, allreduces, negotiate, copies, ring, cpu) in rows.items():
-        assert step_ms > 0 and rounds > 0 and allreduces >= 1 and ring > 0, (loop, rows[loop])
+        # allreduces per step > 0, not >= 1: Horovod's timeline writer can lose the last step's events at exit
+        assert step_ms > 0 and rounds > 0 and allreduces > 0 and ring > 0, (loop, rows[loop])
         assert negotiate >= 0 and copies >= 0 and cpu >= 0, (loop, rows[loop])
     body = assert_dated_report(tmp_path / "sync_rounds.txt", "versus_torch.py", argv)
     assert "rounds of Horovod's loop" in body

@@ -214,7 +214,7 @@ def test_zero3_model_holds_its_shards_for_torch_tools(four: dict[int, dict[str, 
     numel makes the model), a whole state loads into them with no optimizer (``load_state_dict`` and
     ``fabric.load``), and ``torch.nn.utils.clip_grad_norm_`` after ``fabric.backward`` returns the norm over every
     worker and clips as one process with the whole batch does. A parameter kept whole makes it refuse, naming
-    ``fabric.clip_gradients``."""
+    ``fabric.clip_gradients``; a backward with no optimizer set up is refused, naming ``fabric.setup_optimizers``."""
     reports = [report_of(four[rank], check_zero3_model_holds_its_shards) for rank in range(WORKERS)]
     whole = reports[0]["whole"]
     assert sum(found["numel_here"] for found in reports) == whole, reports
@@ -227,6 +227,7 @@ def test_zero3_model_holds_its_shards_for_torch_tools(four: dict[int, dict[str, 
         assert found["norms"] == pytest.approx(found["one_process_norms"], rel=TOLERANCE), found
         assert min(found["norms"]) > 0.05, found  # the clip acted
         assert "position" in found["refused"] and "fabric.clip_gradients" in found["refused"], found["refused"]
+        assert "fabric.setup_optimizers" in found["backward_alone"], found["backward_alone"]
 
 
 def test_zero3_names_a_parameter_read_outside_its_unit_and_the_fix(four: dict[int, dict[str, Any]]) -> None:

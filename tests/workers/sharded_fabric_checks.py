@@ -638,6 +638,7 @@ def check_zero3_model_holds_its_shards() -> dict[str, Any]:
         "norms": norms,
         "one_process_norms": reference["norms"],
         "refused": torch_clipping_refused_with_a_whole_parameter(),
+        "backward_alone": backward_refused_with_no_optimizer(),
     }
 
 
@@ -683,6 +684,19 @@ def torch_clipping_refused_with_a_whole_parameter() -> str:
         return str(error)
     finally:
         optimizer.zero_grad()
+    return "no error"
+
+
+def backward_refused_with_no_optimizer() -> str:
+    """A model set up alone: no slice takes gradients until an optimizer is set up over it. The error, as text."""
+    fabric = Fabric(strategy=HorovodStrategy(shard="parameters"), accelerator="cpu")
+    fabric.launch()
+    model = fabric.setup(AttentionGPT())
+    tokens, targets = token_batches(1)[0]
+    try:
+        fabric.backward(token_loss(model(tokens), targets))
+    except ValueError as error:
+        return str(error)
     return "no error"
 
 

@@ -120,39 +120,28 @@ class ShardedGradientSync(GradientSync):
         self._ring: tuple[int, ...] | None = None  # who keeps whose copy in a commit, learned at the first
         self._optimizers: dict[int, ShardedOptimizer] = {}
         self._reducers: dict[int, BucketReducer] = {}
-        self._holder: ShardedOptimizer | None = None
-        """With ``shard="parameters"`` and no optimizer: steps nothing, keeps the units' slices."""
         self._synchronized: dict[int, int] = {}
         """Each optimizer's ``generation`` when its gradients were last averaged (by id)."""
 
     # ------------------------------------------------------------------ wrapping
     def setup(self, model: Module, optimizers: Sequence[Optimizer], total_epochs: int | None) -> None:
         """Shard ``model`` for ``optimizers``. With ``shard="parameters"`` a model is sharded without an optimizer
-        too (``trainer.validate``, ``predict``, a Fabric loop that only evaluates): a holder steps nothing and keeps
-        the slices; an optimizer set up later takes them over, with every other optimizer set up so far."""
+        too (``trainer.validate``, ``predict``, a Fabric loop that only evaluates): the units then keep slices that
+        nothing steps; an optimizer set up later takes them over, with every other optimizer set up so far."""
         refuse_sparse_gradients(model, self.shard)
         sharded = [self._sharded(optimizer) for optimizer in optimizers]
         if self.shard == "parameters":
             given = {id(each) for each in sharded}
-            earlier = [each for each in self._optimizers.values() if each is not self._holder and id(each) not in given]
-            sharded = earlier + sharded
-            if not sharded and (parameters := trainable(model)):
-                holder = self._sharded(self.wrap(torch.optim.SGD(parameters, lr=0.0), []))
-                self._holder, sharded = holder, [holder]
+            sharded = [each for each in self._optimizers.values() if id(each) not in given] + sharded
         self.stage.attach(model, sharded, self._relay)
 
-    def _unshard_for(self, optimizer: Optimizer) -> None:
-        """Before ``optimizer`` is laid out over a model already sharded (set up alone, or for another optimizer):
-        the holder dropped; ``setup`` lays the units out again for every optimizer, a unit at a time
-        (``ParameterStage._reattach``). Only where parameters were frozen or unfrozen since is the model made whole
-        again first (a collective) and sharded anew."""
+    def _unshard_for(self) -> None:
+        """Before an optimizer is laid out over a model already sharded (set up alone, or for another optimizer):
+        ``setup`` lays the units out again for every optimizer, a unit at a time (``ParameterStage._reattach``). Only
+        where parameters were frozen or unfrozen since is the model made whole again first (a collective) and
+        sharded anew."""
         if not (isinstance(self.stage, ParameterStage) and self.stage.can_reattach()):
             self.stage.detach()
-        holder, self._holder = self._holder, None
-        if holder is not None and holder is not optimizer:
-            self._optimizers.pop(id(holder), None)
-            if (reducer := self._reducers.pop(id(holder), None)) is not None:
-                reducer.remove()
 
     def _relay(self, sharded: ShardedOptimizer) -> None:
         """Lay ``sharded``'s slices out anew, keeping its state (a collective), and rebuild its reducer."""
@@ -162,7 +151,7 @@ class ShardedGradientSync(GradientSync):
     def wrap(self, optimizer: Optimizer, named_parameters: list[tuple[str, torch.nn.Parameter]]) -> Optimizer:
         refuse_whole_tensor_optimizer(optimizer, self.shard)
         if self.shard == "parameters":
-            self._unshard_for(optimizer)
+            self._unshard_for()
         name = f"shard.opt{len(self._optimizers)}"
         buckets = self.stage.lay_out(optimizer)
         sharded = ShardedOptimizer(
@@ -375,12 +364,6 @@ class ShardedGradientSync(GradientSync):
             reducer.remove()
         self._reducers.clear()
         self._optimizers.clear()
-        self._holder = None
-
-
-def trainable(model: Module) -> list[torch.nn.Parameter]:
-    """The parameters of ``model`` that train, each once."""
-    return [parameter for parameter in model.parameters() if parameter.requires_grad]
 
 
 def refuse_sparse_gradients(model: Module, shard: str) -> None:

@@ -30,9 +30,9 @@ from hvd_plugins.core.comm.counters import CommCounters, Scope
 from hvd_plugins.core.comm.in_flight import InFlight, finish_each
 from hvd_plugins.core.comm.partners import PartnerGroup, start_slices_gather
 from hvd_plugins.core.comm.wire import nbytes
-from hvd_plugins.core.sync.meta import make_parameter_real, replace_values
 from hvd_plugins.core.sync.parts import PART_FORMAT
 from hvd_plugins.core.sync.sharded.partition import ShardedBucket, Signature
+from hvd_plugins.core.sync.sharded.slices import BucketSlices
 
 WHOLE_TENSOR_OPTIMIZERS: tuple[type[Optimizer], ...] = (torch.optim.LBFGS, torch.optim.SparseAdam)
 """Optimizers that need whole parameters (a line search over the whole model, sparse state): refused.
@@ -58,8 +58,8 @@ def constructor_defaults(optimizer: Optimizer) -> dict[str, Any]:
     return {key: value for key, value in optimizer.defaults.items() if key in accepted}
 
 
-class ShardedOptimizer(Optimizer):
-    """``optimizer`` over this worker's slices of ``buckets``; see the module docstring.
+class ShardedOptimizer(BucketSlices, Optimizer):
+    """``optimizer`` over this worker's slices of ``buckets`` (``BucketSlices``); see the module docstring.
 
     ``gradients_from_parameters``: take each slice's gradient from the averaged gradients of the whole
     parameters at the step (ZeRO-1); otherwise the sync mode hands each slice its gradient (ZeRO-2).
@@ -75,25 +75,20 @@ class ShardedOptimizer(Optimizer):
         name: str,
         gradients_from_parameters: bool,
     ) -> None:
-        super().__init__(optimizer.param_groups, optimizer.defaults)
+        Optimizer.__init__(self, optimizer.param_groups, optimizer.defaults)
         self.user_optimizer = optimizer
-        self.buckets = list(buckets)
-        self.world = world
-        self.counters, self.scope, self.name = counters, scope, name
         self.gradients_from_parameters = gradients_from_parameters
-        self.slices: list[Parameter] = []
         self.inner: Optimizer | None = None
         self._parked: dict[int, tuple[Parameter, dict[str, Any]]] = {}
         """Whole state of parameters in no bucket (frozen after they trained), kept until they train again."""
         self._checked_state = False
         self.generation = 0
         """Counts steps and ``zero_grad`` calls: gradients averaged in one generation are not new in the next."""
-        self._lay_out()
+        BucketSlices.__init__(self, buckets, world, counters, scope, name)
 
     def _lay_out(self) -> None:
         """Slices of the current buckets, and an optimizer of the user's class over them (no state yet)."""
-        self._unfilled: set[int] = set()
-        self.slices = [self._new_slice(index, bucket) for index, bucket in enumerate(self.buckets)]
+        self._lay_out_slices()
         groups: list[dict[str, Any]] = []
         for index, group in enumerate(self.param_groups):
             hyper = {key: value for key, value in group.items() if key != "params"}
@@ -127,29 +122,9 @@ class ShardedOptimizer(Optimizer):
         """Each parameter's index in a state dict: its position over the param groups, as torch numbers them."""
         return {id(p): i for i, p in enumerate(p for group in self.param_groups for p in group["params"])}
 
-    def _new_slice(self, index: int, bucket: ShardedBucket) -> Parameter:
-        """This worker's slice of ``bucket``, read from its whole parameters; where they are a model's shards
-        (``shard="parameters"``, set up before this optimizer), left for ``fill_slice`` once their unit is whole."""
-        first = bucket.parameters[0]
-        if any(p.shape != shape for p, shape in zip(bucket.parameters, bucket.shapes, strict=True)):
-            self._unfilled.add(index)  # no memory until filled, or given the slice the model holds (``adopt_slice``)
-            size = bucket.layout.shard_numel if first.is_meta else 0
-            return Parameter(torch.empty(size, dtype=first.dtype, device=first.device))
-        values = torch.empty(bucket.layout.shard_numel, dtype=first.dtype, device=first.device)
-        with torch.no_grad():
-            bucket.read_slice([p.detach() for p in bucket.parameters], values)
-        return Parameter(values)
-
     def release_slices(self) -> None:
-        """Dropped for good (a holder whose units another optimizer took over): the slices' memory goes now."""
-        for piece in self.slices:
-            piece.data = piece.data.new_empty(0)
-            piece.grad = None
+        super().release_slices()
         self.inner = None
-
-    def unfilled(self, index: int) -> bool:
-        """Whether bucket ``index``'s slice still waits for its parameters to be whole (``fill_slice``)."""
-        return index in self._unfilled
 
     # ------------------------------------------------------------------ stepping
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
@@ -172,29 +147,6 @@ class ShardedOptimizer(Optimizer):
                     piece.grad = None  # copies of the whole gradients' slices (ZeRO-1): free them at once
             self.gather_parameters()
         return loss
-
-    def fill_slice(self, index: int, device: torch.device) -> None:
-        """Bucket ``index``'s slice read from its whole parameters as they are now; laid out over a model on the meta
-        device, the slice is first made real on ``device`` (the same Parameter, which the inner optimizer holds)."""
-        bucket, piece = self.buckets[index], self.slices[index]
-        self._unfilled.discard(index)
-        if piece.is_meta:
-            make_parameter_real(piece, device)
-        elif piece.numel() != bucket.layout.shard_numel:  # left empty at construction
-            piece.data = torch.empty(bucket.layout.shard_numel, dtype=piece.dtype, device=device)
-        with torch.no_grad():
-            bucket.read_slice([p.detach() for p in bucket.parameters], piece.data)
-
-    def adopt_slice(self, index: int, values: torch.Tensor) -> None:
-        """Bucket ``index``'s slice made ``values`` itself, no copy: the slice the model held for a unit laid out as
-        this bucket is (its old optimizer let go), which the unit's parameters go on viewing."""
-        piece = self.slices[index]
-        assert values.shape == (self.buckets[index].layout.shard_numel,) and values.dtype == piece.dtype
-        self._unfilled.discard(index)
-        if piece.is_meta:
-            replace_values(piece, values)
-        else:
-            piece.data = values
 
     def _refresh_slices(self) -> None:
         """The slices from the parameters as they are now (a checkpoint restore, a callback may have changed

@@ -94,29 +94,34 @@ def _bucketed(
     return buckets
 
 
+def trainable_groups(optimizer: Optimizer) -> list[list[Parameter]]:
+    """The trainable parameters of each of ``optimizer``'s param groups: what it steps."""
+    return [[p for p in group["params"] if p.requires_grad] for group in optimizer.param_groups]
+
+
 def partition_by_units(
-    optimizer: Optimizer,
+    groups: Sequence[Sequence[Parameter]],
     owners: Mapping[int, int],
     workers: int,
     rank: int,
     bucket_bytes: int,
     signature: Signature | None = None,
-    frozen: bool = False,
+    units_only: bool = False,
     shapes: Mapping[int, torch.Size] | None = None,
 ) -> list[ShardedBucket]:
-    """``shard="parameters"``: one bucket per unit (``owners``: parameter id -> unit), param group, dtype and
-    signature, the later units first (backward reaches them first); the parameters of no unit as ``partition``
-    lays them out. ``frozen``: the frozen parameters the units own instead (those of no unit stay whole).
+    """``shard="parameters"``: ``groups`` (the parameters to lay out, by param group) in one bucket per unit
+    (``owners``: parameter id -> unit), param group, dtype and signature, the later units first (backward reaches them
+    first); the parameters of no unit as ``partition`` lays them out, or, with ``units_only``, not at all (whole).
     ``shapes``: the whole shape of each parameter by id, where a parameter now holds only its shard."""
     whole = shapes or {}
     buckets = []
-    for group_index, group in enumerate(optimizer.param_groups):
+    for group_index, group in enumerate(groups):
         by_unit: dict[tuple[int, Hashable], list[Parameter]] = {}
         rest: list[Parameter] = []
-        for parameter in (p for p in group["params"] if p.requires_grad != frozen):
+        for parameter in group:
             unit = owners.get(id(parameter))
             if unit is None:
-                if not frozen:
+                if not units_only:
                     rest.append(parameter)
                 continue
             alike = (signature(parameter) if signature is not None else None, parameter.dtype, parameter.device)

@@ -41,8 +41,15 @@ from hvd_plugins.core.comm.world_sum import WorldSumInPlace
 from hvd_plugins.core.config import describe_policy
 from hvd_plugins.core.sync.meta import materialize, real_tensors
 from hvd_plugins.core.sync.sharded.optimizer import ShardedOptimizer
-from hvd_plugins.core.sync.sharded.partition import ShardedBucket, Signature, partition, partition_by_units
+from hvd_plugins.core.sync.sharded.partition import (
+    ShardedBucket,
+    Signature,
+    partition,
+    partition_by_units,
+    trainable_groups,
+)
 from hvd_plugins.core.sync.sharded.shard_gradients import ShardedNorms
+from hvd_plugins.core.sync.sharded.slices import BucketSlices, unstepped_slices
 from hvd_plugins.core.sync.sharded.unit_state import UnitStates, parameter_names
 from hvd_plugins.core.sync.sharded.units import (
     ShardedUnits,
@@ -303,8 +310,10 @@ class ParameterStage(GradientStage):
         self._owners: dict[int, int] | None = None  # parameter id -> unit, once attached
         self._names: list[tuple[str, Module]] = []
         self._optimizers: list[ShardedOptimizer] = []
-        self._frozen: ShardedOptimizer | None = None
-        """The slices of the units' frozen parameters, which no optimizer steps (``_hold_frozen``)."""
+        self._unstepped: BucketSlices | None = None
+        """The slices of the units' parameters that no optimizer steps: frozen ones, and all of them while no
+        optimizer is set up (``_hold_unstepped``)."""
+        self._held_frozen: set[int] = set()  # the parameters frozen when ``_unstepped`` was laid out, by id
         self._units: ShardedUnits | None = None
         self._triggers: list[Module] = []  # the modules whose forward gathers the model's own unit
         self._state = UnitStates(lambda: self._units)
@@ -323,9 +332,9 @@ class ParameterStage(GradientStage):
         if self._owners is None:
             return super().lay_out(optimizer, signature)  # before the model is known: laid out again at attach
         world = self.route.world
-        return partition_by_units(
-            optimizer, self._owners, world.size, world.index, self.route.bucket_bytes, signature, shapes=self._shapes
-        )
+        groups, bucket_bytes = trainable_groups(optimizer), self.route.bucket_bytes
+        owners, shapes = self._owners, self._shapes
+        return partition_by_units(groups, owners, world.size, world.index, bucket_bytes, signature, shapes=shapes)
 
     def attach(
         self, model: Module, optimizers: Sequence[ShardedOptimizer], relay: Callable[[ShardedOptimizer], None]
@@ -366,19 +375,16 @@ class ParameterStage(GradientStage):
         self._optimizers = list(optimizers)
         for sharded in self._optimizers:
             relay(sharded)
-        self._hold_frozen(model)
+        self._hold_unstepped(model)
         self._install_from_root(model)
         self._state.hook(model)
 
     def can_reattach(self) -> bool:
-        """Whether the model is sharded and its units' frozen parameters are those their holder keeps (none frozen
+        """Whether the model is sharded and its units' frozen parameters are those it was sharded with (none frozen
         or unfrozen since): a new optimizer then takes the units over one at a time (``_reattach``)."""
         if self._model is None or self._units is None or self._owners is None:
             return False
-        owners = self._owners
-        frozen = {id(p) for p in self._model.parameters() if not p.requires_grad and id(p) in owners}
-        held = {id(p) for bucket in self._frozen.buckets for p in bucket.parameters} if self._frozen else set()
-        return frozen == held
+        return self._frozen_in_units(self._model) == self._held_frozen
 
     def _reattach(self, optimizers: list[ShardedOptimizer]) -> None:
         """The units laid out again for ``optimizers`` (built over the model's shards, their buckets per unit
@@ -389,10 +395,12 @@ class ParameterStage(GradientStage):
         old = self._units
         old.unhook()
         self._optimizers = optimizers
+        assert self._model is not None
+        self._hold_unstepped(self._model, keep_same=True)
         previous = {unit.index: unit for unit in old.units}
         pieces = self._pieces()
         units: dict[int, Unit] = {}
-        kept = {id(each) for each in (*optimizers, self._frozen) if each is not None}
+        kept = {id(each) for each in (*optimizers, self._unstepped) if each is not None}
         for index in sorted(set(previous) | set(pieces)):
             before = previous.get(index)
             if before is not None and adoptable(before.pieces, pieces.get(index, []), kept):
@@ -418,7 +426,7 @@ class ParameterStage(GradientStage):
             if index in units:
                 units[index].free()  # its slices hold it now: the next unit is gathered with this one freed
         for dropped in {id(s): s for unit in old.units for s, _ in unit.pieces if id(s) not in kept}.values():
-            dropped.release_slices()  # a holder's: its memory goes now, whoever still refers to it
+            dropped.release_slices()  # its memory goes now, whoever still refers to it
         self._hook_units(units)
 
     def _refuse_half_norms_on_cpu(self, model: Module, owners: dict[int, int]) -> None:
@@ -434,34 +442,40 @@ class ParameterStage(GradientStage):
                 "(the default, 'auto', does), or keep normalization layers out of the units"
             )
 
-    def _hold_frozen(self, model: Module) -> None:
-        """The frozen parameters the units own, laid out per unit as the trainable ones are, in a holder that never
-        steps: a worker keeps only its slices of them, with no gradient buffer and no optimizer state."""
+    def _frozen_in_units(self, model: Module) -> set[int]:
         assert self._owners is not None
-        frozen = [p for p in model.parameters() if not p.requires_grad and id(p) in self._owners]
-        if not frozen:
-            self._frozen = None
-            return
-        world = self.route.world
-        base = torch.optim.SGD(frozen, lr=0.0)
-        buckets = partition_by_units(
-            base, self._owners, world.size, world.index, self.route.bucket_bytes, frozen=True, shapes=self._shapes
-        )
-        route = self.route
-        self._frozen = ShardedOptimizer(base, buckets, world, route.counters, route.scope, "shard.frozen", False)
-        for piece in self._frozen.slices:
-            piece.requires_grad_(False)
+        return {id(p) for p in model.parameters() if not p.requires_grad and id(p) in self._owners}
 
-    def _pieces(self) -> dict[int, list[tuple[ShardedOptimizer, int]]]:
-        """Unit index -> the (sharded optimizer, bucket index) of each of its buckets, the frozen holder's too."""
-        pieces: dict[int, list[tuple[ShardedOptimizer, int]]] = {}
-        for sharded in (*self._optimizers, *([self._frozen] if self._frozen is not None else [])):
+    def _hold_unstepped(self, model: Module, keep_same: bool = False) -> None:
+        """The units' parameters that no optimizer steps, laid out per unit as the stepped ones are, in slices of
+        their own that nothing steps: a worker keeps only its slices of them, with no gradient and no state. Those
+        are the frozen ones, and every one while no optimizer is set up (``trainer.validate``, a model set up alone).
+        ``keep_same``: slices that hold the same parameters already stay as they are."""
+        assert self._owners is not None
+        owners = self._owners
+        self._held_frozen = self._frozen_in_units(model)
+        idle = [p for p in model.parameters() if id(p) in owners and (not p.requires_grad or not self._optimizers)]
+        if keep_same and self._unstepped is not None and self._unstepped.parameter_ids() == {id(p) for p in idle}:
+            return
+        if not idle:
+            self._unstepped = None
+            return
+        world, route = self.route.world, self.route
+        bucket_bytes = route.bucket_bytes
+        buckets = partition_by_units([idle], owners, world.size, world.index, bucket_bytes, None, True, self._shapes)
+        self._unstepped = unstepped_slices(buckets, world, route.counters, route.scope)
+
+    def _pieces(self) -> dict[int, list[tuple[BucketSlices, int]]]:
+        """Unit index -> the (slices, bucket index) of each of its buckets: the optimizers' and the unstepped ones."""
+        pieces: dict[int, list[tuple[BucketSlices, int]]] = {}
+        stores: tuple[BucketSlices, ...] = (*self._optimizers, *([self._unstepped] if self._unstepped else []))
+        for sharded in stores:
             for index, bucket in enumerate(sharded.buckets):
                 if bucket.unit is not None:
                     pieces.setdefault(bucket.unit, []).append((sharded, index))
         return pieces
 
-    def _unit(self, index: int, pieces: Sequence[tuple[ShardedOptimizer, int]], whole: bool = True) -> Unit:
+    def _unit(self, index: int, pieces: Sequence[tuple[BucketSlices, int]], whole: bool = True) -> Unit:
         name, module = self._names[index]
         own = index == len(self._names) - 1  # small and read across the forward: no half-precision copy
         dtype = None if own else self.param_dtype
@@ -469,7 +483,7 @@ class ParameterStage(GradientStage):
 
     def _install(self) -> None:
         assert self._model is not None
-        self._hold_frozen(self._model)  # parameters may have been frozen or unfrozen meanwhile
+        self._hold_unstepped(self._model)  # parameters may have been frozen or unfrozen meanwhile
         pieces = self._pieces()
         self._hook_units({index: self._unit(index, its) for index, its in pieces.items()})
 
@@ -478,7 +492,7 @@ class ParameterStage(GradientStage):
         own = units.get(len(self._names) - 1)
         blocks = [units[index] for index in sorted(units) if units[index] is not own]
         self._units = ShardedUnits(blocks, self.reshard_after_forward, own, self._triggers)
-        self._units.install(self._model)
+        self._units.install(self._model, stepped=bool(self._optimizers))
         self._norms = ShardedNorms(self.route.workers // self.route.world.size, self._hidden_gradients())
 
     def _hidden_gradients(self) -> list[str]:
@@ -543,7 +557,7 @@ class ParameterStage(GradientStage):
         if self._units is not None:
             self._units.remove()
         self._units, self._owners, self._model, self._optimizers = None, None, None, []
-        self._frozen = None
+        self._unstepped = None
 
     def abandon(self) -> None:
         """The units' parameters left placeholders, gathering nothing: the next setup makes them real a unit at a
@@ -552,7 +566,7 @@ class ParameterStage(GradientStage):
         if self._units is not None:
             self._units.abandon()
         self._units, self._owners, self._model, self._optimizers = None, None, None, []
-        self._frozen = None
+        self._unstepped = None
 
     def model_state_dict(self, model: Module, committing: bool = False) -> dict[str, Any]:
         if self._units is None:
@@ -582,13 +596,11 @@ SHARD_STAGES: dict[str, type[ShardStage]] = {
 """``shard=`` names and the stage each stands for."""
 
 
-def adoptable(
-    old: Sequence[tuple[ShardedOptimizer, int]], new: Sequence[tuple[ShardedOptimizer, int]], kept: set[int]
-) -> bool:
+def adoptable(old: Sequence[tuple[BucketSlices, int]], new: Sequence[tuple[BucketSlices, int]], kept: set[int]) -> bool:
     """Whether a unit's new buckets are its old ones laid out alike (the same parameters, layout and dtype, one by
     one), each old one either the same or of an optimizer let go: the new slices are then the old ones, no gather."""
 
-    def described(pieces: Sequence[tuple[ShardedOptimizer, int]]) -> list[tuple[object, ...]]:
+    def described(pieces: Sequence[tuple[BucketSlices, int]]) -> list[tuple[object, ...]]:
         return [(tuple(map(id, s.buckets[i].parameters)), s.buckets[i].flat, s.slices[i].dtype) for s, i in pieces]
 
     if not new or described(old) != described(new):

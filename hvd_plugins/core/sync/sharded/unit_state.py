@@ -178,9 +178,9 @@ class UnitStates:
 
     def local_shards(self, model: Module) -> dict[str, LocalShard]:
         """This worker's part of each sharded parameter, by state dict name: views of the slices its optimizer
-        steps, or that the frozen parameters' holder keeps (no gather, no copy). Left out: a parameter of which this
-        worker holds no element, and those every worker holds whole (registered on the model itself, or frozen
-        outside every unit)."""
+        steps, or that no optimizer steps (frozen ones; all before an optimizer is set up): no gather, no
+        copy. Left out: a parameter of which this worker holds no element, and those every worker holds whole
+        (registered on the model itself, or frozen outside every unit)."""
         units = self._units()
         assert units is not None
         names = parameter_names(model)

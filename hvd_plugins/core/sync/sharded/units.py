@@ -7,15 +7,16 @@ as FSDP's root. A parameter registered on the model itself stays whole on every 
 ``shard="gradients"``. A unit's frozen parameters are sharded too, in buckets of their own that no optimizer
 steps (no gradient, no state): a frozen base under trainable adapters is held as its slices.
 
-A unit's parameters are buckets of the sharded optimizer (``partition_by_units``), so this worker's slices of
-them are their only copy between computations: the whole parameters are freed, and each Parameter (kept, so
-optimizers, hooks and names still hold it) is its part of this worker's slice, a 1-D view of what the optimizer
-steps, as FSDP's ``use_orig_params`` shows its shards; after the step's sync its ``.grad`` is its part of the
-averaged gradient (``shard_gradients``). Before the unit's forward
-they are allgathered from the slices into one flat buffer per bucket, which each parameter then views. After
-the forward they are freed again (``reshard_after_forward``), gathered again when backward reaches the unit's
-outputs, and freed once backward has accumulated their gradients, which the stage reduce-scatters from
-backward's hooks as ZeRO-2 does. A gather reads the slices as they are, so a step needs no gather of its own.
+A unit's parameters are laid out in buckets (``partition_by_units``) whose slices (``slices.BucketSlices``) an
+optimizer steps, or, for those no optimizer steps, a store of their own; this worker's slices of them are their only
+copy between computations: the whole parameters are freed, and each Parameter (kept, so optimizers, hooks and names
+still hold it) is its part of this worker's slice, a 1-D view of what the optimizer steps, as FSDP's
+``use_orig_params`` shows its shards; after the step's sync its ``.grad`` is its part of the averaged gradient
+(``shard_gradients``). Before the unit's forward they are allgathered from the slices into one flat buffer per
+bucket, which each parameter then views. After the forward they are freed again (``reshard_after_forward``),
+gathered again when backward reaches the unit's outputs, and freed once backward has accumulated their gradients,
+which the stage reduce-scatters from backward's hooks as ZeRO-2 does. A gather reads the slices as they are, so a
+step needs no gather of its own.
 """
 
 from __future__ import annotations
@@ -36,8 +37,8 @@ from hvd_plugins.core.comm.partners import start_slices_gather
 from hvd_plugins.core.comm.wire import nbytes
 from hvd_plugins.core.config import UnitPolicy, describe_policy, policy_picks
 from hvd_plugins.core.sync.meta import leave_placeholder
-from hvd_plugins.core.sync.sharded.optimizer import ShardedOptimizer
 from hvd_plugins.core.sync.sharded.shard_gradients import ShardedNorms, ShardGradient
+from hvd_plugins.core.sync.sharded.slices import BucketSlices
 
 log = logging.getLogger(__name__)
 
@@ -231,7 +232,7 @@ class Unit:
         index: int,
         name: str,
         module: Module,
-        pieces: Sequence[tuple[ShardedOptimizer, int]],
+        pieces: Sequence[tuple[BucketSlices, int]],
         counters: CommCounters,
         scope: Scope,
         compute_dtype: torch.dtype | None = None,
@@ -432,9 +433,10 @@ class ShardedUnits:
         self._recorded = False
         """Whether a forward recorded gradients since the last sync (a backward to come reads whole units)."""
 
-    def install(self, model: Module | None = None) -> None:
+    def install(self, model: Module | None = None, stepped: bool = True) -> None:
         """Hook every unit and free its parameters: from now on only the slices hold them. After a forward of
-        ``model`` that records no gradient (evaluation), every unit is freed at once: no sync will free them."""
+        ``model`` that records no gradient (evaluation), every unit is freed at once: no sync will free them.
+        ``stepped``: whether an optimizer steps the units (else a backward is refused: no slice takes gradients)."""
         for module in self.triggers:
             self._handles.append(module.register_forward_pre_hook(self._before_own_use()))
         if model is not None:
@@ -451,6 +453,9 @@ class ShardedUnits:
             for parameter in unit.parameters():
                 if parameter.requires_grad:
                     self._handles.append(parameter.register_post_accumulate_grad_hook(self._accumulated(unit)))
+        if not stepped:
+            trainable = [p for unit in self.units for p in unit.parameters() if p.requires_grad]
+            self._handles += [parameter.register_hook(refuse_gradient) for parameter in trainable]
 
     def remove(self) -> None:
         """Every unit whole again, each parameter a tensor of its own, and unhooked."""
@@ -635,6 +640,16 @@ def innermost_module(error: BaseException) -> Module | None:
             found = owner
         trace = trace.tb_next
     return found
+
+
+def refuse_gradient(gradient: torch.Tensor) -> None:
+    """A backward through units that no optimizer steps: their gradients would have nowhere to go. Every worker
+    raises at the same parameter, before any collective of that backward."""
+    raise ValueError(
+        "shard='parameters' averages each gradient into the slices an optimizer steps, and no optimizer is set up "
+        "over this model yet: set one up (fabric.setup_optimizers(optimizer), or fabric.setup(model, optimizer)) "
+        "before calling backward"
+    )
 
 
 def in_backward() -> bool:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hvd_plugins.core.sync.sharded.partition import partition, partition_by_units
+from hvd_plugins.core.sync.sharded.partition import partition, partition_by_units, trainable_groups
 
 
 def model_optimizer() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -43,9 +43,10 @@ def test_frozen_parameters_of_units_get_buckets_of_their_own_and_frozen_ones_of_
     loose.weight.requires_grad_(False)
     optimizer = torch.optim.SGD([*first.parameters(), *second.parameters(), *loose.parameters()], lr=0.1)
     owners = {id(p): 0 for p in first.parameters()} | {id(p): 1 for p in second.parameters()}
-    frozen = partition_by_units(optimizer, owners, workers=2, rank=1, bucket_bytes=2**20, frozen=True)
+    still = [[p for p in group["params"] if not p.requires_grad] for group in optimizer.param_groups]
+    frozen = partition_by_units(still, owners, workers=2, rank=1, bucket_bytes=2**20, units_only=True)
     assert [(bucket.unit, bucket.parameters) for bucket in frozen] == [(0, (first.weight,))]
-    trainable = partition_by_units(optimizer, owners, workers=2, rank=1, bucket_bytes=2**20)
+    trainable = partition_by_units(trainable_groups(optimizer), owners, workers=2, rank=1, bucket_bytes=2**20)
     laid_out = {p for bucket in trainable for p in bucket.parameters}
     assert first.weight not in laid_out and loose.weight not in laid_out and loose.bias in laid_out
 
