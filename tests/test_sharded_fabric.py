@@ -160,7 +160,7 @@ def test_a_fully_sharded_fabric_loop_trains_as_unsharded_holding_no_whole_unit(
         assert sum(held) == whole and max(held) < whole / 2, held
 
 
-@pytest.mark.parametrize("case", ["tied_model_first", "attention", "frozen_base"])
+@pytest.mark.parametrize("case", ["tied_model_first", "attention", "frozen_base", "split_later"])
 def test_zero3_default_units_train_as_unsharded_in_the_order_users_set_up(
     four: dict[int, dict[str, Any]], case: str
 ) -> None:
@@ -169,10 +169,14 @@ def test_zero3_default_units_train_as_unsharded_in_the_order_users_set_up(
     ``fabric.setup_optimizers`` (litgpt's order, built in ``init_module(empty_init=True)``) works;
     ``model.state_dict()`` gives every worker the whole tensors, and a prediction after the steps matches
     unsharded. A frozen base under trainable adapters is held as its slices too, between steps and after
-    backward."""
+    backward; an optimizer set up after the model takes its slices over as they are, frozen ones included (no
+    parameter's memory moves). Two optimizers set up after the model that split a unit between them train as
+    unsharded too."""
     for rank in range(WORKERS):
         found = report_of(four[rank], check_zero3_in_users_orders)[case]
         assert found["difference"] <= TOLERANCE and found["predicted"] <= TOLERANCE, found
+        if case in ("tied_model_first", "frozen_base"):
+            assert found["moved"] == [], found
         on_model = 16 * 32 if case == "tied_model_first" else 0  # TiedGPT.position, registered on the model itself
         assert on_model <= found["held_after_step"] < found["whole"] / 2, found
         # once fabric.backward returns, every unit is freed and each parameter's gradient is its shard of the

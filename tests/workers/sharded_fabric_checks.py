@@ -443,13 +443,25 @@ def built_empty(fabric: Fabric, make: Any, shard: str) -> nn.Module:
 def run_order(shard: str, make: Any, order: str, steps: int = 4) -> dict[str, Any]:
     """Train ``make()`` with the default units for ``steps`` steps, set up in ``order``: ``"model_first"``
     (``fabric.setup(model)``, then ``fabric.setup_optimizers`` over ``model.parameters()``, as litgpt does, built in
-    ``init_module(empty_init=True)``) or ``"together"``; then predict under ``no_grad``. The gathered parameters are
-    rank 0's to compare."""
+    ``init_module(empty_init=True)``), ``"split_later"`` (the same with two optimizers, the second over the head's
+    bias alone: they split the model's own unit) or ``"together"``; then predict under ``no_grad``. The gathered
+    parameters are rank 0's to compare; ``moved``: the parameters whose memory setting the optimizers up changed."""
     fabric = Fabric(strategy=HorovodStrategy(shard=shard, bucket_mb=SMALL_BUCKETS_MB), accelerator="cpu")
     fabric.launch()
-    if order == "model_first":
+    moved: list[str] = []
+    if order in ("model_first", "split_later"):
         model = fabric.setup(built_empty(fabric, make, shard))
-        optimizer = fabric.setup_optimizers(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+        held_at = {name: p.untyped_storage().data_ptr() for name, p in model.named_parameters() if p.numel()}
+        named = list(model.named_parameters())
+        split = order == "split_later"
+        groups = [
+            [p for n, p in named if not (split and n.endswith("head.bias"))],
+            [p for n, p in named if split and n.endswith("head.bias")],
+        ]
+        optimizers = fabric.setup_optimizers(*(torch.optim.SGD(g, lr=0.1, momentum=0.9) for g in groups if g))
+        optimizer = Both(optimizers if isinstance(optimizers, (list, tuple)) else [optimizers])
+        now = {name: p.untyped_storage().data_ptr() for name, p in model.named_parameters() if p.numel()}
+        moved = sorted(name for name, at in held_at.items() if now.get(name) != at)
     else:
         torch.manual_seed(5)
         module = make()
@@ -477,7 +489,23 @@ def run_order(shard: str, make: Any, order: str, steps: int = 4) -> dict[str, An
         "whole": sum(state[name].numel() for name, _ in model.module.named_parameters()),
         "after_backward": after_backward[0],
         "shards": shards_against_state(fabric, state) if shard == "parameters" else None,
+        "moved": moved,
     }
+
+
+class Both:
+    """Several optimizers stepped and zeroed as one."""
+
+    def __init__(self, optimizers: Iterable[Any]) -> None:
+        self.optimizers = list(optimizers)
+
+    def step(self) -> None:
+        for optimizer in self.optimizers:
+            optimizer.step()
+
+    def zero_grad(self) -> None:
+        for optimizer in self.optimizers:
+            optimizer.zero_grad()
 
 
 def shards_against_state(fabric: Fabric, state: dict[str, torch.Tensor]) -> dict[str, Any]:
@@ -521,6 +549,7 @@ def check_zero3_in_users_orders() -> dict[str, Any]:
         ("tied_model_first", TiedGPT, "model_first"),
         ("attention", AttentionGPT, "together"),
         ("frozen_base", frozen_base_gpt, "model_first"),
+        ("split_later", AttentionGPT, "split_later"),
     ):
         plain, sharded = run_order("none", make, order), run_order("parameters", make, order)
         found[name] = {
@@ -530,6 +559,7 @@ def check_zero3_in_users_orders() -> dict[str, Any]:
             "whole": plain["whole"],
             "after_backward": sharded["after_backward"],
             "shards": sharded["shards"],
+            "moved": sharded["moved"],
         }
     plain, sharded = evaluate_alone("none", TiedGPT), evaluate_alone("parameters", TiedGPT)
     found["evaluate_alone"] = {

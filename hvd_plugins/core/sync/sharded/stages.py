@@ -388,9 +388,9 @@ class ParameterStage(GradientStage):
 
     def _reattach(self, optimizers: list[ShardedOptimizer]) -> None:
         """The units laid out again for ``optimizers`` (built over the model's shards, their buckets per unit
-        already), one unit at a time: each is gathered from the slices it had (a holder's, or other optimizers'),
-        fills the new slices, and lets the old ones go, so no worker ever holds more than one unit whole. A
-        parameter that no optimizer holds any more is left whole, as ``attach`` leaves it."""
+        already), one unit at a time: each is gathered from the slices it had (the unstepped store's, or other
+        optimizers'), fills the new slices, and lets the old ones go, so no worker ever holds more than one unit
+        whole. A parameter that no optimizer holds any more is left whole, as ``attach`` leaves it."""
         assert self._units is not None
         old = self._units
         old.unhook()
@@ -418,9 +418,9 @@ class ParameterStage(GradientStage):
             if index in pieces:
                 units[index] = self._unit(index, pieces[index])
             if before is not None:
-                kept = {id(p) for p in units[index].parameters()} if index in units else set()
+                placed = {id(p) for p in units[index].parameters()} if index in units else set()
                 for parameter in before.parameters():
-                    if id(parameter) not in kept:
+                    if id(parameter) not in placed:
                         parameter.data = parameter.data.clone()  # whole, of its own
                 before.let_go()
             if index in units:
@@ -461,8 +461,10 @@ class ParameterStage(GradientStage):
             self._unstepped = None
             return
         world, route = self.route.world, self.route
+        # trainable and frozen apart, as an optimizer and the frozen store will hold them: adopted as they are later
+        groups = [[p for p in idle if p.requires_grad], [p for p in idle if not p.requires_grad]]
         bucket_bytes = route.bucket_bytes
-        buckets = partition_by_units([idle], owners, world.size, world.index, bucket_bytes, None, True, self._shapes)
+        buckets = partition_by_units(groups, owners, world.size, world.index, bucket_bytes, None, True, self._shapes)
         self._unstepped = unstepped_slices(buckets, world, route.counters, route.scope)
 
     def _pieces(self) -> dict[int, list[tuple[BucketSlices, int]]]:
@@ -598,7 +600,7 @@ SHARD_STAGES: dict[str, type[ShardStage]] = {
 
 def adoptable(old: Sequence[tuple[BucketSlices, int]], new: Sequence[tuple[BucketSlices, int]], kept: set[int]) -> bool:
     """Whether a unit's new buckets are its old ones laid out alike (the same parameters, layout and dtype, one by
-    one), each old one either the same or of an optimizer let go: the new slices are then the old ones, no gather."""
+    one), each old one either the same or of a store let go: the new slices are then the old ones, no gather."""
 
     def described(pieces: Sequence[tuple[BucketSlices, int]]) -> list[tuple[object, ...]]:
         return [(tuple(map(id, s.buckets[i].parameters)), s.buckets[i].flat, s.slices[i].dtype) for s, i in pieces]

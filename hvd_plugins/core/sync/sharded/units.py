@@ -239,7 +239,7 @@ class Unit:
         whole: bool = True,
     ) -> None:
         self.index, self.name, self.module = index, name, module
-        self.pieces = list(pieces)  # (sharded optimizer, bucket index) of every bucket of this unit
+        self.pieces = list(pieces)  # (slices, bucket index) of every bucket of this unit
         self.counters, self.scope = counters, scope
         self.compute_dtype = compute_dtype
         """The dtype the unit is gathered in to compute (``param_dtype``; None: the slices' own)."""
@@ -369,8 +369,13 @@ class Unit:
         self.whole = False
 
     def let_go(self) -> None:
-        """The flat buffers dropped, the parameters left as they are (another unit now holds them: a re-layout)."""
-        self._pending = None
+        """The flat buffers dropped, the parameters left as they are (another unit now holds them: a re-layout). A
+        gather still on its way (started by a backward that was refused) is finished first, as every worker does."""
+        if self._pending is not None:
+            started = [operation for operation in self._pending if operation is not None]
+            with self.counters.waiting():
+                finish_all(started)
+            self._pending = None
         for flat in self.flats:
             flat.untyped_storage().resize_(0)
         self.flats.clear()
@@ -644,7 +649,8 @@ def innermost_module(error: BaseException) -> Module | None:
 
 def refuse_gradient(gradient: torch.Tensor) -> None:
     """A backward through units that no optimizer steps: their gradients would have nowhere to go. Every worker
-    raises at the same parameter, before any collective of that backward."""
+    raises at the same parameter (a unit's gather that backward started is finished alike when the units are laid
+    out for an optimizer, ``Unit.let_go``)."""
     raise ValueError(
         "shard='parameters' averages each gradient into the slices an optimizer steps, and no optimizer is set up "
         "over this model yet: set one up (fabric.setup_optimizers(optimizer), or fabric.setup(model, optimizer)) "
