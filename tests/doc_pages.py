@@ -3,7 +3,8 @@
 Python snippets: every ``.. code-block:: python`` of README.rst and of each page in docs/. A snippet
 whose first line is ``# continues the example above ...`` runs in the namespace of the runnable
 snippet before it on the same page; one whose first line is ``# needs horovodrun ...``,
-``# needs torchrun ...``, ``# needs a GPU ...`` or ``# needs its own script ...`` is only compiled
+``# needs torchrun ...``, ``# needs a GPU ...``, ``# needs a Ray cluster ...`` or ``# needs its own script ...``
+is only compiled
 (tests/unit/docs), not run (tests/test_docs.py).
 """
 
@@ -18,7 +19,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 DOCS = REPO / "docs"
 PAGES = [REPO / "README.rst", *sorted(DOCS.glob("*.rst"))]
-MARKERS_NOT_RUN = r"# needs (horovodrun|torchrun|a GPU|its own script)"
+MARKERS_NOT_RUN = r"# needs (horovodrun|torchrun|a GPU|a Ray cluster|its own script)"
 
 
 def code_blocks(text: str, language: str) -> list[str]:

@@ -4,8 +4,8 @@ The runnable Python snippets (tests/doc_pages.py; tests/unit/docs compiles every
 plain python process (tests/workers/doc_snippets.py), page after page, in order, each from a fresh
 start unless its first line is ``# continues the example above ...``, in which case it runs in the
 namespace of the runnable snippet before it on the same page. A snippet whose first line is
-``# needs horovodrun ...``, ``# needs torchrun ...``, ``# needs a GPU ...`` or ``# needs its own script ...`` is
-not run here:
+``# needs horovodrun ...``, ``# needs torchrun ...``, ``# needs a GPU ...``, ``# needs a Ray cluster ...`` or
+``# needs its own script ...`` is not run here:
 one process without a launcher or a GPU cannot show what it claims, and a script that starts its
 workers by running itself again cannot be run by this runner. Every other snippet runs as one
 process (a job of one worker), which is what ``python train.py`` gives a user; the

@@ -1,0 +1,239 @@
+"""Horovod's workers as Ray actors, started the way ``horovodrun`` starts them on hosts.
+
+A placement group places the actors (PACK by default, SPREAD on request); the actors are grouped by the Ray node
+they landed on, so ranks run contiguously per node and local and cross ranks are the real nodes'. This process
+(Ray's driver) runs Horovod's rendezvous, and each actor is given the variables ``horovodrun`` gives a worker
+before it starts Horovod. A failed or lost actor ends the job: the others are killed and the error names its rank
+and node. Only the actors import what they train with; this module needs Ray alone.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from types import ModuleType
+from typing import Any
+
+PLACEMENTS = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
+RAY_MISSING = "HorovodRayStrategy needs Ray: pip install 'hvd_plugins[ray]' (or pip install ray)"
+
+
+def import_ray() -> ModuleType:
+    """Ray, or an error that says how to install it."""
+    try:
+        import ray
+    except ImportError as error:
+        raise ImportError(RAY_MISSING) from error
+    return ray
+
+
+@dataclass(frozen=True)
+class RayWorkerSpec:
+    """What each of ``num_workers`` actors asks of the cluster (ray_lightning's argument names)."""
+
+    num_workers: int
+    num_cpus_per_worker: float = 1.0
+    use_gpu: bool = False
+    resources_per_worker: Mapping[str, float] = field(default_factory=dict)
+    placement: str = "PACK"
+    placement_timeout_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.num_workers, bool) or not isinstance(self.num_workers, int) or self.num_workers < 1:
+            raise ValueError(f"num_workers={self.num_workers!r}: give the number of workers, an int of at least 1")
+        if self.num_cpus_per_worker < 0:
+            raise ValueError(f"num_cpus_per_worker={self.num_cpus_per_worker!r}: give 0 or more CPUs per worker")
+        if self.placement not in PLACEMENTS:
+            raise ValueError(f"placement={self.placement!r}: choose one of {list(PLACEMENTS)}")
+        if self.placement_timeout_s <= 0:
+            raise ValueError(f"placement_timeout_s={self.placement_timeout_s!r}: give a positive number of seconds")
+
+    def bundle(self) -> dict[str, float]:
+        """The resources of one worker, as a placement group bundle."""
+        wanted = {"CPU": float(self.num_cpus_per_worker), **{k: float(v) for k, v in self.resources_per_worker.items()}}
+        if self.use_gpu:
+            wanted["GPU"] = 1.0
+        return {key: value for key, value in wanted.items() if value > 0}
+
+
+def refuse_what_the_cluster_lacks(spec: RayWorkerSpec, total: Mapping[str, float]) -> None:
+    """Before any actor starts: the cluster's total resources must hold every worker's bundle."""
+    for key, each in spec.bundle().items():
+        needed, has = each * spec.num_workers, float(total.get(key, 0.0))
+        if needed <= has:
+            continue
+        if key == "GPU" and has == 0:
+            raise ValueError("use_gpu=True, but the Ray cluster has no GPU: use use_gpu=False, or add GPU nodes")
+        raise ValueError(
+            f"num_workers={spec.num_workers} with {each:g} {key} each needs {needed:g} {key}, and the Ray cluster has "
+            f"{has:g}: use fewer workers or fewer resources per worker, or add nodes"
+        )
+
+
+def host_plan(nodes: Sequence[str]) -> tuple[list[int], list[Any]]:
+    """For the node each actor landed on (by actor): the actors ordered so that each node's run contiguously, and
+    Horovod's slots (rank, local and cross ranks) for them in that order, one host per node."""
+    from horovod.runner.common.util.hosts import get_host_assignments, parse_hosts
+
+    order: dict[str, list[int]] = {}
+    for actor, node in enumerate(nodes):
+        order.setdefault(node, []).append(actor)
+    names = {node: f"ray-node-{index}" for index, node in enumerate(order)}
+    hosts = ",".join(f"{names[node]}:{len(actors)}" for node, actors in order.items())
+    slots = get_host_assignments(parse_hosts(hosts), len(nodes))
+    return [actor for actors in order.values() for actor in actors], slots
+
+
+def interface_of(address: str) -> str | None:
+    """The name of this machine's network interface that holds ``address`` (Gloo binds there)."""
+    import psutil
+
+    for name, addresses in psutil.net_if_addrs().items():
+        if any(entry.address == address for entry in addresses):
+            return name
+    return None
+
+
+class HorovodActor:
+    """One worker: where it runs, and a function run with Horovod's variables set."""
+
+    def where(self) -> tuple[str, str, str | None]:
+        import ray
+
+        address = ray.util.get_node_ip_address()
+        return ray.get_runtime_context().get_node_id(), address, interface_of(address)
+
+    def run(self, environment: Mapping[str, str], payload: Callable[[], Any]) -> Any:
+        os.environ.update(environment)
+        return payload()
+
+
+@dataclass
+class RayWorkers:
+    """``spec.num_workers`` actors on the connected Ray cluster (``ray.init()`` is called when none is), ranked by
+    node, with Horovod's rendezvous in this process."""
+
+    spec: RayWorkerSpec
+    actors: list[Any] = field(default_factory=list)
+    nodes: list[str] = field(default_factory=list)  # by rank: the Ray node id
+    environments: list[dict[str, str]] = field(default_factory=list)  # by rank
+    _group: Any = None
+    _server: Any = None
+
+    def start(self) -> None:
+        ray = import_ray()
+        if not ray.is_initialized():
+            ray.init()
+        refuse_what_the_cluster_lacks(self.spec, ray.cluster_resources())
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        self._group = placement_group([self.spec.bundle()] * self.spec.num_workers, strategy=self.spec.placement)
+        ready, _ = ray.wait([self._group.ready()], timeout=self.spec.placement_timeout_s)
+        if not ready:
+            self.shutdown()
+            raise RuntimeError(
+                f"{self.spec.num_workers} workers of {self.spec.bundle()} could not be placed ({self.spec.placement}) "
+                f"within {self.spec.placement_timeout_s:g} s; the cluster has {ray.available_resources()} free: use "
+                "fewer workers, or wait for the cluster to free or add resources"
+            )
+        bundle = self.spec.bundle()
+        actor_class = ray.remote(HorovodActor)
+        actors = [
+            actor_class.options(
+                num_cpus=bundle.get("CPU", 0),
+                num_gpus=bundle.get("GPU", 0),
+                resources={k: v for k, v in bundle.items() if k not in ("CPU", "GPU")},
+                scheduling_strategy=PlacementGroupSchedulingStrategy(self._group, placement_group_bundle_index=index),
+            ).remote()
+            for index in range(self.spec.num_workers)
+        ]
+        self.actors = actors
+        where = ray.get([actor.where.remote() for actor in actors])
+        order, slots = host_plan([node for node, _, _ in where])
+        self.actors = [actors[index] for index in order]
+        self.nodes = [where[index][0] for index in order]
+        self._server = rendezvous_server(slots)
+        address, port = ray.util.get_node_ip_address(), self._server.port
+        self.environments = [
+            worker_environment(slot, address, port, where[index][2]) for index, slot in zip(order, slots, strict=True)
+        ]
+
+    def run(self, payload: Callable[[], Any]) -> list[Any]:
+        """``payload()`` in every actor, Horovod's variables set; each one's result, by rank. The first that fails
+        (an exception, or its actor or node lost) ends the others and is raised, naming its rank and node."""
+        ray = import_ray()
+        shared = ray.put(payload)
+        futures = [actor.run.remote(env, shared) for actor, env in zip(self.actors, self.environments, strict=True)]
+        rank_of = {future: rank for rank, future in enumerate(futures)}
+        results: dict[int, Any] = {}
+        pending = list(futures)
+        while pending:
+            done, pending = ray.wait(pending, num_returns=1)
+            rank = rank_of[done[0]]
+            try:
+                results[rank] = ray.get(done[0])
+            except Exception as error:
+                self.shutdown()
+                raise RuntimeError(
+                    f"the worker of rank {rank} on Ray node {self.nodes[rank]} failed ({type(error).__name__}); "
+                    f"every other worker was stopped:\n{error}"
+                ) from error
+        return [results[rank] for rank in range(len(futures))]
+
+    def shutdown(self) -> None:
+        """Every actor killed, the placement group removed, the rendezvous stopped: nothing left behind."""
+        ray = import_ray()
+        for actor in self.actors:
+            ray.kill(actor, no_restart=True)
+        self.actors = []
+        if self._group is not None:
+            from ray.util.placement_group import remove_placement_group
+
+            remove_placement_group(self._group)
+            self._group = None
+        if self._server is not None:
+            self._server.stop()
+            self._server = None
+
+
+@dataclass
+class _Rendezvous:
+    server: Any
+    port: int
+
+    def stop(self) -> None:
+        self.server.stop()
+
+
+def rendezvous_server(slots: Sequence[Any]) -> _Rendezvous:
+    """Horovod's Gloo rendezvous in this process, for ``slots``."""
+    from horovod.runner.http.http_server import RendezvousServer
+
+    server = RendezvousServer(verbose=0)
+    port = server.start()
+    server.init(list(slots))
+    return _Rendezvous(server, port)
+
+
+def worker_environment(slot: Any, address: str, port: int, interface: str | None) -> dict[str, str]:
+    """The variables ``horovodrun --gloo`` gives the worker of ``slot``."""
+    environment = {
+        "HOROVOD_HOSTNAME": slot.hostname,
+        "HOROVOD_RANK": str(slot.rank),
+        "HOROVOD_SIZE": str(slot.size),
+        "HOROVOD_LOCAL_RANK": str(slot.local_rank),
+        "HOROVOD_LOCAL_SIZE": str(slot.local_size),
+        "HOROVOD_CROSS_RANK": str(slot.cross_rank),
+        "HOROVOD_CROSS_SIZE": str(slot.cross_size),
+        "HOROVOD_GLOO_RENDEZVOUS_ADDR": address,
+        "HOROVOD_GLOO_RENDEZVOUS_PORT": str(port),
+        "HOROVOD_CONTROLLER": "gloo",
+        "HOROVOD_CPU_OPERATIONS": "gloo",
+        "HOROVOD_GLOO_TIMEOUT_SECONDS": os.environ.get("HOROVOD_GLOO_TIMEOUT_SECONDS", "60"),
+    }
+    if interface is not None and "HOROVOD_GLOO_IFACE" not in os.environ:
+        environment["HOROVOD_GLOO_IFACE"] = interface
+    return environment
+

@@ -1,0 +1,109 @@
+"""Lightning's launcher for ``HorovodRayStrategy``: the Trainer's function runs in Ray actors, rank 0's outcome
+comes back to the driver.
+
+As Lightning's spawn launcher does, the Trainer and its arguments travel to every worker; the driver's Trainer then
+takes rank 0's weights (into the driver's model), its state, ``callback_metrics`` and the best checkpoint's path,
+and ``fit``/``validate``/``test``/``predict`` return rank 0's results.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from typing_extensions import override
+
+from hvd_plugins.core.backend.ray_workers import RayWorkers, RayWorkerSpec
+from hvd_plugins.fabric.lightning_internals import TrainerLauncher
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
+
+@dataclass
+class RankZeroOutcome:
+    """What the driver's Trainer takes from rank 0 once the workers are done."""
+
+    results: Any
+    weights: dict[str, torch.Tensor]
+    state: Any
+    callback_metrics: dict[str, Any]
+    best_model_path: str | None
+
+
+def to_cpu(value: Any) -> Any:
+    """Tensors (also inside lists, tuples and dicts) moved to the CPU, for the trip to the driver."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu()
+    if isinstance(value, dict):
+        return {key: to_cpu(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return type(value)(to_cpu(item) for item in value)
+    return value
+
+
+def run_in_worker(trainer: pl.Trainer, function: Callable, args: tuple, kwargs: dict) -> RankZeroOutcome | None:
+    """In each actor: the Trainer's function, then rank 0's outcome (every worker reads the weights alike: a
+    sharded model's state dict is a collective)."""
+    results = function(*args, **kwargs)
+    module = trainer.lightning_module
+    weights = to_cpu(module.state_dict()) if module is not None else {}
+    if trainer.global_rank != 0:
+        return None
+    callback = trainer.checkpoint_callback
+    return RankZeroOutcome(
+        results=to_cpu(results),
+        weights=weights,
+        state=trainer.state,
+        callback_metrics=to_cpu(dict(trainer.callback_metrics)),
+        best_model_path=getattr(callback, "best_model_path", None) if callback is not None else None,
+    )
+
+
+def take_outcome(trainer: pl.Trainer, outcome: RankZeroOutcome) -> Any:
+    """The driver's Trainer as rank 0's ended: its weights, state, metrics and best checkpoint path."""
+    if trainer.lightning_module is not None and outcome.weights:
+        trainer.lightning_module.load_state_dict(outcome.weights)
+    trainer.state = outcome.state
+    trainer.callback_metrics.update(outcome.callback_metrics)
+    callback = trainer.checkpoint_callback
+    if callback is not None and outcome.best_model_path is not None and hasattr(callback, "best_model_path"):
+        callback.best_model_path = outcome.best_model_path
+    return outcome.results
+
+
+class RayLauncher(TrainerLauncher):
+    """Starts ``spec.num_workers`` Horovod workers as Ray actors for each ``fit``/``validate``/``test``/``predict``,
+    and stops them when it ends."""
+
+    def __init__(self, spec: RayWorkerSpec) -> None:
+        self.spec = spec
+        self._workers: RayWorkers | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Travels to the workers inside the Trainer: without the driver's actors and rendezvous."""
+        return {**self.__dict__, "_workers": None}
+
+    @property
+    def is_interactive_compatible(self) -> bool:
+        return True  # the workers are other processes, the driver only waits
+
+    @override
+    def launch(self, function: Callable, *args: Any, trainer: pl.Trainer | None = None, **kwargs: Any) -> Any:
+        assert trainer is not None
+        workers = RayWorkers(self.spec)
+        self._workers = workers
+        try:
+            workers.start()
+            outcomes = workers.run(lambda: run_in_worker(trainer, function, args, kwargs))
+        finally:
+            workers.shutdown()
+            self._workers = None
+        return take_outcome(trainer, outcomes[0])
+
+    @override
+    def kill(self, signum: int) -> None:
+        if self._workers is not None:
+            self._workers.shutdown()

@@ -1,0 +1,66 @@
+"""``HorovodRayStrategy``: the Trainer's Horovod workers run as actors on a Ray cluster.
+
+``python train.py`` on a Ray cluster's head (or after ``ray.init(address=...)``; a local cluster is started when
+none is connected) runs ``num_workers`` Horovod workers as Ray actors for each ``fit``, ``validate``, ``test`` and
+``predict``, with ray_lightning's argument names. Every ``HorovodStrategy`` setting applies inside the workers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from types import ModuleType
+from typing import Any
+
+from typing_extensions import override
+
+from hvd_plugins.core.backend.ray_workers import RayWorkerSpec
+from hvd_plugins.fabric.lightning_internals import set_launcher
+from hvd_plugins.pytorch.strategies.horovod import HorovodStrategy
+from hvd_plugins.pytorch.strategies.launchers.ray import RayLauncher
+
+
+class HorovodRayStrategy(HorovodStrategy):
+    """``HorovodStrategy`` whose workers are Ray actors, placed by a placement group (``placement``: ``"PACK"`` by
+    default, ``"SPREAD"`` to put them on as many nodes as it can), ranked by their nodes (local and cross ranks are
+    the real nodes'), with Horovod's rendezvous in the driver.
+
+    Args:
+        num_workers: how many Horovod workers (actors) to run.
+        num_cpus_per_worker: CPUs each actor reserves.
+        use_gpu: each actor reserves one GPU and trains on it (NCCL).
+        resources_per_worker: other Ray resources each actor reserves, by name.
+        placement: the placement group's strategy: ``"PACK"``, ``"SPREAD"``, ``"STRICT_PACK"``, ``"STRICT_SPREAD"``.
+        placement_timeout_s: how long to wait for the cluster to place every worker before saying it cannot.
+        **horovod_settings: any argument of ``HorovodStrategy`` (``compression``, ``sync``, ``shard``, ...).
+    """
+
+    def __init__(
+        self,
+        num_workers: int = 1,
+        num_cpus_per_worker: float = 1.0,
+        use_gpu: bool = False,
+        resources_per_worker: Mapping[str, float] | None = None,
+        placement: str = "PACK",
+        placement_timeout_s: float = 60.0,
+        **horovod_settings: Any,
+    ) -> None:
+        self.ray_workers = RayWorkerSpec(
+            num_workers, num_cpus_per_worker, use_gpu, dict(resources_per_worker or {}), placement, placement_timeout_s
+        )  # checked before anything starts
+        super().__init__(**horovod_settings)
+
+    @override
+    def _plan_launch(self) -> None:
+        """The driver starts no Horovod: the actors do, once launched."""
+        self._environment.launch_size = self.ray_workers.num_workers
+
+    @override
+    def _configure_launcher(self) -> None:
+        set_launcher(self, RayLauncher(self.ray_workers))
+
+    @override
+    def _start_worker(self) -> ModuleType:
+        """In an actor: Horovod from the variables the launcher gave it, and rank-zero output for its rank."""
+        hvd = super()._start_worker()
+        self._follow_rank(hvd.rank())
+        return hvd

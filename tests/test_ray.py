@@ -1,0 +1,59 @@
+"""``HorovodRayStrategy`` on real local Ray clusters (``ray.cluster_utils.Cluster``), launched as users launch:
+``python train.py`` (tests/workers/ray_fit.py); the same script under ``horovodrun`` is the reference."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hvd_launch import REPO, run_job, workers_for
+
+from hvd_plugins.testing.launch import run_bounded
+
+pytest.importorskip("ray", reason="Ray is not installed: pip install 'hvd_plugins[ray]' runs these tests")
+
+COVERS = ("hvd_plugins.pytorch.strategies.ray", "hvd_plugins.pytorch.strategies.launchers.ray", "hvd_plugins.ray")
+SCRIPT = REPO / "tests" / "workers" / "ray_fit.py"
+
+
+def driver(out: Path, *args: str, timeout: float = 240, lightning: str = "lightning.pytorch") -> dict[str, Any]:
+    """``python ray_fit.py`` as a user runs it on a Ray cluster's head (with ``lightning``'s Trainer); what it
+    wrote."""
+    script = SCRIPT if lightning == "lightning.pytorch" else workers_for(lightning) / SCRIPT.name
+    command = [sys.executable, str(script), "--out", str(out), *args]
+    job = run_bounded(command, timeout, cwd=REPO, drop_launcher_env=True)
+    assert not job.timed_out and job.returncode == 0, job.output[-6000:]
+    return json.loads((out / "result.json").read_text())
+
+
+def test_a_fit_on_two_ray_nodes_has_their_cross_ranks_and_the_weights_horovodrun_gives(tmp_path: Path) -> None:
+    """4 actors SPREAD over a 2-node cluster: local size 2, cross size 2; the driver's model ends with the weights
+    the same script gets under ``horovodrun -np 4 -H localhost:2,127.0.0.1:2``, and the driver's Trainer with rank
+    0's metrics, state and best checkpoint."""
+    on_ray = driver(tmp_path / "ray", "--cluster", "2")
+    run_job(SCRIPT, "--launch", "horovodrun", "--out", str(tmp_path / "hvd"), np=4, hosts="localhost:2,127.0.0.1:2")
+    reference = json.loads((tmp_path / "hvd" / "result.json").read_text())
+    assert on_ray["metrics"]["hvd_cross_size"] == 2 and on_ray["metrics"]["hvd_local_size"] == 2, on_ray["metrics"]
+    assert on_ray["weights"] == pytest.approx(reference["weights"], abs=1e-6)
+    assert on_ray["metrics"] == pytest.approx(reference["metrics"], rel=1e-5)
+    assert on_ray["state"] == "TrainerStatus.FINISHED"
+    assert Path(on_ray["best_model_path"]).name == Path(reference["best_model_path"]).name
+    assert Path(on_ray["best_model_path"]).exists()
+
+
+def test_an_actor_killed_mid_fit_ends_the_fit_in_seconds_naming_its_rank_and_node(tmp_path: Path) -> None:
+    """Under ``pytorch_lightning``'s Trainer (the fit above runs ``lightning.pytorch``'s)."""
+    ended = driver(tmp_path, "--cluster", "2", "--kill-rank", "2", lightning="pytorch_lightning")
+    assert "rank 2 on Ray node" in ended["error"] and "every other worker was stopped" in ended["error"], ended
+    assert ended["seconds"] < 60, ended
+
+
+def test_bad_arguments_are_refused_before_any_worker_waits(tmp_path: Path) -> None:
+    said = driver(tmp_path, "--cluster", "1", "--case", "bad_arguments")
+    assert "num_workers=0" in said["no_workers"], said
+    assert "use_gpu=True" in said["gpu"] and "no GPU" in said["gpu"], said
+    assert "num_workers=64" in said["too_many"] and "has 2" in said["too_many"], said
+    assert "could not be placed (STRICT_SPREAD) within 3 s" in said["unplaceable"], said

@@ -1,0 +1,62 @@
+"""What the Ray launch decides before any actor starts: the arguments, the resources, the ranks and variables."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from hvd_plugins.core.backend.ray_workers import (
+    RayWorkerSpec,
+    host_plan,
+    refuse_what_the_cluster_lacks,
+    worker_environment,
+)
+
+
+@pytest.mark.parametrize(
+    ("arguments", "named"),
+    [
+        ({"num_workers": 0}, "num_workers=0"),
+        ({"num_workers": 2.5}, "num_workers=2.5"),
+        ({"num_workers": 2, "num_cpus_per_worker": -1}, "num_cpus_per_worker=-1"),
+        ({"num_workers": 2, "placement": "spread"}, "placement='spread'"),
+        ({"num_workers": 2, "placement_timeout_s": 0}, "placement_timeout_s=0"),
+    ],
+)
+def test_bad_arguments_name_the_value_and_what_is_allowed(arguments: dict, named: str) -> None:
+    with pytest.raises(ValueError, match=named.replace("(", r"\(")):
+        RayWorkerSpec(**arguments)
+
+
+def test_a_bundle_holds_each_workers_resources_and_the_cluster_must_hold_them_all() -> None:
+    spec = RayWorkerSpec(4, num_cpus_per_worker=2, use_gpu=True, resources_per_worker={"fast_disk": 1})
+    assert spec.bundle() == {"CPU": 2.0, "GPU": 1.0, "fast_disk": 1.0}
+    refuse_what_the_cluster_lacks(spec, {"CPU": 8, "GPU": 4, "fast_disk": 4})
+    with pytest.raises(ValueError, match="no GPU"):
+        refuse_what_the_cluster_lacks(spec, {"CPU": 8, "fast_disk": 4})
+    with pytest.raises(ValueError, match="needs 8 CPU, and the Ray cluster has 6"):
+        refuse_what_the_cluster_lacks(spec, {"CPU": 6, "GPU": 4, "fast_disk": 4})
+
+
+def test_actors_are_ranked_node_by_node_with_the_nodes_local_and_cross_ranks() -> None:
+    order, slots = host_plan(["b", "a", "b", "a", "c"])  # the node each actor landed on
+    assert order == [0, 2, 1, 3, 4]  # node b's actors, then a's, then c's
+    ranked = [(slot.rank, slot.local_rank, slot.local_size, slot.cross_rank, slot.cross_size) for slot in slots]
+    assert ranked == [(0, 0, 2, 0, 3), (1, 1, 2, 0, 2), (2, 0, 2, 1, 3), (3, 1, 2, 1, 2), (4, 0, 1, 2, 3)]
+
+
+def test_each_worker_gets_the_variables_horovodrun_gives_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("HOROVOD_GLOO_IFACE", raising=False)
+    slot = SimpleNamespace(
+        hostname="ray-node-1", rank=3, size=4, local_rank=1, local_size=2, cross_rank=1, cross_size=2
+    )
+    environment = worker_environment(slot, "10.0.0.5", 4242, "eth0")
+    assert environment["HOROVOD_RANK"] == "3" and environment["HOROVOD_CROSS_RANK"] == "1"
+    assert (
+        environment["HOROVOD_GLOO_RENDEZVOUS_ADDR"] == "10.0.0.5"
+        and environment["HOROVOD_GLOO_RENDEZVOUS_PORT"] == "4242"
+    )
+    assert environment["HOROVOD_CONTROLLER"] == "gloo" and environment["HOROVOD_GLOO_IFACE"] == "eth0"
+    monkeypatch.setenv("HOROVOD_GLOO_IFACE", "ib0")  # the user's choice stands
+    assert "HOROVOD_GLOO_IFACE" not in worker_environment(slot, "10.0.0.5", 4242, "eth0")

@@ -1,0 +1,163 @@
+"""One Trainer script, run as users run it: ``python ray_fit.py`` on a Ray cluster (``HorovodRayStrategy``), or
+under ``horovodrun`` (``HorovodStrategy``). It writes what the driver (or rank 0) ends with to ``--out``.
+
+``--cluster N``: start a local Ray cluster of N nodes of 2 CPUs each (``ray.cluster_utils.Cluster``) and connect.
+``--kill-rank R``: the worker of rank R dies (SIGKILL) at its third step. ``--case bad_arguments``: what a bad
+argument raises, before any actor starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+
+class Regression(pl.LightningModule):
+    def __init__(self, kill_rank: int | None = None) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+        self.kill_rank = kill_rank
+        self.topology: dict[str, int] = {}
+
+    def on_train_start(self) -> None:
+        import horovod.torch as hvd
+
+        self.topology = {"size": hvd.size(), "local_size": hvd.local_size(), "cross_size": hvd.cross_size()}
+        self.log_dict({f"hvd_{key}": float(value) for key, value in self.topology.items()}, rank_zero_only=True)
+
+    def training_step(self, batch: Any, index: int) -> torch.Tensor:
+        if self.kill_rank == self.global_rank and self.global_step == 2:
+            os.kill(os.getpid(), signal.SIGKILL)
+        x, y = batch
+        loss = torch.nn.functional.mse_loss(self.net(x), y)
+        self.log("train_loss", loss)
+        return loss
+
+    def validation_step(self, batch: Any, index: int) -> None:
+        x, y = batch
+        self.log("val_loss", torch.nn.functional.mse_loss(self.net(x), y), sync_dist=True)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+
+
+def loader() -> DataLoader:
+    generator = torch.Generator().manual_seed(1)
+    x = torch.randn(256, 6, generator=generator)
+    y = x.sum(dim=1, keepdim=True).sin()
+    return DataLoader(TensorDataset(x, y), batch_size=8)
+
+
+def strategy(launch: str, kill_rank: int | None) -> pl.strategies.Strategy:
+    if launch == "ray":
+        return ray_strategy()(num_workers=4, placement="SPREAD", placement_timeout_s=30)
+    from hvd_plugins import HorovodStrategy
+
+    return HorovodStrategy()
+
+
+def ray_strategy() -> type:
+    """``HorovodRayStrategy`` of the Lightning package this script runs with (tests/hvd_launch.py rewrites it)."""
+    if pl.__name__ == "pytorch_lightning":
+        from hvd_plugins.pytorch_lightning.strategies.ray import HorovodRayStrategy as ForStandalone
+
+        return ForStandalone
+    from hvd_plugins.ray import HorovodRayStrategy
+
+    return HorovodRayStrategy
+
+
+def bad_arguments() -> dict[str, str]:
+    HorovodRayStrategy = ray_strategy()
+    said: dict[str, str] = {}
+    for name, arguments in (
+        ("no_workers", {"num_workers": 0}),
+        ("gpu", {"num_workers": 1, "use_gpu": True}),
+        ("too_many", {"num_workers": 64}),
+        ("unplaceable", {"num_workers": 2, "placement": "STRICT_SPREAD", "placement_timeout_s": 3}),  # one node
+    ):
+        try:
+            trainer = pl.Trainer(strategy=HorovodRayStrategy(**arguments), accelerator="cpu", max_epochs=1)
+            trainer.fit(Regression(), loader())
+            said[name] = "no error"
+        except (ValueError, RuntimeError) as error:
+            said[name] = str(error)
+    return said
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--launch", choices=["ray", "horovodrun"], default="ray")
+    parser.add_argument("--cluster", type=int, default=0)
+    parser.add_argument("--kill-rank", type=int, default=None)
+    parser.add_argument("--case", default="fit")
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    if not args.cluster:
+        run(args)
+        return
+    import ray
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster()
+    try:
+        for _ in range(args.cluster):
+            cluster.add_node(num_cpus=2)
+        ray.init(address=cluster.address)
+        run(args)
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+
+
+def run(args: argparse.Namespace) -> None:
+    if args.case == "bad_arguments":
+        (args.out / "result.json").write_text(json.dumps(bad_arguments()))
+        return
+    model = Regression(args.kill_rank)
+    trainer = pl.Trainer(
+        strategy=strategy(args.launch, args.kill_rank),
+        accelerator="cpu",
+        max_epochs=2,
+        logger=False,
+        default_root_dir=str(args.out),
+        enable_progress_bar=False,
+    )
+    started = time.monotonic()
+    try:
+        trainer.fit(model, loader(), loader())
+    except RuntimeError as error:
+        (args.out / "result.json").write_text(json.dumps({"error": str(error), "seconds": time.monotonic() - started}))
+        return
+    if trainer.global_rank != 0:
+        return
+    weights = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).tolist()
+    callback = trainer.checkpoint_callback
+    (args.out / "result.json").write_text(
+        json.dumps(
+            {
+                "weights": weights,
+                "metrics": {key: float(value) for key, value in trainer.callback_metrics.items()},
+                "best_model_path": getattr(callback, "best_model_path", ""),
+                "state": str(trainer.state.status),
+                "seconds": time.monotonic() - started,
+            }
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()
+    sys.stdout.flush()
