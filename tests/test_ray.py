@@ -15,7 +15,13 @@ from hvd_plugins.testing.launch import run_bounded
 
 pytest.importorskip("ray", reason="Ray is not installed: pip install 'hvd_plugins[ray]' runs these tests")
 
-COVERS = ("hvd_plugins.pytorch.strategies.ray", "hvd_plugins.pytorch.strategies.launchers.ray", "hvd_plugins.ray")
+COVERS = (
+    "hvd_plugins.pytorch.strategies.ray",
+    "hvd_plugins.pytorch.strategies.launchers.ray",
+    "hvd_plugins.fabric.strategies.ray",
+    "hvd_plugins.fabric.strategies.launchers.ray",
+    "hvd_plugins.ray",
+)
 SCRIPT = REPO / "tests" / "workers" / "ray_fit.py"
 
 
@@ -42,6 +48,16 @@ def test_a_fit_on_two_ray_nodes_has_their_cross_ranks_and_the_weights_horovodrun
     assert on_ray["state"] == "TrainerStatus.FINISHED"
     assert Path(on_ray["best_model_path"]).name == Path(reference["best_model_path"]).name
     assert Path(on_ray["best_model_path"]).exists()
+
+
+def test_a_fabric_loop_launched_on_ray_returns_rank_zeros_result_as_horovodrun_trains(tmp_path: Path) -> None:
+    """``Fabric(strategy=HorovodRayStrategy(num_workers=4))`` and ``fabric.launch(train)`` on two Ray nodes: the
+    driver gets rank 0's return value, the weights the same loop ends with under horovodrun."""
+    on_ray = driver(tmp_path / "ray", "--cluster", "2", "--case", "fabric")
+    run_job(SCRIPT, "--launch", "horovodrun", "--case", "fabric", "--out", str(tmp_path / "hvd"), np=4)
+    reference = json.loads((tmp_path / "hvd" / "result.json").read_text())
+    assert (on_ray["rank"], on_ray["size"], on_ray["cross_size"]) == (0, 4, 2), on_ray
+    assert on_ray["weights"] == pytest.approx(reference["weights"], abs=1e-6)
 
 
 def test_an_actor_killed_mid_fit_ends_the_fit_in_seconds_naming_its_rank_and_node(tmp_path: Path) -> None:

@@ -13,8 +13,9 @@ from hvd_plugins.fabric.notices import quiet_lightning_notices
 from hvd_plugins.fabric.plugins.environments.horovod import HorovodEnvironment
 from hvd_plugins.fabric.plugins.io.atomic import AtomicCheckpointIO
 from hvd_plugins.fabric.strategies import HorovodStrategy, register_named_strategies
+from hvd_plugins.fabric.strategies.ray import HorovodRayStrategy
 
 register_named_strategies(STRATEGY_REGISTRY, HorovodStrategy, FabricConnector, trainer=False)
 quiet_lightning_notices()
 
-__all__ = ["AtomicCheckpointIO", "ElasticLoop", "HorovodEnvironment", "HorovodStrategy"]
+__all__ = ["AtomicCheckpointIO", "ElasticLoop", "HorovodEnvironment", "HorovodRayStrategy", "HorovodStrategy"]

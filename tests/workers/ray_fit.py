@@ -78,6 +78,35 @@ def ray_strategy() -> type:
     return HorovodRayStrategy
 
 
+def fabric_training(launch: str) -> dict[str, Any]:
+    """The same regression as a Fabric loop: ``fabric.launch(train)`` returns rank 0's result in the driver."""
+    from lightning.fabric import Fabric
+
+    if launch == "ray":
+        from hvd_plugins.fabric import HorovodRayStrategy as OnRay
+
+        fabric = Fabric(strategy=OnRay(num_workers=4, placement="SPREAD", placement_timeout_s=30), accelerator="cpu")
+    else:
+        from hvd_plugins.fabric import HorovodStrategy
+
+        fabric = Fabric(strategy=HorovodStrategy(), accelerator="cpu")
+    return fabric.launch(train)
+
+
+def train(fabric: Any) -> dict[str, Any]:
+    import horovod.torch as hvd
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    model, optimizer = fabric.setup(model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9))
+    for x, y in fabric.setup_dataloaders(loader()):
+        fabric.backward(torch.nn.functional.mse_loss(model(x), y))
+        optimizer.step()
+        optimizer.zero_grad()
+    weights = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).tolist()
+    return {"weights": weights, "rank": fabric.global_rank, "size": hvd.size(), "cross_size": hvd.cross_size()}
+
+
 def bad_arguments() -> dict[str, str]:
     HorovodRayStrategy = ray_strategy()
     said: dict[str, str] = {}
@@ -125,6 +154,11 @@ def main() -> None:
 def run(args: argparse.Namespace) -> None:
     if args.case == "bad_arguments":
         (args.out / "result.json").write_text(json.dumps(bad_arguments()))
+        return
+    if args.case == "fabric":
+        result = fabric_training(args.launch)
+        if result["rank"] == 0:
+            (args.out / "result.json").write_text(json.dumps(result))
         return
     model = Regression(args.kill_rank)
     trainer = pl.Trainer(

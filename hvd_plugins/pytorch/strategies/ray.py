@@ -8,18 +8,18 @@ none is connected) runs ``num_workers`` Horovod workers as Ray actors for each `
 from __future__ import annotations
 
 from collections.abc import Mapping
-from types import ModuleType
 from typing import Any
 
 from typing_extensions import override
 
 from hvd_plugins.core.backend.ray_workers import RayWorkerSpec
 from hvd_plugins.fabric.lightning_internals import set_launcher
+from hvd_plugins.fabric.strategies.ray import OnRay
 from hvd_plugins.pytorch.strategies.horovod import HorovodStrategy
 from hvd_plugins.pytorch.strategies.launchers.ray import RayLauncher
 
 
-class HorovodRayStrategy(HorovodStrategy):
+class HorovodRayStrategy(OnRay, HorovodStrategy):
     """``HorovodStrategy`` whose workers are Ray actors, placed by a placement group (``placement``: ``"PACK"`` by
     default, ``"SPREAD"`` to put them on as many nodes as it can), ranked by their nodes (local and cross ranks are
     the real nodes'), with Horovod's rendezvous in the driver.
@@ -50,17 +50,5 @@ class HorovodRayStrategy(HorovodStrategy):
         super().__init__(**horovod_settings)
 
     @override
-    def _plan_launch(self) -> None:
-        """The driver starts no Horovod: the actors do, once launched."""
-        self._environment.launch_size = self.ray_workers.num_workers
-
-    @override
     def _configure_launcher(self) -> None:
         set_launcher(self, RayLauncher(self.ray_workers))
-
-    @override
-    def _start_worker(self) -> ModuleType:
-        """In an actor: Horovod from the variables the launcher gave it, and rank-zero output for its rank."""
-        hvd = super()._start_worker()
-        self._follow_rank(hvd.rank())
-        return hvd

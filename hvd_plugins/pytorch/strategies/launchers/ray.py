@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from typing_extensions import override
 
-from hvd_plugins.core.backend.ray_workers import RayWorkers, RayWorkerSpec
 from hvd_plugins.fabric.lightning_internals import TrainerLauncher
+from hvd_plugins.fabric.strategies.launchers.ray import RayFabricLauncher, to_cpu
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -31,17 +31,6 @@ class RankZeroOutcome:
     state: Any
     callback_metrics: dict[str, Any]
     best_model_path: str | None
-
-
-def to_cpu(value: Any) -> Any:
-    """Tensors (also inside lists, tuples and dicts) moved to the CPU, for the trip to the driver."""
-    if isinstance(value, torch.Tensor):
-        return value.detach().cpu()
-    if isinstance(value, dict):
-        return {key: to_cpu(item) for key, item in value.items()}
-    if isinstance(value, list | tuple):
-        return type(value)(to_cpu(item) for item in value)
-    return value
 
 
 def run_in_worker(trainer: pl.Trainer, function: Callable, args: tuple, kwargs: dict) -> RankZeroOutcome | None:
@@ -74,36 +63,16 @@ def take_outcome(trainer: pl.Trainer, outcome: RankZeroOutcome) -> Any:
     return outcome.results
 
 
-class RayLauncher(TrainerLauncher):
+class RayLauncher(RayFabricLauncher, TrainerLauncher):
     """Starts ``spec.num_workers`` Horovod workers as Ray actors for each ``fit``/``validate``/``test``/``predict``,
     and stops them when it ends."""
-
-    def __init__(self, spec: RayWorkerSpec) -> None:
-        self.spec = spec
-        self._workers: RayWorkers | None = None
-
-    def __getstate__(self) -> dict[str, Any]:
-        """Travels to the workers inside the Trainer: without the driver's actors and rendezvous."""
-        return {**self.__dict__, "_workers": None}
-
-    @property
-    def is_interactive_compatible(self) -> bool:
-        return True  # the workers are other processes, the driver only waits
 
     @override
     def launch(self, function: Callable, *args: Any, trainer: pl.Trainer | None = None, **kwargs: Any) -> Any:
         assert trainer is not None
-        workers = RayWorkers(self.spec)
-        self._workers = workers
-        try:
-            workers.start()
-            outcomes = workers.run(lambda: run_in_worker(trainer, function, args, kwargs))
-        finally:
-            workers.shutdown()
-            self._workers = None
+        outcomes = self._run_on_workers(lambda: run_in_worker(trainer, function, args, kwargs))
         return take_outcome(trainer, outcomes[0])
 
     @override
     def kill(self, signum: int) -> None:
-        if self._workers is not None:
-            self._workers.shutdown()
+        super().kill(signum)

@@ -1,0 +1,62 @@
+"""``HorovodRayStrategy`` for Fabric, and what it shares with the Trainer's: the workers are Ray actors.
+
+``Fabric(strategy=HorovodRayStrategy(num_workers=4))`` then ``fabric.launch(train)``: ``train(fabric)`` runs in
+every actor, Horovod started there from the variables the launcher gives each one (ranks follow the Ray nodes),
+and ``fabric.launch`` returns rank 0's result in the driver.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from types import ModuleType
+from typing import Any
+
+from typing_extensions import override
+
+from hvd_plugins.core.backend.ray_workers import RayWorkerSpec
+from hvd_plugins.fabric.lightning_internals import set_launcher
+from hvd_plugins.fabric.strategies.horovod import HorovodStrategy
+from hvd_plugins.fabric.strategies.launchers.ray import RayFabricLauncher
+from hvd_plugins.fabric.strategies.shared import HorovodStrategyShared
+
+
+class OnRay(HorovodStrategyShared):
+    """Placed before a face's ``HorovodStrategy``: the driver starts no Horovod (the actors do, once launched),
+    and each actor's rank-zero output follows its Horovod rank."""
+
+    ray_workers: RayWorkerSpec
+
+    @override
+    def _plan_launch(self) -> None:
+        self._environment.launch_size = self.ray_workers.num_workers
+
+    @override
+    def _start_worker(self) -> ModuleType:
+        hvd = super()._start_worker()
+        self._follow_rank(hvd.rank())
+        return hvd
+
+
+class HorovodRayStrategy(OnRay, HorovodStrategy):
+    """Fabric's ``HorovodStrategy`` whose workers are Ray actors; the arguments are the Trainer's
+    ``hvd_plugins.ray.HorovodRayStrategy``'s (``num_workers``, ``num_cpus_per_worker``, ``use_gpu``,
+    ``resources_per_worker``, ``placement``, ``placement_timeout_s``), then any of ``HorovodStrategy``."""
+
+    def __init__(
+        self,
+        num_workers: int = 1,
+        num_cpus_per_worker: float = 1.0,
+        use_gpu: bool = False,
+        resources_per_worker: Mapping[str, float] | None = None,
+        placement: str = "PACK",
+        placement_timeout_s: float = 60.0,
+        **horovod_settings: Any,
+    ) -> None:
+        self.ray_workers = RayWorkerSpec(
+            num_workers, num_cpus_per_worker, use_gpu, dict(resources_per_worker or {}), placement, placement_timeout_s
+        )  # checked before anything starts
+        super().__init__(**horovod_settings)
+
+    @override
+    def _configure_launcher(self) -> None:
+        set_launcher(self, RayFabricLauncher(self.ray_workers))
