@@ -448,3 +448,29 @@ def test_versus_torch_rounds_reads_horovods_timeline_with_both_loops(
         assert negotiate >= 0 and copies >= 0 and cpu >= 0, (loop, rows[loop])
     body = assert_dated_report(tmp_path / "sync_rounds.txt", "versus_torch.py", argv)
     assert "rounds of Horovod's loop" in body
+
+
+# ------------------------------------------------------------------------------------------ ray_launch
+def test_ray_launch_smoke_times_the_same_script_under_horovodrun_and_on_ray(tmp_path: Path) -> None:
+    """Run as its own process: Ray's cluster starts and stops with it, not inside this test process."""
+    pytest.importorskip("ray", reason="Ray is not installed: pip install 'hvd_plugins[ray]' runs this")
+    argv = ["--smoke", "--report", str(tmp_path / "ray_launch.txt")]
+    done = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "ray_launch.py"), *argv],
+        capture_output=True, text=True, timeout=600, cwd=REPO,
+    )  # fmt: skip
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    rows = {
+        line.split()[0]: line.split()[1:]
+        for line in done.stdout.splitlines()
+        if line.split()[:1] in (["horovodrun"], ["ray"])
+    }
+    assert sorted(rows) == ["horovodrun", "ray"], done.stdout
+    for launch, (first, fit, step, ratio) in rows.items():
+        # under horovodrun the workers run before fit: its fit-to-first-step can print as 0.0
+        assert float(first) > 0 and float(first) >= float(fit) >= 0, (launch, rows[launch])
+        assert float(step) > 0 and ratio.endswith("x"), (launch, rows[launch])
+    assert float(rows["ray"][1]) > 0, rows  # the actors start inside fit
+    assert rows["horovodrun"][3] == "1.00x"
+    body = assert_dated_report(tmp_path / "ray_launch.txt", "ray_launch.py", argv)
+    assert body.startswith("ray_launch: 4 workers on one machine")
