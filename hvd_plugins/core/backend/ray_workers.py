@@ -4,11 +4,12 @@ A placement group places the actors (PACK by default, SPREAD on request); the ac
 they landed on, so ranks run contiguously per node and local and cross ranks are the real nodes'. This process
 (Ray's driver) runs Horovod's rendezvous, and each actor is given the variables ``horovodrun`` gives a worker
 before it starts Horovod. A failed or lost actor ends the job: the others are killed and the error names its rank
-and node. Only the actors import what they train with; this module needs Ray alone.
+and node. The driver needs Ray and Horovod's runner (the rendezvous); the actors import what they train with.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -16,6 +17,10 @@ from types import ModuleType
 from typing import Any
 
 PLACEMENTS = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
+FORWARDED_PREFIXES = ("HOROVOD_", "NCCL_", "HVD_PLUGINS_")
+"""The driver's variables every actor gets too, as horovodrun forwards them (actors inherit the raylet's)."""
+SETTLE_SECONDS = 2.0
+"""After a worker fails, how long to wait for the others' outcomes before naming the one that failed first."""
 RAY_MISSING = "HorovodRayStrategy needs Ray: pip install 'hvd_plugins[ray]' (or pip install ray)"
 
 
@@ -48,6 +53,19 @@ class RayWorkerSpec:
             raise ValueError(f"placement={self.placement!r}: choose one of {list(PLACEMENTS)}")
         if self.placement_timeout_s <= 0:
             raise ValueError(f"placement_timeout_s={self.placement_timeout_s!r}: give a positive number of seconds")
+        for key, value in self.resources_per_worker.items():
+            if key in ("CPU", "GPU"):
+                raise ValueError(
+                    f"resources_per_worker={dict(self.resources_per_worker)!r} names {key!r}: give CPUs with "
+                    "num_cpus_per_worker and a GPU with use_gpu=True"
+                )
+            if value < 0:
+                raise ValueError(f"resources_per_worker[{key!r}]={value!r}: give 0 or more")
+        if not self.bundle():
+            raise ValueError(
+                "num_cpus_per_worker=0 with no GPU and no other resource: each worker must reserve something for "
+                "Ray to place it (num_cpus_per_worker > 0, use_gpu=True, or resources_per_worker)"
+            )
 
     def bundle(self) -> dict[str, float]:
         """The resources of one worker, as a placement group bundle."""
@@ -98,11 +116,13 @@ def interface_of(address: str) -> str | None:
 class HorovodActor:
     """One worker: where it runs, and a function run with Horovod's variables set."""
 
-    def where(self) -> tuple[str, str, str | None]:
+    def where(self) -> tuple[str, str, str | None, list[str]]:
+        """The Ray node, its address, the interface that holds it, and the GPUs Ray gave this actor."""
         import ray
 
         address = ray.util.get_node_ip_address()
-        return ray.get_runtime_context().get_node_id(), address, interface_of(address)
+        gpus = [str(gpu) for gpu in ray.get_gpu_ids()]
+        return ray.get_runtime_context().get_node_id(), address, interface_of(address), gpus
 
     def run(self, environment: Mapping[str, str], payload: Callable[[], Any]) -> Any:
         os.environ.update(environment)
@@ -122,6 +142,14 @@ class RayWorkers:
     _server: Any = None
 
     def start(self) -> None:
+        """The actors placed, ranked and given their variables; on any failure, nothing is left behind."""
+        try:
+            self._start()
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def _start(self) -> None:
         ray = import_ray()
         if not ray.is_initialized():
             ray.init()
@@ -132,7 +160,6 @@ class RayWorkers:
         self._group = placement_group([self.spec.bundle()] * self.spec.num_workers, strategy=self.spec.placement)
         ready, _ = ray.wait([self._group.ready()], timeout=self.spec.placement_timeout_s)
         if not ready:
-            self.shutdown()
             raise RuntimeError(
                 f"{self.spec.num_workers} workers of {self.spec.bundle()} could not be placed ({self.spec.placement}) "
                 f"within {self.spec.placement_timeout_s:g} s; the cluster has {ray.available_resources()} free: use "
@@ -151,14 +178,20 @@ class RayWorkers:
         ]
         self.actors = actors
         where = ray.get([actor.where.remote() for actor in actors])
-        order, slots = host_plan([node for node, _, _ in where])
+        order, slots = host_plan([node for node, _, _, _ in where])
         self.actors = [actors[index] for index in order]
-        self.nodes = [where[index][0] for index in order]
+        self.nodes = [f"{where[index][0][:12]} ({where[index][1]})" for index in order]
         self._server = rendezvous_server(slots)
         address, port = ray.util.get_node_ip_address(), self._server.port
-        self.environments = [
-            worker_environment(slot, address, port, where[index][2]) for index, slot in zip(order, slots, strict=True)
-        ]
+        node_gpus: dict[str, list[str]] = {}
+        for index in order:  # each node's GPUs in its workers' local rank order: local rank r drives cuda:r
+            node_gpus.setdefault(where[index][0], []).extend(where[index][3])
+        self.environments = []
+        for index, slot in zip(order, slots, strict=True):
+            environment = worker_environment(slot, address, port, where[index][2])
+            if node_gpus[where[index][0]]:
+                environment["CUDA_VISIBLE_DEVICES"] = ",".join(node_gpus[where[index][0]])
+            self.environments.append(environment)
 
     def run(self, payload: Callable[[], Any]) -> list[Any]:
         """``payload()`` in every actor, Horovod's variables set; each one's result, by rank. The first that fails
@@ -171,31 +204,55 @@ class RayWorkers:
         pending = list(futures)
         while pending:
             done, pending = ray.wait(pending, num_returns=1)
-            rank = rank_of[done[0]]
             try:
-                results[rank] = ray.get(done[0])
-            except Exception as error:
-                self.shutdown()
-                raise RuntimeError(
-                    f"the worker of rank {rank} on Ray node {self.nodes[rank]} failed ({type(error).__name__}); "
-                    f"every other worker was stopped:\n{error}"
-                ) from error
+                results[rank_of[done[0]]] = ray.get(done[0])
+            except Exception:
+                settled, _ = ray.wait(pending, num_returns=len(pending), timeout=SETTLE_SECONDS)
+                self._raise_first_failure([done[0], *settled], rank_of)
         return [results[rank] for rank in range(len(futures))]
 
-    def shutdown(self) -> None:
-        """Every actor killed, the placement group removed, the rendezvous stopped: nothing left behind."""
+    def _raise_first_failure(self, finished: Sequence[Any], rank_of: Mapping[Any, int]) -> None:
+        """Every other worker stopped, then the failure named: a worker that died before one whose Horovod broke
+        because a peer left (each names the rank and node that failed)."""
         ray = import_ray()
-        for actor in self.actors:
-            ray.kill(actor, no_restart=True)
-        self.actors = []
-        if self._group is not None:
-            from ray.util.placement_group import remove_placement_group
+        from ray.exceptions import RayActorError
 
-            remove_placement_group(self._group)
-            self._group = None
-        if self._server is not None:
-            self._server.stop()
-            self._server = None
+        failures: list[tuple[int, Exception]] = []
+        for future in finished:
+            try:
+                ray.get(future)
+            except Exception as failed:
+                failures.append((rank_of[future], failed))
+        self.shutdown()
+        failures.sort(key=lambda failure: (not isinstance(failure[1], RayActorError), failure[0]))
+        rank, first = failures[0]
+        others = sorted(other for other, _ in failures[1:])
+        also = f"; ranks {others} failed after it" if others else ""
+        raise RuntimeError(
+            f"the worker of rank {rank} on Ray node {self.nodes[rank]} failed ({type(first).__name__}){also}; every "
+            f"other worker was stopped:\n{first}"
+        ) from first
+
+    def shutdown(self) -> None:
+        """Every actor killed, the placement group removed, the rendezvous stopped: nothing left behind, each
+        step taken whatever the one before it raised."""
+        ray = import_ray()
+        actors, self.actors = self.actors, []
+        group, self._group = self._group, None
+        server, self._server = self._server, None
+        try:
+            for actor in actors:
+                with contextlib.suppress(Exception):
+                    ray.kill(actor, no_restart=True)
+        finally:
+            try:
+                if group is not None:
+                    from ray.util.placement_group import remove_placement_group
+
+                    remove_placement_group(group)
+            finally:
+                if server is not None:
+                    server.stop()
 
 
 @dataclass
@@ -205,6 +262,9 @@ class _Rendezvous:
 
     def stop(self) -> None:
         self.server.stop()
+        httpd = getattr(self.server, "_httpd", None)  # Horovod's stop() leaves its socket open
+        if httpd is not None:
+            httpd.server_close()
 
 
 def rendezvous_server(slots: Sequence[Any]) -> _Rendezvous:
@@ -212,14 +272,23 @@ def rendezvous_server(slots: Sequence[Any]) -> _Rendezvous:
     from horovod.runner.http.http_server import RendezvousServer
 
     server = RendezvousServer(verbose=0)
-    port = server.start()
-    server.init(list(slots))
-    return _Rendezvous(server, port)
+    rendezvous = _Rendezvous(server, server.start())
+    try:
+        server.init(list(slots))
+    except BaseException:
+        rendezvous.stop()
+        raise
+    return rendezvous
 
 
 def worker_environment(slot: Any, address: str, port: int, interface: str | None) -> dict[str, str]:
-    """The variables ``horovodrun --gloo`` gives the worker of ``slot``."""
+    """The variables ``horovodrun --gloo`` gives the worker of ``slot``: the driver's own ``HOROVOD_*``, ``NCCL_*``
+    and ``HVD_PLUGINS_*`` (a ``HOROVOD_GLOO_IFACE`` set there wins over the interface found), then the ranks and
+    the rendezvous; Gloo (and NCCL's sockets) bound to ``interface``, the one holding the node's Ray address."""
+    forwarded = {key: value for key, value in os.environ.items() if key.startswith(FORWARDED_PREFIXES)}
+    interface = forwarded.get("HOROVOD_GLOO_IFACE") or interface
     environment = {
+        **forwarded,
         "HOROVOD_HOSTNAME": slot.hostname,
         "HOROVOD_RANK": str(slot.rank),
         "HOROVOD_SIZE": str(slot.size),
@@ -233,7 +302,8 @@ def worker_environment(slot: Any, address: str, port: int, interface: str | None
         "HOROVOD_CPU_OPERATIONS": "gloo",
         "HOROVOD_GLOO_TIMEOUT_SECONDS": os.environ.get("HOROVOD_GLOO_TIMEOUT_SECONDS", "60"),
     }
-    if interface is not None and "HOROVOD_GLOO_IFACE" not in os.environ:
+    if interface is not None:
         environment["HOROVOD_GLOO_IFACE"] = interface
+        environment.setdefault("NCCL_SOCKET_IFNAME", interface)
     return environment
 

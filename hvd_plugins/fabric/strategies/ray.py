@@ -36,6 +36,22 @@ class OnRay(HorovodStrategyShared):
         self._follow_rank(hvd.rank())
         return hvd
 
+    def _refuse_devices_other_than_asked(self) -> None:
+        """The workers train on the devices the driver's Trainer (or Fabric) chose, which ``use_gpu`` must match:
+        a GPU reserved and unused, or used and not reserved, is refused before any actor starts."""
+        devices = self.parallel_devices or []
+        on_gpu = bool(devices) and devices[0].type == "cuda"
+        if self.ray_workers.use_gpu and not on_gpu:
+            raise ValueError(
+                f"use_gpu=True reserves a GPU for each worker, but the {self._environment.front} trains on the CPU: "
+                "pass accelerator='gpu' (the driver must see a GPU), or use_gpu=False"
+            )
+        if on_gpu and not self.ray_workers.use_gpu:
+            raise ValueError(
+                f"the {self._environment.front} trains on GPUs, but use_gpu=False reserves none for the workers: pass "
+                "use_gpu=True, or accelerator='cpu'"
+            )
+
 
 class HorovodRayStrategy(OnRay, HorovodStrategy):
     """Fabric's ``HorovodStrategy`` whose workers are Ray actors; the arguments are the Trainer's
@@ -59,4 +75,5 @@ class HorovodRayStrategy(OnRay, HorovodStrategy):
 
     @override
     def _configure_launcher(self) -> None:
-        set_launcher(self, RayFabricLauncher(self.ray_workers))
+        self._refuse_devices_other_than_asked()
+        set_launcher(self, RayFabricLauncher(self.ray_workers, self._follow_rank))

@@ -27,11 +27,13 @@ class HorovodRayStrategy(OnRay, HorovodStrategy):
     Args:
         num_workers: how many Horovod workers (actors) to run.
         num_cpus_per_worker: CPUs each actor reserves.
-        use_gpu: each actor reserves one GPU and trains on it (NCCL).
+        use_gpu: each actor reserves one GPU and trains on it (NCCL); the Trainer must train on GPUs too
+            (``accelerator="gpu"``), and on the CPU without it.
         resources_per_worker: other Ray resources each actor reserves, by name.
         placement: the placement group's strategy: ``"PACK"``, ``"SPREAD"``, ``"STRICT_PACK"``, ``"STRICT_SPREAD"``.
         placement_timeout_s: how long to wait for the cluster to place every worker before saying it cannot.
-        **horovod_settings: any argument of ``HorovodStrategy`` (``compression``, ``sync``, ``shard``, ...).
+        **horovod_settings: any argument of ``HorovodStrategy`` (``compression``, ``sync``, ``shard``, ...);
+            ``auto_requeue`` is off unless given (the Slurm job a Ray cluster may run in is not this fit's).
     """
 
     def __init__(
@@ -47,8 +49,10 @@ class HorovodRayStrategy(OnRay, HorovodStrategy):
         self.ray_workers = RayWorkerSpec(
             num_workers, num_cpus_per_worker, use_gpu, dict(resources_per_worker or {}), placement, placement_timeout_s
         )  # checked before anything starts
+        horovod_settings.setdefault("auto_requeue", False)  # a Slurm job around the Ray cluster is not this fit's
         super().__init__(**horovod_settings)
 
     @override
     def _configure_launcher(self) -> None:
-        set_launcher(self, RayLauncher(self.ray_workers))
+        self._refuse_devices_other_than_asked()
+        set_launcher(self, RayLauncher(self.ray_workers, self._follow_rank))

@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import torch
+from lightning.fabric.utilities.apply_func import move_data_to_device
+from lightning_utilities.core.apply_func import apply_to_collection
 from typing_extensions import override
 
 from hvd_plugins.core.backend.ray_workers import RayWorkers, RayWorkerSpec
@@ -15,27 +18,36 @@ from hvd_plugins.fabric.lightning_internals import FabricLauncher
 
 
 def to_cpu(value: Any) -> Any:
-    """Tensors (also inside lists, tuples and dicts) moved to the CPU, for the trip to the driver."""
-    if isinstance(value, torch.Tensor):
-        return value.detach().cpu()
-    if isinstance(value, dict):
-        return {key: to_cpu(item) for key, item in value.items()}
-    if isinstance(value, list | tuple):
-        return type(value)(to_cpu(item) for item in value)
-    return value
+    """Tensors (inside any collection Lightning knows: namedtuples, ordered dicts...) on the CPU, detached, for
+    the trip to the driver."""
+    return move_data_to_device(apply_to_collection(value, torch.Tensor, torch.Tensor.detach), "cpu")
 
 
-def rank_zero_result(function: Callable, args: tuple, kwargs: dict) -> Any:
-    """In each actor: ``function``'s result on rank 0 (on the CPU), None elsewhere."""
+def actor_rank() -> int:
+    """This actor's Horovod rank, from the variables the launcher gave it (Horovod may not run yet)."""
+    return int(os.environ["HOROVOD_RANK"])
+
+
+def rank_zero_result(follow_rank: Callable[[int], None], function: Callable, args: tuple, kwargs: dict) -> Any:
+    """In each actor: rank-zero output on this rank from the start, then ``function``; its result on rank 0 (on
+    the CPU), None elsewhere."""
+    follow_rank(actor_rank())
     result = function(*args, **kwargs)
-    return to_cpu(result) if os.environ.get("HOROVOD_RANK") == "0" else None
+    return to_cpu(result) if actor_rank() == 0 else None
+
+
+def launches_nothing(function: Callable) -> bool:
+    """``fabric.launch()`` with no function: Fabric then wraps a function that does nothing."""
+    inner = function.args[0] if isinstance(function, partial) and function.args else function
+    return getattr(inner, "__name__", "") == "_do_nothing"
 
 
 class RayFabricLauncher(FabricLauncher):
     """Starts ``spec.num_workers`` Horovod workers as Ray actors for each launch, and stops them when it ends."""
 
-    def __init__(self, spec: RayWorkerSpec) -> None:
+    def __init__(self, spec: RayWorkerSpec, follow_rank: Callable[[int], None]) -> None:
         self.spec = spec
+        self.follow_rank = follow_rank  # the strategy's: rank-zero output on the actor's rank
         self._workers: RayWorkers | None = None
 
     def __getstate__(self) -> dict[str, Any]:
@@ -49,7 +61,13 @@ class RayFabricLauncher(FabricLauncher):
 
     @override
     def launch(self, function: Callable, *args: Any, **kwargs: Any) -> Any:
-        return self._run_on_workers(lambda: rank_zero_result(function, args, kwargs))[0]
+        if launches_nothing(function):
+            raise TypeError(
+                "HorovodRayStrategy runs the workers as Ray actors: give fabric.launch the function they run, "
+                "fabric.launch(train), which returns rank 0's result here"
+            )
+        follow_rank = self.follow_rank
+        return self._run_on_workers(lambda: rank_zero_result(follow_rank, function, args, kwargs))[0]
 
     def _run_on_workers(self, payload: Callable[[], Any]) -> list[Any]:
         """``payload()`` in every worker, by rank; the workers stopped after, whatever happened."""

@@ -2,8 +2,8 @@
 comes back to the driver.
 
 As Lightning's spawn launcher does, the Trainer and its arguments travel to every worker; the driver's Trainer then
-takes rank 0's weights (into the driver's model), its state, ``callback_metrics`` and the best checkpoint's path,
-and ``fit``/``validate``/``test``/``predict`` return rank 0's results.
+takes rank 0's state, ``callback_metrics`` and the best checkpoint's path, after ``fit`` rank 0's weights too (into
+the driver's model), and ``fit``/``validate``/``test``/``predict`` return rank 0's results.
 """
 
 from __future__ import annotations
@@ -13,10 +13,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
+from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
 from hvd_plugins.fabric.lightning_internals import TrainerLauncher
-from hvd_plugins.fabric.strategies.launchers.ray import RayFabricLauncher, to_cpu
+from hvd_plugins.fabric.strategies.launchers.ray import RayFabricLauncher, actor_rank, to_cpu
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -27,19 +28,23 @@ class RankZeroOutcome:
     """What the driver's Trainer takes from rank 0 once the workers are done."""
 
     results: Any
-    weights: dict[str, torch.Tensor]
+    weights: dict[str, torch.Tensor] | None  # after a fit only
     state: Any
     callback_metrics: dict[str, Any]
     best_model_path: str | None
 
 
-def run_in_worker(trainer: pl.Trainer, function: Callable, args: tuple, kwargs: dict) -> RankZeroOutcome | None:
-    """In each actor: the Trainer's function, then rank 0's outcome (every worker reads the weights alike: a
-    sharded model's state dict is a collective)."""
+def run_in_worker(
+    follow_rank: Callable[[int], None], trainer: pl.Trainer, function: Callable, args: tuple, kwargs: dict
+) -> RankZeroOutcome | None:
+    """In each actor: rank-zero output on its rank from the start, the Trainer's function, then rank 0's outcome
+    (after a fit every worker reads the weights alike: a sharded model's state dict is a collective)."""
+    follow_rank(actor_rank())
     results = function(*args, **kwargs)
     module = trainer.lightning_module
-    weights = to_cpu(module.state_dict()) if module is not None else {}
-    if trainer.global_rank != 0:
+    fitted = trainer.state.fn == TrainerFn.FITTING and module is not None
+    weights = to_cpu(module.state_dict()) if fitted and module is not None else None
+    if actor_rank() != 0:
         return None
     callback = trainer.checkpoint_callback
     return RankZeroOutcome(
@@ -52,9 +57,13 @@ def run_in_worker(trainer: pl.Trainer, function: Callable, args: tuple, kwargs: 
 
 
 def take_outcome(trainer: pl.Trainer, outcome: RankZeroOutcome) -> Any:
-    """The driver's Trainer as rank 0's ended: its weights, state, metrics and best checkpoint path."""
-    if trainer.lightning_module is not None and outcome.weights:
-        trainer.lightning_module.load_state_dict(outcome.weights)
+    """The driver's Trainer as rank 0's ended: its state, metrics and best checkpoint path, and after a fit its
+    weights (what the driver's model lacks, a layer ``configure_model`` adds in the workers, is left out; a model
+    built on the meta device takes rank 0's tensors)."""
+    module = trainer.lightning_module
+    if module is not None and outcome.weights is not None:
+        on_meta = any(tensor.is_meta for tensor in (*module.parameters(), *module.buffers()))
+        module.load_state_dict(outcome.weights, strict=False, assign=on_meta)
     trainer.state = outcome.state
     trainer.callback_metrics.update(outcome.callback_metrics)
     callback = trainer.checkpoint_callback
@@ -69,8 +78,9 @@ class RayLauncher(RayFabricLauncher, TrainerLauncher):
 
     @override
     def launch(self, function: Callable, *args: Any, trainer: pl.Trainer | None = None, **kwargs: Any) -> Any:
-        assert trainer is not None
-        outcomes = self._run_on_workers(lambda: run_in_worker(trainer, function, args, kwargs))
+        assert trainer is not None  # Lightning's Trainer passes itself
+        follow_rank = self.follow_rank
+        outcomes = self._run_on_workers(lambda: run_in_worker(follow_rank, trainer, function, args, kwargs))
         return take_outcome(trainer, outcomes[0])
 
     @override

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from types import SimpleNamespace
 
 import pytest
@@ -47,16 +48,34 @@ def test_actors_are_ranked_node_by_node_with_the_nodes_local_and_cross_ranks() -
 
 
 def test_each_worker_gets_the_variables_horovodrun_gives_it(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("HOROVOD_GLOO_IFACE", raising=False)
+    for key in [key for key in os.environ if key.startswith(("HOROVOD_", "NCCL_", "HVD_PLUGINS_"))]:
+        monkeypatch.delenv(key)
     slot = SimpleNamespace(
         hostname="ray-node-1", rank=3, size=4, local_rank=1, local_size=2, cross_rank=1, cross_size=2
     )
     environment = worker_environment(slot, "10.0.0.5", 4242, "eth0")
     assert environment["HOROVOD_RANK"] == "3" and environment["HOROVOD_CROSS_RANK"] == "1"
-    assert (
-        environment["HOROVOD_GLOO_RENDEZVOUS_ADDR"] == "10.0.0.5"
-        and environment["HOROVOD_GLOO_RENDEZVOUS_PORT"] == "4242"
-    )
-    assert environment["HOROVOD_CONTROLLER"] == "gloo" and environment["HOROVOD_GLOO_IFACE"] == "eth0"
-    monkeypatch.setenv("HOROVOD_GLOO_IFACE", "ib0")  # the user's choice stands
-    assert "HOROVOD_GLOO_IFACE" not in worker_environment(slot, "10.0.0.5", 4242, "eth0")
+    assert environment["HOROVOD_GLOO_RENDEZVOUS_ADDR"] == "10.0.0.5"
+    assert environment["HOROVOD_GLOO_RENDEZVOUS_PORT"] == "4242" and environment["HOROVOD_CONTROLLER"] == "gloo"
+    assert environment["HOROVOD_GLOO_IFACE"] == "eth0" and environment["NCCL_SOCKET_IFNAME"] == "eth0"
+    # the driver's own settings reach every actor (actors inherit the raylet's environment, not the driver's)
+    monkeypatch.setenv("HOROVOD_GLOO_IFACE", "ib0")
+    monkeypatch.setenv("HOROVOD_FUSION_THRESHOLD", "0")
+    monkeypatch.setenv("NCCL_DEBUG", "INFO")
+    environment = worker_environment(slot, "10.0.0.5", 4242, "eth0")
+    assert environment["HOROVOD_GLOO_IFACE"] == "ib0" and environment["NCCL_SOCKET_IFNAME"] == "ib0"
+    assert environment["HOROVOD_FUSION_THRESHOLD"] == "0" and environment["NCCL_DEBUG"] == "INFO"
+    assert environment["HOROVOD_RANK"] == "3"  # the plan's, whatever the driver has
+
+
+@pytest.mark.parametrize(
+    ("arguments", "named"),
+    [
+        ({"resources_per_worker": {"GPU": 1}}, "use_gpu=True"),
+        ({"resources_per_worker": {"disk": -1}}, r"resources_per_worker\['disk'\]=-1"),
+        ({"num_cpus_per_worker": 0}, "num_cpus_per_worker=0 with no GPU"),
+    ],
+)
+def test_resources_that_ray_cannot_place_are_named(arguments: dict, named: str) -> None:
+    with pytest.raises(ValueError, match=named):
+        RayWorkerSpec(2, **arguments)
