@@ -3,7 +3,7 @@
 A job that waits for its time limit spends a minute or two asleep, so the time-limit and SIGTERM
 jobs are submitted when collection ends (only if their test was collected) and run beside the rest
 of the suite; ``tests/test_slurm.py`` then reads what they left. A background thread starts a
-requeued run at once (Slurm would hold it back for about two minutes) and sends the SIGTERM a few
+requeued run 15 s after the requeue (Slurm would hold it back for about two minutes) and sends the SIGTERM a few
 steps after both ranks began training (a loaded machine may take long to start them; a process
 killed before it imported anything has nothing to save).
 """
@@ -26,6 +26,9 @@ WORKER = ROOT / "tests" / "workers" / "slurm_train.py"
 FINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED"}
 SECONDS_PER_STEP = "2.0"  # first runs train 48 steps for 96 s, longer than any moment the signal may come
 SIGTERM_AFTER_TRAINING_SECONDS = 8.0  # a few steps after both ranks of the first run began training
+REQUEUED_START_AFTER_SECONDS = 15.0
+"""How long a requeued job waits before it is started at once (Slurm would hold it about two minutes): the old
+run's step may still be ending (srun waits up to 12 s for it), and a run started meanwhile fails at once."""
 
 
 @dataclass
@@ -128,11 +131,14 @@ def _submit_and_tend() -> None:
     }
     training_since: float | None = None
     signalled = False
+    requeued_at: dict[str, float] = {}
     while not _session.stop.is_set():
         states = {name: slurm.job_fields(job) for name, job in _session.jobs.items()}
         for name, fields in states.items():
             if fields.get("JobState") == "PENDING" and fields.get("Restarts", "0") != "0":
-                slurm.scontrol("update", f"JobId={_session.jobs[name]}", "StartTime=now", check=False)
+                since = requeued_at.setdefault(name, time.monotonic())
+                if time.monotonic() - since >= REQUEUED_START_AFTER_SECONDS:
+                    slurm.scontrol("update", f"JobId={_session.jobs[name]}", "StartTime=now", check=False)
         sigterm = states["sigterm"]
         if not signalled and sigterm.get("JobState") == "RUNNING" and sigterm.get("Restarts") == "0":
             if len(list((folder / "sigterm").glob("training-restart0-rank*"))) == 2:
