@@ -217,11 +217,13 @@ def run_worker(args: argparse.Namespace) -> None:
             **cpu,
         },
     )
-    if args.worker in TORCH_VARIANTS:  # left to exit, gloo's threads can abort the process ("terminate called")
+    if args.worker in TORCH_VARIANTS:  # torch's gloo threads can abort a process as it ends ("terminate called")
         import torch.distributed as dist
 
-        dist.barrier()
-        dist.destroy_process_group()
+        dist.barrier()  # every rank's results are written: end here, before the interpreter tears gloo down
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 # ------------------------------------------------------------------------------------------ driver
