@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from types import ModuleType
-from typing import Any
+from typing import Any, ClassVar
 
 from typing_extensions import override
 
@@ -25,6 +25,30 @@ class OnRay(HorovodStrategyShared):
     and each actor's rank-zero output follows its Horovod rank."""
 
     ray_workers: RayWorkerSpec
+    launcher_class: type[RayFabricLauncher]
+    """The face's launcher: Fabric's, or the Trainer's (which also takes the Trainer)."""
+    horovod_defaults: ClassVar[dict[str, Any]] = {}
+    """``HorovodStrategy`` settings this face changes unless given."""
+
+    def __init__(
+        self,
+        num_workers: int = 1,
+        num_cpus_per_worker: float = 1.0,
+        use_gpu: bool = False,
+        resources_per_worker: Mapping[str, float] | None = None,
+        placement: str = "PACK",
+        placement_timeout_s: float = 60.0,
+        **horovod_settings: Any,
+    ) -> None:
+        self.ray_workers = RayWorkerSpec(
+            num_workers, num_cpus_per_worker, use_gpu, dict(resources_per_worker or {}), placement, placement_timeout_s
+        )  # checked before anything starts
+        super().__init__(**{**self.horovod_defaults, **horovod_settings})
+
+    def _configure_launcher(self) -> None:
+        """Lightning's hook: the face's Ray launcher, once the devices are checked against ``use_gpu``."""
+        self._refuse_devices_other_than_asked()
+        set_launcher(self, self.launcher_class(self.ray_workers, self._follow_rank))
 
     @override
     def _plan_launch(self) -> None:
@@ -58,22 +82,4 @@ class HorovodRayStrategy(OnRay, HorovodStrategy):
     ``hvd_plugins.ray.HorovodRayStrategy``'s (``num_workers``, ``num_cpus_per_worker``, ``use_gpu``,
     ``resources_per_worker``, ``placement``, ``placement_timeout_s``), then any of ``HorovodStrategy``."""
 
-    def __init__(
-        self,
-        num_workers: int = 1,
-        num_cpus_per_worker: float = 1.0,
-        use_gpu: bool = False,
-        resources_per_worker: Mapping[str, float] | None = None,
-        placement: str = "PACK",
-        placement_timeout_s: float = 60.0,
-        **horovod_settings: Any,
-    ) -> None:
-        self.ray_workers = RayWorkerSpec(
-            num_workers, num_cpus_per_worker, use_gpu, dict(resources_per_worker or {}), placement, placement_timeout_s
-        )  # checked before anything starts
-        super().__init__(**horovod_settings)
-
-    @override
-    def _configure_launcher(self) -> None:
-        self._refuse_devices_other_than_asked()
-        set_launcher(self, RayFabricLauncher(self.ray_workers, self._follow_rank))
+    launcher_class = RayFabricLauncher

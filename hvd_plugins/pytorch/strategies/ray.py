@@ -7,13 +7,8 @@ none is connected) runs ``num_workers`` Horovod workers as Ray actors for each `
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
+from typing import Any, ClassVar
 
-from typing_extensions import override
-
-from hvd_plugins.core.backend.ray_workers import RayWorkerSpec
-from hvd_plugins.fabric.lightning_internals import set_launcher
 from hvd_plugins.fabric.strategies.ray import OnRay
 from hvd_plugins.pytorch.strategies.horovod import HorovodStrategy
 from hvd_plugins.pytorch.strategies.launchers.ray import RayLauncher
@@ -36,23 +31,5 @@ class HorovodRayStrategy(OnRay, HorovodStrategy):
             ``auto_requeue`` is off unless given (the Slurm job a Ray cluster may run in is not this fit's).
     """
 
-    def __init__(
-        self,
-        num_workers: int = 1,
-        num_cpus_per_worker: float = 1.0,
-        use_gpu: bool = False,
-        resources_per_worker: Mapping[str, float] | None = None,
-        placement: str = "PACK",
-        placement_timeout_s: float = 60.0,
-        **horovod_settings: Any,
-    ) -> None:
-        self.ray_workers = RayWorkerSpec(
-            num_workers, num_cpus_per_worker, use_gpu, dict(resources_per_worker or {}), placement, placement_timeout_s
-        )  # checked before anything starts
-        horovod_settings.setdefault("auto_requeue", False)  # a Slurm job around the Ray cluster is not this fit's
-        super().__init__(**horovod_settings)
-
-    @override
-    def _configure_launcher(self) -> None:
-        self._refuse_devices_other_than_asked()
-        set_launcher(self, RayLauncher(self.ray_workers, self._follow_rank))
+    launcher_class = RayLauncher
+    horovod_defaults: ClassVar[dict[str, Any]] = {"auto_requeue": False}  # a Slurm job around Ray is not the fit's
