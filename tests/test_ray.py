@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import math
 import sys
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,7 @@ COVERS = (
     "hvd_plugins.fabric.strategies.ray",
     "hvd_plugins.fabric.strategies.launchers.ray",
     "hvd_plugins.ray",
+    "hvd_plugins.core.backend.ray_elastic",
 )
 SCRIPT = REPO / "tests" / "workers" / "ray_fit.py"
 
@@ -67,6 +69,26 @@ def test_an_actor_killed_mid_fit_ends_the_fit_in_seconds_naming_its_rank_and_nod
     assert ended["seconds"] < 60, ended
 
 
+def test_an_elastic_sharded_fit_absorbs_a_node_that_leaves_and_one_that_joins_in_place(tmp_path: Path) -> None:
+    """``HorovodRayStrategy(elastic=True, min_workers=2, max_workers=4, shard="parameters")`` on two Ray nodes of two
+    workers each: the second node is removed after 6 steps, and a new node joins 6 steps later. Inside the one
+    ``trainer.fit`` the workers go 4 -> 2 -> 4 (cross size 2 -> 1 -> 2), each world resuming from the last commit,
+    and every worker of the last world ends with the same weights, which the driver's model then holds."""
+    ended = driver(tmp_path, "--cluster", "2", "--case", "elastic", "--shard", "parameters")
+    steps = [line.split() for line in ended["progress"].splitlines()]
+    worlds = [(int(size), int(cross)) for step, size, cross in steps if step != "end"]
+    assert [world for index, world in enumerate(worlds) if index == 0 or world != worlds[index - 1]] == [
+        (4, 2),
+        (2, 1),
+        (4, 2),
+    ], ended["progress"]
+    first_of_two = next(index for index, (size, _) in enumerate(worlds) if size == 2)
+    assert int(steps[first_of_two][0]) < int(steps[first_of_two - 1][0]), "the 2 survivors resume from a commit"
+    assert steps[-1][:2] == ["end", "4"] and float(steps[-1][2]) == 0.0, "the last world's weights differ"
+    assert ended["state"] == "TrainerStatus.FINISHED" and ended["metrics"]["hvd_size"] == 4.0, ended
+    assert len(ended["weights"]) == 129 and all(math.isfinite(weight) for weight in ended["weights"])
+
+
 def test_bad_arguments_are_refused_before_any_worker_waits(tmp_path: Path) -> None:
     said = driver(tmp_path, "--cluster", "1", "--case", "bad_arguments")
     assert "num_workers=0" in said["no_workers"], said
@@ -74,3 +96,7 @@ def test_bad_arguments_are_refused_before_any_worker_waits(tmp_path: Path) -> No
     assert "use_gpu=True" in said["gpu"] and "accelerator='gpu'" in said["gpu"], said
     assert "num_workers=64" in said["too_many"] and "has 2" in said["too_many"], said
     assert "could not be placed (STRICT_SPREAD) within 3 s" in said["unplaceable"], said
+    assert "placement='SPREAD'" in said["elastic_spread"] and "leave placement out" in said["elastic_spread"], said
+    assert "num_workers=8 (the workers to start with)" in said["elastic_range"], said
+    assert "num_workers=4 workers of {'CPU': 1.0} could not start within elastic_timeout_s=3" in said["elastic_waits"]
+    assert "the live Ray nodes hold 2 such workers" in said["elastic_waits"], said

@@ -3,7 +3,8 @@ under ``horovodrun`` (``HorovodStrategy``). It writes what the driver (or rank 0
 
 ``--cluster N``: start a local Ray cluster of N nodes of 2 CPUs each (``ray.cluster_utils.Cluster``) and connect.
 ``--kill-rank R``: the worker of rank R dies (SIGKILL) at its third step. ``--case bad_arguments``: what a bad
-argument raises, before any actor starts.
+argument raises, before any actor starts. ``--case elastic``: an elastic fit over the cluster's nodes; once it has
+trained a few steps the second node leaves, then a new node joins (``--shard`` shards it).
 """
 
 from __future__ import annotations
@@ -13,7 +14,9 @@ import json
 import os
 import signal
 import sys
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -23,11 +26,12 @@ from torch.utils.data import DataLoader, TensorDataset
 
 
 class Regression(pl.LightningModule):
-    def __init__(self, kill_rank: int | None = None) -> None:
+    def __init__(self, kill_rank: int | None = None, progress: Path | None = None) -> None:
         super().__init__()
         torch.manual_seed(0)
         self.net = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
         self.kill_rank = kill_rank
+        self.progress = progress  # elastic: rank 0 writes each step's world there, and the end's agreement
         self.topology: dict[str, int] = {}
 
     def on_train_start(self) -> None:
@@ -42,7 +46,26 @@ class Regression(pl.LightningModule):
         x, y = batch
         loss = torch.nn.functional.mse_loss(self.net(x), y)
         self.log("train_loss", loss)
+        if self.progress is not None:
+            import horovod.torch as hvd
+
+            time.sleep(0.1)  # room for the driver to change the cluster mid-fit
+            if hvd.rank() == 0:
+                with self.progress.open("a") as steps:
+                    steps.write(f"{self.global_step} {hvd.size()} {hvd.cross_size()}\n")
         return loss
+
+    def on_train_end(self) -> None:
+        """Elastic: every worker of the last world holds the same weights."""
+        if self.progress is None:
+            return
+        import horovod.torch as hvd
+
+        weights = torch.cat([p.detach().reshape(-1) for p in self.net.state_dict().values()])
+        spread = (hvd.allgather(weights[None]) - weights).abs().max().item()
+        if hvd.rank() == 0:
+            with self.progress.open("a") as steps:
+                steps.write(f"end {hvd.size()} {spread}\n")
 
     def validation_step(self, batch: Any, index: int) -> None:
         x, y = batch
@@ -59,7 +82,11 @@ def loader() -> DataLoader:
     return DataLoader(TensorDataset(x, y), batch_size=8)
 
 
-def strategy(launch: str, kill_rank: int | None) -> pl.strategies.Strategy:
+def strategy(launch: str, kill_rank: int | None, case: str = "fit", shard: str = "none") -> pl.strategies.Strategy:
+    if launch == "ray" and case == "elastic":
+        return ray_strategy()(
+            num_workers=4, elastic=True, min_workers=2, max_workers=4, commit_every_n_steps=2, shard=shard
+        )
     if launch == "ray":
         return ray_strategy()(num_workers=4, placement="SPREAD", placement_timeout_s=30)
     from hvd_plugins import HorovodStrategy
@@ -115,6 +142,9 @@ def bad_arguments() -> dict[str, str]:
         ("gpu", {"num_workers": 1, "use_gpu": True}),
         ("too_many", {"num_workers": 64}),
         ("unplaceable", {"num_workers": 2, "placement": "STRICT_SPREAD", "placement_timeout_s": 3}),  # one node
+        ("elastic_spread", {"num_workers": 2, "elastic": True, "placement": "SPREAD"}),
+        ("elastic_range", {"num_workers": 8, "elastic": True, "max_workers": 4}),
+        ("elastic_waits", {"num_workers": 4, "elastic": True, "elastic_timeout_s": 3}),  # one node of 2 CPUs
     ):
         try:
             trainer = pl.Trainer(strategy=HorovodRayStrategy(**arguments), accelerator="cpu", max_epochs=1)
@@ -132,6 +162,7 @@ def main() -> None:
     parser.add_argument("--cluster", type=int, default=0)
     parser.add_argument("--kill-rank", type=int, default=None)
     parser.add_argument("--case", default="fit")
+    parser.add_argument("--shard", default="none")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     if not args.cluster:
@@ -142,13 +173,38 @@ def main() -> None:
 
     cluster = Cluster()
     try:
-        for _ in range(args.cluster):
-            cluster.add_node(num_cpus=2)
+        nodes = [cluster.add_node(num_cpus=2) for _ in range(args.cluster)]
         ray.init(address=cluster.address)
-        run(args)
+        if args.case == "elastic":  # Ray adds nodes from the main thread only: the fit runs in another
+            fit = threading.Thread(target=run, args=(args,))
+            fit.start()
+            change_nodes(cluster, nodes[-1], args.out / "progress", fit.is_alive)
+            fit.join()
+        else:
+            run(args)
     finally:
         ray.shutdown()
         cluster.shutdown()
+
+
+def change_nodes(cluster: Any, leaving: Any, progress: Path, fitting: Callable[[], bool]) -> None:
+    """The driver's view of the cluster changes mid-fit: ``leaving`` is removed after 6 steps, a new node of 2 CPUs
+    joins once the fit has gone on for 6 more steps without it (unless the fit ended before)."""
+
+    def steps_seen() -> list[tuple[int, int]]:
+        text = progress.read_text() if progress.exists() else ""
+        return [(int(line.split()[0]), int(line.split()[1])) for line in text.splitlines() if line[0].isdigit()]
+
+    def wait_for(step: int, size: int) -> None:
+        while fitting() and not any(seen >= step and workers == size for seen, workers in steps_seen()):
+            time.sleep(0.1)
+
+    wait_for(6, 4)
+    if fitting():
+        cluster.remove_node(leaving)
+    wait_for(max(seen for seen, _ in steps_seen()) + 6, 2)
+    if fitting():
+        cluster.add_node(num_cpus=2)
 
 
 def run(args: argparse.Namespace) -> None:
@@ -160,11 +216,12 @@ def run(args: argparse.Namespace) -> None:
         if result["rank"] == 0:
             (args.out / "result.json").write_text(json.dumps(result))
         return
-    model = Regression(args.kill_rank)
+    progress = args.out / "progress" if args.case == "elastic" else None
+    model = Regression(args.kill_rank, progress)
     trainer = pl.Trainer(
-        strategy=strategy(args.launch, args.kill_rank),
+        strategy=strategy(args.launch, args.kill_rank, args.case, args.shard),
         accelerator="cpu",
-        max_epochs=2,
+        max_epochs=6 if progress is not None else 2,
         logger=False,
         default_root_dir=str(args.out),
         enable_progress_bar=False,
@@ -187,6 +244,7 @@ def run(args: argparse.Namespace) -> None:
                 "best_model_path": getattr(callback, "best_model_path", ""),
                 "state": str(trainer.state.status),
                 "seconds": time.monotonic() - started,
+                "progress": progress.read_text() if progress is not None else "",
             }
         )
     )

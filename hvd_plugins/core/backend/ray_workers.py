@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
 
-PLACEMENTS = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
+from hvd_plugins.core.backend.ray_spec import RayWorkerSpec, refuse_what_the_cluster_lacks
+
 FORWARDED_PREFIXES = ("HOROVOD_", "NCCL_", "HVD_PLUGINS_")
 """The driver's variables every actor gets too, as horovodrun forwards them (actors inherit the raylet's)."""
 SETTLE_SECONDS = 2.0
@@ -31,62 +32,6 @@ def import_ray() -> ModuleType:
     except ImportError as error:
         raise ImportError(RAY_MISSING) from error
     return ray
-
-
-@dataclass(frozen=True)
-class RayWorkerSpec:
-    """What each of ``num_workers`` actors asks of the cluster (ray_lightning's argument names)."""
-
-    num_workers: int
-    num_cpus_per_worker: float = 1.0
-    use_gpu: bool = False
-    resources_per_worker: Mapping[str, float] = field(default_factory=dict)
-    placement: str = "PACK"
-    placement_timeout_s: float = 60.0
-
-    def __post_init__(self) -> None:
-        if isinstance(self.num_workers, bool) or not isinstance(self.num_workers, int) or self.num_workers < 1:
-            raise ValueError(f"num_workers={self.num_workers!r}: give the number of workers, an int of at least 1")
-        if self.num_cpus_per_worker < 0:
-            raise ValueError(f"num_cpus_per_worker={self.num_cpus_per_worker!r}: give 0 or more CPUs per worker")
-        if self.placement not in PLACEMENTS:
-            raise ValueError(f"placement={self.placement!r}: choose one of {list(PLACEMENTS)}")
-        if self.placement_timeout_s <= 0:
-            raise ValueError(f"placement_timeout_s={self.placement_timeout_s!r}: give a positive number of seconds")
-        for key, value in self.resources_per_worker.items():
-            if key in ("CPU", "GPU"):
-                raise ValueError(
-                    f"resources_per_worker={dict(self.resources_per_worker)!r} names {key!r}: give CPUs with "
-                    "num_cpus_per_worker and a GPU with use_gpu=True"
-                )
-            if value < 0:
-                raise ValueError(f"resources_per_worker[{key!r}]={value!r}: give 0 or more")
-        if not self.bundle():
-            raise ValueError(
-                "num_cpus_per_worker=0 with no GPU and no other resource: each worker must reserve something for "
-                "Ray to place it (num_cpus_per_worker > 0, use_gpu=True, or resources_per_worker)"
-            )
-
-    def bundle(self) -> dict[str, float]:
-        """The resources of one worker, as a placement group bundle."""
-        wanted = {"CPU": float(self.num_cpus_per_worker), **{k: float(v) for k, v in self.resources_per_worker.items()}}
-        if self.use_gpu:
-            wanted["GPU"] = 1.0
-        return {key: value for key, value in wanted.items() if value > 0}
-
-
-def refuse_what_the_cluster_lacks(spec: RayWorkerSpec, total: Mapping[str, float]) -> None:
-    """Before any actor starts: the cluster's total resources must hold every worker's bundle."""
-    for key, each in spec.bundle().items():
-        needed, has = each * spec.num_workers, float(total.get(key, 0.0))
-        if needed <= has:
-            continue
-        if key == "GPU" and has == 0:
-            raise ValueError("use_gpu=True, but the Ray cluster has no GPU: use use_gpu=False, or add GPU nodes")
-        raise ValueError(
-            f"num_workers={spec.num_workers} with {each:g} {key} each needs {needed:g} {key}, and the Ray cluster has "
-            f"{has:g}: use fewer workers or fewer resources per worker, or add nodes"
-        )
 
 
 def host_plan(nodes: Sequence[str]) -> tuple[list[int], list[Any]]:
@@ -127,6 +72,20 @@ class HorovodActor:
     def run(self, environment: Mapping[str, str], payload: Callable[[], Any]) -> Any:
         os.environ.update(environment)
         return payload()
+
+    def run_ranked(self, environment: Mapping[str, str], payload: Callable[[], Any]) -> tuple[int, Any]:
+        """``run``, with the Horovod rank this worker ended with (an elastic reset renumbers the workers)."""
+        result = self.run(environment, payload)
+        return current_rank(), result
+
+
+def current_rank() -> int:
+    """This worker's Horovod rank now: Horovod's own once it runs (elastic resets renumber the workers), else the
+    one the launcher gave it."""
+    from hvd_plugins.core.backend.module import horovod_torch
+
+    hvd = horovod_torch()
+    return int(hvd.rank()) if hvd.is_initialized() else int(os.environ["HOROVOD_RANK"])
 
 
 @dataclass
@@ -261,10 +220,17 @@ class _Rendezvous:
     port: int
 
     def stop(self) -> None:
-        self.server.stop()
-        httpd = getattr(self.server, "_httpd", None)  # Horovod's stop() leaves its socket open
-        if httpd is not None:
-            httpd.server_close()
+        stop_rendezvous(self.server)
+
+
+def stop_rendezvous(server: Any) -> None:
+    """Horovod's rendezvous server stopped and its socket closed (its ``stop()`` leaves the socket open); once is
+    enough, twice does no harm."""
+    httpd = getattr(server, "_httpd", None)
+    if httpd is None:
+        return
+    server.stop()
+    httpd.server_close()
 
 
 def rendezvous_server(slots: Sequence[Any]) -> _Rendezvous:

@@ -32,6 +32,13 @@ by every horovodrun from its environment when the flag is not used."""
 REPORT_ENV = "HOROVOD_ELASTIC_WAIT_REPORT_SECONDS"
 """How often the worker and (patch 0016) horovodrun's driver repeat that they wait; 30 s by default."""
 DEFAULT_REPORT_S = 30.0
+LAUNCHER_ENV = "HVD_PLUGINS_ELASTIC_LAUNCHER"
+"""Whose elastic driver the worker waits on: ``horovodrun`` (unset) or ``ray`` (``HorovodRayStrategy``, which
+sets it): the wait is told in that launcher's own words."""
+WORDS = {
+    "horovodrun": {"min": "--min-np", "timeout": "--elastic-timeout", "driver": "horovodrun"},
+    "ray": {"min": "min_workers", "timeout": "elastic_timeout_s", "driver": "the Ray driver"},
+}
 HOROVOD_DEFAULT_TIMEOUT_S = 600
 """horovodrun's elastic timeout without ``--elastic-timeout`` or ``HOROVOD_ELASTIC_TIMEOUT``."""
 
@@ -58,40 +65,47 @@ class WaitPlan:
     report_s: float = DEFAULT_REPORT_S
     told_by_driver: bool = False
     """Whether horovodrun gave ``--min-np`` (a build with patch 0016): its own log then names the hosts."""
+    launcher: str = "horovodrun"
+    """A key of ``WORDS``: the launcher whose settings the lines name."""
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] = os.environ) -> WaitPlan:
         """From horovodrun's variables; a malformed one raises ValueError naming it and its value."""
         min_np = _positive(environ, MIN_NP_ENV)
+        launcher = environ.get(LAUNCHER_ENV, "horovodrun")
         return cls(
             min_np=int(min_np) if min_np is not None else None,
             timeout_s=_positive(environ, TIMEOUT_ENV),
             report_s=_positive(environ, REPORT_ENV) or DEFAULT_REPORT_S,
             told_by_driver=min_np is not None,
+            launcher=launcher if launcher in WORDS else "horovodrun",
         )
+
+    def word(self, what: str) -> str:
+        return WORDS[self.launcher][what]
 
     def workers(self) -> str:
         if self.min_np is None:
-            return "the new world (at least --min-np workers)"
-        return f"{self.min_np} workers (--min-np)"
+            return f"the new world (at least {self.word('min')} workers)"
+        return f"{self.min_np} workers ({self.word('min')})"
 
     def timeout(self) -> str:
         if self.timeout_s is None:
-            return f"{HOROVOD_DEFAULT_TIMEOUT_S} s unless --elastic-timeout set another"
+            return f"{HOROVOD_DEFAULT_TIMEOUT_S} s unless {self.word('timeout')} set another"
         return f"{self.timeout_s:.0f} s"
 
     def where(self) -> str:
         if self.told_by_driver:
-            return "horovodrun's log names the hosts it waits for and why they are unusable"
-        return "horovodrun's log says more with patch 0016 of hvd-build-horovod"
+            return f"{self.word('driver')}'s log names the hosts it waits for and why they are unusable"
+        return f"{self.word('driver')}'s log says more with patch 0016 of hvd-build-horovod"
 
 
 def waiting_line(number: int, old_size: int, plan: WaitPlan, waited_s: float) -> str:
     """The line a waiting worker logs: at the start (``waited_s`` 0) and then every ``plan.report_s``."""
     if waited_s <= 0:
         return (
-            f"elastic reset {number}: {old_size} workers before; waiting for {plan.workers()}; horovodrun's elastic "
-            f"timeout ({plan.timeout()}, --elastic-timeout) ends the job without them; {plan.where()}"
+            f"elastic reset {number}: {old_size} workers before; waiting for {plan.workers()}; {plan.word('driver')}'s "
+            f"elastic timeout ({plan.timeout()}, {plan.word('timeout')}) ends the job without them; {plan.where()}"
         )
     left = f", {max(0.0, plan.timeout_s - waited_s):.0f} s left" if plan.timeout_s is not None else ""
     return (

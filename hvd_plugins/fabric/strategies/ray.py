@@ -11,9 +11,10 @@ from collections.abc import Mapping
 from types import ModuleType
 from typing import Any, ClassVar
 
+import torch
 from typing_extensions import override
 
-from hvd_plugins.core.backend.ray_workers import RayWorkerSpec
+from hvd_plugins.core.backend.ray_spec import DEFAULT_ELASTIC_TIMEOUT_S, ElasticRange, RayWorkerSpec
 from hvd_plugins.fabric.lightning_internals import set_launcher
 from hvd_plugins.fabric.strategies.horovod import HorovodStrategy
 from hvd_plugins.fabric.strategies.launchers.ray import RayFabricLauncher
@@ -38,12 +39,32 @@ class OnRay(HorovodStrategyShared):
         resources_per_worker: Mapping[str, float] | None = None,
         placement: str = "PACK",
         placement_timeout_s: float = 60.0,
+        elastic: bool = False,
+        min_workers: int = 1,
+        max_workers: int | None = None,
+        elastic_timeout_s: float = DEFAULT_ELASTIC_TIMEOUT_S,
+        reset_limit: int | None = None,
         **horovod_settings: Any,
     ) -> None:
+        if elastic not in (True, False):
+            raise ValueError(f"elastic={elastic!r}: give True (workers come and go with Ray's nodes) or False")
+        elastic_range = ElasticRange(min_workers, max_workers, elastic_timeout_s, reset_limit) if elastic else None
         self.ray_workers = RayWorkerSpec(
-            num_workers, num_cpus_per_worker, use_gpu, dict(resources_per_worker or {}), placement, placement_timeout_s
+            num_workers,
+            num_cpus_per_worker,
+            use_gpu,
+            dict(resources_per_worker or {}),
+            placement,
+            placement_timeout_s,
+            elastic_range,
         )  # checked before anything starts
         super().__init__(**{**self.horovod_defaults, **horovod_settings})
+        if elastic_range is not None:
+            self._take_elastic()
+
+    def _take_elastic(self) -> None:
+        """The face's elastic state, for the workers to run with (they start with ``HOROVOD_ELASTIC=1``); Fabric
+        keeps none: its loops are elastic through ``ElasticLoop``."""
 
     def _configure_launcher(self) -> None:
         """Lightning's hook: the face's Ray launcher, once the devices are checked against ``use_gpu``."""
@@ -59,6 +80,14 @@ class OnRay(HorovodStrategyShared):
         hvd = super()._start_worker()
         self._follow_rank(hvd.rank())
         return hvd
+
+    @property
+    def root_device(self) -> torch.device:
+        """An elastic GPU worker sees only the GPU Ray gave it (its local rank changes at resets, its GPU does not)."""
+        device = super().root_device
+        if device.type == "cuda" and self.ray_workers.elastic is not None:
+            return torch.device("cuda", 0)
+        return device
 
     def _refuse_devices_other_than_asked(self) -> None:
         """The workers train on the devices the driver's Trainer (or Fabric) chose, which ``use_gpu`` must match:

@@ -3,7 +3,6 @@ rank 0's return value comes back to the driver (as Lightning's spawn launcher re
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from functools import partial
 from typing import Any
@@ -13,7 +12,9 @@ from lightning.fabric.utilities.apply_func import move_data_to_device
 from lightning_utilities.core.apply_func import apply_to_collection
 from typing_extensions import override
 
-from hvd_plugins.core.backend.ray_workers import RayWorkers, RayWorkerSpec
+from hvd_plugins.core.backend.ray_elastic import ElasticRayWorkers
+from hvd_plugins.core.backend.ray_spec import RayWorkerSpec
+from hvd_plugins.core.backend.ray_workers import RayWorkers, current_rank
 from hvd_plugins.fabric.lightning_internals import FabricLauncher
 
 
@@ -23,17 +24,12 @@ def to_cpu(value: Any) -> Any:
     return move_data_to_device(apply_to_collection(value, torch.Tensor, torch.Tensor.detach), "cpu")
 
 
-def actor_rank() -> int:
-    """This actor's Horovod rank, from the variables the launcher gave it (Horovod may not run yet)."""
-    return int(os.environ["HOROVOD_RANK"])
-
-
 def rank_zero_result(follow_rank: Callable[[int], None], function: Callable, args: tuple, kwargs: dict) -> Any:
     """In each actor: rank-zero output on this rank from the start, then ``function``; its result on rank 0 (on
     the CPU), None elsewhere."""
-    follow_rank(actor_rank())
+    follow_rank(current_rank())
     result = function(*args, **kwargs)
-    return to_cpu(result) if actor_rank() == 0 else None
+    return to_cpu(result) if current_rank() == 0 else None
 
 
 def launches_nothing(function: Callable) -> bool:
@@ -48,7 +44,7 @@ class RayFabricLauncher(FabricLauncher):
     def __init__(self, spec: RayWorkerSpec, follow_rank: Callable[[int], None]) -> None:
         self.spec = spec
         self.follow_rank = follow_rank  # the strategy's: rank-zero output on the actor's rank
-        self._workers: RayWorkers | None = None
+        self._workers: RayWorkers | ElasticRayWorkers | None = None
 
     def __getstate__(self) -> dict[str, Any]:
         """Travels to the workers with the strategy: without the driver's actors and rendezvous."""
@@ -71,7 +67,7 @@ class RayFabricLauncher(FabricLauncher):
 
     def _run_on_workers(self, payload: Callable[[], Any]) -> list[Any]:
         """``payload()`` in every worker, by rank; the workers stopped after, whatever happened."""
-        workers = RayWorkers(self.spec)
+        workers = RayWorkers(self.spec) if self.spec.elastic is None else ElasticRayWorkers(self.spec)
         self._workers = workers
         try:
             workers.start()

@@ -16,8 +16,12 @@ import torch
 from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
+from hvd_plugins.core.backend.ray_workers import current_rank
+from hvd_plugins.core.backend.startup import init_horovod
 from hvd_plugins.fabric.lightning_internals import TrainerLauncher
-from hvd_plugins.fabric.strategies.launchers.ray import RayFabricLauncher, actor_rank, to_cpu
+from hvd_plugins.fabric.strategies.launchers.ray import RayFabricLauncher, to_cpu
+from hvd_plugins.pytorch.strategies.horovod import HorovodStrategy
+from hvd_plugins.pytorch.strategies.launchers.elastic import HorovodElasticLauncher
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -39,12 +43,12 @@ def run_in_worker(
 ) -> RankZeroOutcome | None:
     """In each actor: rank-zero output on its rank from the start, the Trainer's function, then rank 0's outcome
     (after a fit every worker reads the weights alike: a sharded model's state dict is a collective)."""
-    follow_rank(actor_rank())
-    results = function(*args, **kwargs)
+    follow_rank(current_rank())
+    results = run_stage(trainer, function, args, kwargs)
     module = trainer.lightning_module
     fitted = trainer.state.fn == TrainerFn.FITTING and module is not None
     weights = to_cpu(module.state_dict()) if fitted and module is not None else None
-    if actor_rank() != 0:
+    if current_rank() != 0:
         return None
     callback = trainer.checkpoint_callback
     return RankZeroOutcome(
@@ -53,6 +57,19 @@ def run_in_worker(
         state=trainer.state,
         callback_metrics=to_cpu(dict(trainer.callback_metrics)),
         best_model_path=getattr(callback, "best_model_path", None) if callback is not None else None,
+    )
+
+
+def run_stage(trainer: pl.Trainer, function: Callable, args: tuple, kwargs: dict) -> Any:
+    """The Trainer's function in a worker: an elastic fit runs its attempts as under an elastic ``horovodrun``
+    (``HorovodElasticLauncher``: resets in place, from the last commit, Horovod started first as a script under
+    horovodrun starts it when the Trainer is built); everything else runs once."""
+    strategy = trainer.strategy
+    if not isinstance(strategy, HorovodStrategy) or strategy.elastic is None:
+        return function(*args, **kwargs)
+    init_horovod(strategy.config)
+    return HorovodElasticLauncher(strategy.elastic, strategy.forget_world).launch(
+        function, *args, trainer=trainer, **kwargs
     )
 
 
