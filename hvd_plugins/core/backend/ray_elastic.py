@@ -154,9 +154,7 @@ class ElasticRayWorkers:
         self._driver.start(self.spec.num_workers, self._run_slot)
         outcome = self._driver.get_results()
         self._driver.stop()
-        failed = sorted(
-            (timestamp, name) for name, (code, timestamp) in outcome.worker_results.items() if code != 0
-        )
+        failed = any(code != 0 for code, _ in outcome.worker_results.values())
         if outcome.error_message is not None or failed or not self._results:
             self._raise_failure(outcome.error_message)
         size = max(self._results) + 1

@@ -272,4 +272,3 @@ def worker_environment(slot: Any, address: str, port: int, interface: str | None
         environment["HOROVOD_GLOO_IFACE"] = interface
         environment.setdefault("NCCL_SOCKET_IFNAME", interface)
     return environment
-

@@ -1,4 +1,4 @@
-"""What the Ray launch decides before any actor starts: the arguments, the resources, the ranks and variables."""
+"""What the Ray launch decides as its actors start: their ranks and variables."""
 
 from __future__ import annotations
 
@@ -7,37 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from hvd_plugins.core.backend.ray_workers import (
-    RayWorkerSpec,
-    host_plan,
-    refuse_what_the_cluster_lacks,
-    worker_environment,
-)
-
-
-@pytest.mark.parametrize(
-    ("arguments", "named"),
-    [
-        ({"num_workers": 0}, "num_workers=0"),
-        ({"num_workers": 2.5}, "num_workers=2.5"),
-        ({"num_workers": 2, "num_cpus_per_worker": -1}, "num_cpus_per_worker=-1"),
-        ({"num_workers": 2, "placement": "spread"}, "placement='spread'"),
-        ({"num_workers": 2, "placement_timeout_s": 0}, "placement_timeout_s=0"),
-    ],
-)
-def test_bad_arguments_name_the_value_and_what_is_allowed(arguments: dict, named: str) -> None:
-    with pytest.raises(ValueError, match=named.replace("(", r"\(")):
-        RayWorkerSpec(**arguments)
-
-
-def test_a_bundle_holds_each_workers_resources_and_the_cluster_must_hold_them_all() -> None:
-    spec = RayWorkerSpec(4, num_cpus_per_worker=2, use_gpu=True, resources_per_worker={"fast_disk": 1})
-    assert spec.bundle() == {"CPU": 2.0, "GPU": 1.0, "fast_disk": 1.0}
-    refuse_what_the_cluster_lacks(spec, {"CPU": 8, "GPU": 4, "fast_disk": 4})
-    with pytest.raises(ValueError, match="no GPU"):
-        refuse_what_the_cluster_lacks(spec, {"CPU": 8, "fast_disk": 4})
-    with pytest.raises(ValueError, match="needs 8 CPU, and the Ray cluster has 6"):
-        refuse_what_the_cluster_lacks(spec, {"CPU": 6, "GPU": 4, "fast_disk": 4})
+from hvd_plugins.core.backend.ray_workers import host_plan, worker_environment
 
 
 def test_actors_are_ranked_node_by_node_with_the_nodes_local_and_cross_ranks() -> None:
@@ -66,16 +36,3 @@ def test_each_worker_gets_the_variables_horovodrun_gives_it(monkeypatch: pytest.
     assert environment["HOROVOD_GLOO_IFACE"] == "ib0" and environment["NCCL_SOCKET_IFNAME"] == "ib0"
     assert environment["HOROVOD_FUSION_THRESHOLD"] == "0" and environment["NCCL_DEBUG"] == "INFO"
     assert environment["HOROVOD_RANK"] == "3"  # the plan's, whatever the driver has
-
-
-@pytest.mark.parametrize(
-    ("arguments", "named"),
-    [
-        ({"resources_per_worker": {"GPU": 1}}, "use_gpu=True"),
-        ({"resources_per_worker": {"disk": -1}}, r"resources_per_worker\['disk'\]=-1"),
-        ({"num_cpus_per_worker": 0}, "num_cpus_per_worker=0 with no GPU"),
-    ],
-)
-def test_resources_that_ray_cannot_place_are_named(arguments: dict, named: str) -> None:
-    with pytest.raises(ValueError, match=named):
-        RayWorkerSpec(2, **arguments)

@@ -42,6 +42,15 @@ def test_the_lines_say_how_many_workers_and_how_long_when_told() -> None:
     assert "still waiting for 2 workers (--min-np) after 15 s, 5 s left of the elastic timeout of 20 s" in later
 
 
+def test_under_ray_the_lines_name_the_strategys_settings_and_the_ray_driver() -> None:
+    plan = WaitPlan.from_env(
+        {"HOROVOD_ELASTIC_MIN_NP": "2", "HOROVOD_ELASTIC_TIMEOUT": "30", "HVD_PLUGINS_ELASTIC_LAUNCHER": "ray"}
+    )
+    line = waiting_line(1, 4, plan, 0.0)
+    assert "waiting for 2 workers (min_workers)" in line and "(30 s, elastic_timeout_s)" in line, line
+    assert "the Ray driver's log names the hosts" in line and "horovodrun" not in line, line
+
+
 def test_without_the_drivers_variables_the_lines_say_what_the_worker_knows() -> None:
     line = waiting_line(2, 3, WaitPlan(), 0.0)
     assert "waiting for the new world (at least --min-np workers)" in line
