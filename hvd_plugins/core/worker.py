@@ -17,5 +17,6 @@ def prepare_worker(config: HorovodConfig, hvd: ModuleType, device: torch.device)
     capabilities.require_job_supports(config, on_gpu)
     apply_cpu_threads(config.cpu_threads, hvd.local_size())
     if on_gpu:
-        capabilities.require_gpu_for_local_rank(hvd.local_rank(), torch.cuda.device_count(), hvd.local_size())
+        index = device.index if device.index is not None else hvd.local_rank()  # a worker that sees one GPU: 0
+        capabilities.require_gpu_for_local_rank(index, torch.cuda.device_count(), hvd.local_size())
         torch.cuda.set_device(device)

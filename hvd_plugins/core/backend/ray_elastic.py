@@ -57,13 +57,19 @@ def _discovery(bundle: Mapping[str, float]) -> Any:
         def __init__(self) -> None:
             super().__init__()
             self.node_ids: dict[str, str] = {}
+            self.only: set[str] | None = None  # once set, the hosts it may still offer (a job that never grows)
             self._lock = threading.Lock()
 
         def find_available_hosts_and_slots(self) -> dict[str, int]:
             slots, node_ids = ray_node_slots(bundle)
             with self._lock:
                 self.node_ids.update(node_ids)
-            return slots
+                only = self.only
+            return slots if only is None else {host: count for host, count in slots.items() if host in only}
+
+        def keep_only(self, hosts: set[str]) -> None:
+            with self._lock:
+                self.only = set(hosts)
 
         def node_of(self, host: str) -> str:
             with self._lock:
@@ -74,8 +80,10 @@ def _discovery(bundle: Mapping[str, float]) -> Any:
 
 @dataclass(frozen=True)
 class WorkerFailure:
-    """A worker that failed: when, where, in which rank, and what it raised."""
+    """A worker that failed: in which of the driver's rendezvous (worlds), when, where, in which rank, and what it
+    raised."""
 
+    world: int
     at: float
     host: str
     rank: int
@@ -84,8 +92,8 @@ class WorkerFailure:
 
 @dataclass
 class ElasticRayWorkers:
-    """An elastic job's workers on the connected Ray cluster (``ray.init()`` is called when none is): it starts with
-    ``spec.num_workers`` and then runs with as many as the live nodes hold, within ``spec.elastic``."""
+    """An elastic job's workers on the connected Ray cluster (``ray.init()`` is called when none is): it waits for
+    ``spec.num_workers`` slots, then runs as many workers as the live nodes hold, within ``spec.elastic``."""
 
     spec: RayWorkerSpec
     _driver: Any = None
@@ -97,7 +105,8 @@ class ElasticRayWorkers:
     _actors: set[Any] = field(default_factory=set)
     _results: dict[int, Any] = field(default_factory=dict)  # by the rank each worker ended with
     _failures: list[WorkerFailure] = field(default_factory=list)
-    _lock: threading.Lock = field(default_factory=threading.Lock)
+    _lock: threading.RLock = field(default_factory=threading.RLock)  # a signal's shutdown may come while held
+    _stopped: bool = False  # shut down while running: the launcher's kill (a signal)
 
     @property
     def range(self) -> ElasticRange:
@@ -150,10 +159,15 @@ class ElasticRayWorkers:
         each ended with. Fails, naming the first worker that failed, when the job cannot go on (fewer than
         ``min_workers`` left for ``elastic_timeout_s``, every node blacklisted, ``reset_limit`` reached)."""
         ray = import_ray()
+        driver = self._driver
         self._payload = ray.put(payload)
-        self._driver.start(self.spec.num_workers, self._run_slot)
-        outcome = self._driver.get_results()
-        self._driver.stop()
+        driver.start(self.spec.num_workers, self._run_slot)
+        if not self.range.grows:  # the first world's nodes only, from now on: it shrinks, it never grows
+            self._discovery.keep_only(set(driver.host_assignments))
+        outcome = driver.get_results()
+        driver.stop()
+        if self._stopped:
+            raise RuntimeError("the elastic job was stopped (a signal): every worker was stopped")
         failed = any(code != 0 for code, _ in outcome.worker_results.values())
         if outcome.error_message is not None or failed or not self._results:
             self._raise_failure(outcome.error_message)
@@ -162,7 +176,8 @@ class ElasticRayWorkers:
 
     def _raise_failure(self, driver_said: str | None) -> None:
         with self._lock:
-            failures = sorted(self._failures, key=lambda failure: failure.at)
+            last_world = max((failure.world for failure in self._failures), default=0)
+            failures = sorted((f for f in self._failures if f.world == last_world), key=lambda failure: failure.at)
         said = f"the elastic job ended: {driver_said}" if driver_said else "the elastic job ended with no worker left"
         if not failures:
             raise RuntimeError(said)
@@ -176,8 +191,9 @@ class ElasticRayWorkers:
         """Horovod's driver calls this, in a thread of its own, for each slot it fills: an actor on the slot's node
         runs the payload until it returns (0), fails, or its node leaves or the driver stops (1)."""
         ray = import_ray()
-        actor = self._new_actor(self._discovery.node_of(slot.hostname))
+        driver, actor = self._driver, None
         try:
+            actor = self._new_actor(self._discovery.node_of(slot.hostname))
             _, _, interface, gpus = ray.get(actor.where.remote(), timeout=self.spec.placement_timeout_s)
             environment = self._environment(slot, interface, gpus)
             future = actor.run_ranked.remote(environment, self._payload)
@@ -191,13 +207,20 @@ class ElasticRayWorkers:
                 if any(event.is_set() for event in events):
                     return 1, time.time()
         except Exception as error:
-            held = self._driver.get_slot_info(slot.hostname, slot.local_rank).rank  # ranks change at every reset
-            failure = WorkerFailure(time.time(), slot.hostname, held if held >= 0 else slot.rank, error)
-            with self._lock:
-                self._failures.append(failure)
+            self._record_failure(driver, slot, error)
             return 1, time.time()
         finally:
-            self._stop_actor(actor)
+            if actor is not None:
+                self._stop_actor(actor)
+
+    def _record_failure(self, driver: Any, slot: Any, error: Exception) -> None:
+        """The failure, with the rank its worker held last (ranks change at every reset) and the world it was in."""
+        with contextlib.suppress(Exception):
+            held = driver.get_slot_info(slot.hostname, slot.local_rank).rank
+            world = driver._worker_registry.last_rendezvous()  # horovodrun names a failure of the last world too
+            failure = WorkerFailure(world, time.time(), slot.hostname, held if held >= 0 else slot.rank, error)
+            with self._lock:
+                self._failures.append(failure)
 
     def _new_actor(self, node_id: str) -> Any:
         ray = import_ray()
@@ -220,13 +243,13 @@ class ElasticRayWorkers:
 
     def _environment(self, slot: Any, interface: str | None, gpus: list[str]) -> dict[str, str]:
         """``horovodrun``'s variables for an elastic worker: the slot it starts in (later ones come from the
-        rendezvous), and what it says while a reset waits. A GPU worker sees its own GPU only: after a reset its
-        local rank may change, its GPU does not."""
+        rendezvous), and what it says while a reset waits. A GPU worker sees only the GPU Ray gave it: the node's
+        other workers come and go, each with its own."""
         environment = worker_environment(slot, self._address, self._port, interface)
         environment.update(
             HOROVOD_ELASTIC="1",
             HOROVOD_ELASTIC_MIN_NP=str(self.range.min_workers),
-            HOROVOD_ELASTIC_TIMEOUT=str(int(self.range.timeout_s)),
+            HOROVOD_ELASTIC_TIMEOUT=f"{self.range.timeout_s:g}",
             HVD_PLUGINS_ELASTIC_LAUNCHER="ray",
         )
         if gpus:
@@ -241,12 +264,18 @@ class ElasticRayWorkers:
             ray.kill(actor, no_restart=True)
 
     def shutdown(self) -> None:
-        """The driver stopped (its discovery thread ends), every actor killed, the rendezvous closed."""
-        driver, self._driver = self._driver, None
+        """The driver stopped (its discovery thread ends), every actor killed, the rendezvous closed; a worker's
+        request the driver held at its barrier (a reset under way) is released."""
+        driver = self._driver
         try:
             if driver is not None and not driver.finished():
+                self._stopped = True
                 with contextlib.suppress(Exception):
                     driver.stop()
+            if driver is not None:
+                barrier = getattr(getattr(driver, "_worker_registry", None), "_barrier", None)
+                if barrier is not None:
+                    barrier.abort()
         finally:
             with self._lock:
                 actors, self._actors = list(self._actors), set()

@@ -20,6 +20,9 @@ class ElasticRange:
     max_workers: int | None = None  # None: every slot the cluster's nodes offer
     timeout_s: float = DEFAULT_ELASTIC_TIMEOUT_S
     reset_limit: int | None = None
+    grows: bool = True
+    """Whether workers may join: not into a Fabric loop (``ElasticLoop``), whose joiners' setup would wait on
+    survivors that set up long ago."""
 
     def __post_init__(self) -> None:
         if not _is_count(self.min_workers):

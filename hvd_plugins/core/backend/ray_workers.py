@@ -224,12 +224,13 @@ class _Rendezvous:
 
 
 def stop_rendezvous(server: Any) -> None:
-    """Horovod's rendezvous server stopped and its socket closed (its ``stop()`` leaves the socket open); once is
-    enough, twice does no harm."""
+    """Horovod's rendezvous server stopped and its socket closed (its ``stop()`` leaves the socket open), without
+    waiting for requests still answered; once is enough, twice does no harm."""
     httpd = getattr(server, "_httpd", None)
     if httpd is None:
         return
     server.stop()
+    httpd.block_on_close = False  # a request held by an elastic driver's barrier must not hold this
     httpd.server_close()
 
 

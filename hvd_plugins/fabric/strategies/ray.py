@@ -30,6 +30,9 @@ class OnRay(HorovodStrategyShared):
     """The face's launcher: Fabric's, or the Trainer's (which also takes the Trainer)."""
     horovod_defaults: ClassVar[dict[str, Any]] = {}
     """``HorovodStrategy`` settings this face changes unless given."""
+    elastic_grows: ClassVar[bool] = False
+    """Whether an elastic job of this face takes in workers as nodes join (the Trainer's fit does; a Fabric loop,
+    whose new workers would set up while the others wait in ``ElasticLoop``, only loses workers)."""
 
     def __init__(
         self,
@@ -48,7 +51,11 @@ class OnRay(HorovodStrategyShared):
     ) -> None:
         if elastic not in (True, False):
             raise ValueError(f"elastic={elastic!r}: give True (workers come and go with Ray's nodes) or False")
-        elastic_range = ElasticRange(min_workers, max_workers, elastic_timeout_s, reset_limit) if elastic else None
+        elastic_range = (
+            ElasticRange(min_workers, max_workers, elastic_timeout_s, reset_limit, self.elastic_grows)
+            if elastic
+            else None
+        )
         self.ray_workers = RayWorkerSpec(
             num_workers,
             num_cpus_per_worker,
@@ -83,7 +90,8 @@ class OnRay(HorovodStrategyShared):
 
     @property
     def root_device(self) -> torch.device:
-        """An elastic GPU worker sees only the GPU Ray gave it (its local rank changes at resets, its GPU does not)."""
+        """An elastic GPU worker sees only the GPU Ray gave it (the node's other workers come and go, each with
+        its own), as ``cuda:0``."""
         device = super().root_device
         if device.type == "cuda" and self.ray_workers.elastic is not None:
             return torch.device("cuda", 0)

@@ -39,8 +39,10 @@ class HorovodRayStrategy(OnRay, HorovodStrategy):
     """
 
     launcher_class = RayLauncher
+    elastic_grows = True
 
     def _take_elastic(self) -> None:
         """The workers run each fit elastically, as under an elastic ``horovodrun``."""
         self.elastic = ElasticFit(self.config.commit_every_n_steps)
+
     horovod_defaults: ClassVar[dict[str, Any]] = {"auto_requeue": False}  # a Slurm job around Ray is not the fit's

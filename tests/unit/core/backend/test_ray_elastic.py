@@ -28,3 +28,13 @@ def test_live_nodes_that_hold_a_worker_are_hosts_named_by_their_node_ids(monkeyp
     assert slots == {host_name("a" * 56): 2, host_name("d" * 56): 1}
     assert node_ids[host_name("d" * 56)] == "d" * 56
     assert host_name("a" * 56) != host_name("a" * 15 + "b" * 41)  # nodes of one machine share its address
+
+
+def test_a_job_that_never_grows_is_offered_only_its_first_nodes(monkeypatch: pytest.MonkeyPatch) -> None:
+    nodes = [{"NodeID": "a" * 56, "Alive": True, "Resources": {"CPU": 2.0}}]
+    monkeypatch.setattr(ray_elastic, "import_ray", lambda: SimpleNamespace(nodes=lambda: nodes))
+    discovery = ray_elastic._discovery({"CPU": 1.0})
+    discovery.keep_only({host_name("a" * 56)})
+    nodes.append({"NodeID": "b" * 56, "Alive": True, "Resources": {"CPU": 2.0}})  # a node joins the cluster
+    assert discovery.find_available_hosts_and_slots() == {host_name("a" * 56): 2}
+    assert discovery.node_of(host_name("a" * 56)) == "a" * 56
