@@ -117,6 +117,8 @@ class OnRay(HorovodStrategyShared):
 class HorovodRayStrategy(OnRay, HorovodStrategy):
     """Fabric's ``HorovodStrategy`` whose workers are Ray actors; the arguments are the Trainer's
     ``hvd_plugins.ray.HorovodRayStrategy``'s (``num_workers``, ``num_cpus_per_worker``, ``use_gpu``,
-    ``resources_per_worker``, ``placement``, ``placement_timeout_s``), then any of ``HorovodStrategy``."""
+    ``resources_per_worker``, ``placement``, ``placement_timeout_s``, and ``elastic``, ``min_workers``,
+    ``max_workers``, ``elastic_timeout_s``, ``reset_limit``), then any of ``HorovodStrategy``. Elastic, a loop run
+    by ``ElasticLoop`` loses workers as nodes leave and takes in none."""
 
     launcher_class = RayFabricLauncher
