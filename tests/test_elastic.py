@@ -162,7 +162,7 @@ def test_a_killed_worker_and_its_host_leave_and_the_fit_goes_on(unsharded_shrink
     assert [end["lr"][0] for end in ends] == pytest.approx([0.01 * 2] * 2)
 
 
-NO_HOST_TIMEOUT_S = 20
+NO_HOST_TIMEOUT_S = 12
 """--elastic-timeout of the job left without a usable host: short, the suite stays fast."""
 WAIT_REPORT_S = 5
 RUNTIME_ERROR = "RuntimeError: "
