@@ -18,8 +18,15 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from hvd_plugins.core.backend.ray_spec import ElasticRange, RayWorkerSpec, refuse_what_the_cluster_lacks
-from hvd_plugins.core.backend.ray_workers import HorovodActor, import_ray, stop_rendezvous, worker_environment
+from hvd_plugins.core.backend.ray_spec import ElasticRange, RayWorkerSpec
+from hvd_plugins.core.backend.ray_workers import (
+    HorovodActor,
+    WorkerGroup,
+    connect,
+    import_ray,
+    stop_rendezvous,
+    worker_environment,
+)
 
 POLL_SECONDS = 0.2
 """How often a running worker's thread checks whether the driver stopped or its node left."""
@@ -91,7 +98,7 @@ class WorkerFailure:
 
 
 @dataclass
-class ElasticRayWorkers:
+class ElasticRayWorkers(WorkerGroup):
     """An elastic job's workers on the connected Ray cluster (``ray.init()`` is called when none is): it waits for
     ``spec.num_workers`` slots, then runs as many workers as the live nodes hold, within ``spec.elastic``."""
 
@@ -113,20 +120,10 @@ class ElasticRayWorkers:
         assert self.spec.elastic is not None
         return self.spec.elastic
 
-    def start(self) -> None:
-        """Horovod's elastic driver and rendezvous running here, once the cluster offers ``spec.num_workers`` slots
-        (within ``elastic_timeout_s``); on any failure nothing is left behind."""
-        try:
-            self._start()
-        except BaseException:
-            self.shutdown()
-            raise
-
     def _start(self) -> None:
-        ray = import_ray()
-        if not ray.is_initialized():
-            ray.init()
-        refuse_what_the_cluster_lacks(self.spec, ray.cluster_resources())
+        """Horovod's elastic driver and rendezvous running here, once the cluster offers ``spec.num_workers`` slots
+        (within ``elastic_timeout_s``)."""
+        ray = connect(self.spec)
         from horovod.runner.elastic.driver import ElasticDriver
         from horovod.runner.elastic.rendezvous import create_rendezvous_handler
         from horovod.runner.http.http_server import RendezvousServer

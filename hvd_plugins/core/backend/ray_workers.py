@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import ModuleType
@@ -32,6 +33,34 @@ def import_ray() -> ModuleType:
     except ImportError as error:
         raise ImportError(RAY_MISSING) from error
     return ray
+
+
+def connect(spec: RayWorkerSpec) -> ModuleType:
+    """Ray, connected to a cluster (``ray.init()`` when none is) whose resources hold ``spec``'s workers."""
+    ray = import_ray()
+    if not ray.is_initialized():
+        ray.init()
+    refuse_what_the_cluster_lacks(spec, ray.cluster_resources())
+    return ray
+
+
+class WorkerGroup(ABC):
+    """Workers that ``start()`` brings up, or leaves nothing of behind: what failed is shut down, then raised."""
+
+    def start(self) -> None:
+        try:
+            self._start()
+        except BaseException:
+            self.shutdown()
+            raise
+
+    @abstractmethod
+    def _start(self) -> None:
+        """Bring the workers up (``start`` cleans up after a failure)."""
+
+    @abstractmethod
+    def shutdown(self) -> None:
+        """Stop every worker and what serves them; safe to call more than once."""
 
 
 def host_plan(nodes: Sequence[str]) -> tuple[list[int], list[Any]]:
@@ -89,7 +118,7 @@ def current_rank() -> int:
 
 
 @dataclass
-class RayWorkers:
+class RayWorkers(WorkerGroup):
     """``spec.num_workers`` actors on the connected Ray cluster (``ray.init()`` is called when none is), ranked by
     node, with Horovod's rendezvous in this process."""
 
@@ -100,19 +129,9 @@ class RayWorkers:
     _group: Any = None
     _server: Any = None
 
-    def start(self) -> None:
-        """The actors placed, ranked and given their variables; on any failure, nothing is left behind."""
-        try:
-            self._start()
-        except BaseException:
-            self.shutdown()
-            raise
-
     def _start(self) -> None:
-        ray = import_ray()
-        if not ray.is_initialized():
-            ray.init()
-        refuse_what_the_cluster_lacks(self.spec, ray.cluster_resources())
+        """The actors placed, ranked and given their variables."""
+        ray = connect(self.spec)
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 

@@ -14,7 +14,7 @@ from typing_extensions import override
 
 from hvd_plugins.core.backend.ray_elastic import ElasticRayWorkers
 from hvd_plugins.core.backend.ray_spec import RayWorkerSpec
-from hvd_plugins.core.backend.ray_workers import RayWorkers, current_rank
+from hvd_plugins.core.backend.ray_workers import RayWorkers, WorkerGroup, current_rank
 from hvd_plugins.fabric.lightning_internals import FabricLauncher
 
 
@@ -44,7 +44,7 @@ class RayFabricLauncher(FabricLauncher):
     def __init__(self, spec: RayWorkerSpec, follow_rank: Callable[[int], None]) -> None:
         self.spec = spec
         self.follow_rank = follow_rank  # the strategy's: rank-zero output on the actor's rank
-        self._workers: RayWorkers | ElasticRayWorkers | None = None
+        self._workers: WorkerGroup | None = None
 
     def __getstate__(self) -> dict[str, Any]:
         """Travels to the workers with the strategy: without the driver's actors and rendezvous."""
@@ -67,7 +67,9 @@ class RayFabricLauncher(FabricLauncher):
 
     def _run_on_workers(self, payload: Callable[[], Any]) -> list[Any]:
         """``payload()`` in every worker, by rank; the workers stopped after, whatever happened."""
-        workers = RayWorkers(self.spec) if self.spec.elastic is None else ElasticRayWorkers(self.spec)
+        workers: RayWorkers | ElasticRayWorkers = (
+            RayWorkers(self.spec) if self.spec.elastic is None else ElasticRayWorkers(self.spec)
+        )
         self._workers = workers
         try:
             workers.start()
