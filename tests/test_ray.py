@@ -100,7 +100,7 @@ def test_an_elastic_sharded_fit_absorbs_a_node_that_leaves_and_one_that_joins_in
     and every worker of the last world ends with the same weights, which the driver's model then holds."""
     ended = driver(tmp_path, "--cluster", "2", "--case", "elastic", "--shard", "parameters")
     steps = [line.split() for line in ended["progress"].splitlines()]
-    worlds = [(int(size), int(cross)) for step, size, cross in steps if step != "end"]
+    worlds = [(int(size), int(cross)) for step, size, cross, *_ in steps if step != "end"]
     assert [world for index, world in enumerate(worlds) if index == 0 or world != worlds[index - 1]] == [
         (4, 2),
         (2, 1),

@@ -53,7 +53,7 @@ class Regression(pl.LightningModule):
             time.sleep(0.1)  # room for the driver to change the cluster mid-fit
             if hvd.rank() == 0:
                 with self.progress.open("a") as steps:
-                    steps.write(f"{self.global_step} {hvd.size()} {hvd.cross_size()}\n")
+                    steps.write(f"{self.global_step} {hvd.size()} {hvd.cross_size()} {time.time():.3f}\n")
         return loss
 
     def on_train_end(self) -> None:
@@ -202,11 +202,15 @@ def change_nodes(cluster: Any, leaving: Any, progress: Path, fitting: Callable[[
         while fitting() and not any(seen >= step and workers == size for seen, workers in steps_seen()):
             time.sleep(0.1)
 
+    changes = progress.with_name("nodes")  # when the cluster changed: what the fit's recovery is timed from
     wait_for(6, 4)
     if fitting():
+        changes.write_text(f"left {time.time():.3f}\n")
         cluster.remove_node(leaving)
     wait_for(max(seen for seen, _ in steps_seen()) + 6, 2)
     if fitting():
+        with changes.open("a") as said:
+            said.write(f"joining {time.time():.3f}\n")
         cluster.add_node(num_cpus=2)
 
 
@@ -247,6 +251,7 @@ def run(args: argparse.Namespace) -> None:
                 "state": str(trainer.state.status),
                 "seconds": time.monotonic() - started,
                 "progress": progress.read_text() if progress is not None else "",
+                "nodes": progress.with_name("nodes").read_text() if progress is not None else "",
             }
         )
     )
