@@ -12,7 +12,7 @@ Printed per launch:
 - **step time**: rank 0's median after 5 warm-up steps, and Ray's as a multiple of horovodrun's.
 
     python benchmarks/ray_launch.py           # writes docs/benchmarks/ray_launch.txt
-    python benchmarks/ray_launch.py --smoke   # 8 steps: checks that both launches run
+    python benchmarks/ray_launch.py --smoke   # 8 steps of 2 workers: checks that both launches run
 """
 
 from __future__ import annotations
@@ -70,8 +70,8 @@ def run_worker(args: argparse.Namespace) -> None:
     torch.set_num_threads(1)
     generator = torch.Generator().manual_seed(0)
     data = TensorDataset(
-        torch.randn(64 * args.steps * WORKERS, 256, generator=generator),
-        torch.randint(0, 10, (64 * args.steps * WORKERS,), generator=generator),
+        torch.randn(64 * args.steps * args.workers, 256, generator=generator),
+        torch.randint(0, 10, (64 * args.steps * args.workers,), generator=generator),
     )
     if args.worker == "ray":
         import ray
@@ -79,7 +79,7 @@ def run_worker(args: argparse.Namespace) -> None:
         from hvd_plugins.ray import HorovodRayStrategy
 
         ray.init(address=args.address)
-        strategy: Any = HorovodRayStrategy(num_workers=WORKERS)
+        strategy: Any = HorovodRayStrategy(num_workers=args.workers)
     else:
         from hvd_plugins import HorovodStrategy
 
@@ -93,14 +93,15 @@ def run_worker(args: argparse.Namespace) -> None:
     trainer.fit(MLP(), DataLoader(data, batch_size=64))
 
 
-def measure(launch: str, steps: int, address: str | None, scratch: Path) -> dict[str, float]:
+def measure(launch: str, steps: int, workers: int, address: str | None, scratch: Path) -> dict[str, float]:
     """One run of ``launch``; the times rank 0 wrote, against the command's start."""
     out = scratch / f"{launch}.json"
-    worker = [sys.executable, __file__, "--worker", launch, "--steps", str(steps), "--out", str(out)]
+    worker = [sys.executable, __file__, "--worker", launch, "--steps", str(steps), "--workers", str(workers)]
+    worker += ["--out", str(out)]
     if launch == "ray":
         command = [*worker, "--address", str(address)]
     else:
-        command = [*horovodrun_command(), "-np", str(WORKERS), "-H", f"localhost:{WORKERS}", "--gloo", *worker]
+        command = [*horovodrun_command(), "-np", str(workers), "-H", f"localhost:{workers}", "--gloo", *worker]
     started = time.time()
     done = subprocess.run(command, capture_output=True, text=True, timeout=600)
     if done.returncode != 0 or not out.exists():
@@ -115,7 +116,8 @@ def measure(launch: str, steps: int, address: str | None, scratch: Path) -> dict
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--smoke", action="store_true", help="8 steps: checks that both launches run")
+    parser.add_argument("--smoke", action="store_true", help="8 steps of 2 workers: checks that both launches run")
+    parser.add_argument("--workers", type=int, default=WORKERS)
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--report", type=Path, default=None)
     parser.add_argument("--worker", choices=["ray", "horovodrun"], help=argparse.SUPPRESS)
@@ -127,13 +129,14 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     import ray
 
-    steps = 8 if args.smoke else args.steps
+    steps, workers = (8, 2) if args.smoke else (args.steps, args.workers)
     with tempfile.TemporaryDirectory() as scratch:
-        found = {"horovodrun": measure("horovodrun", steps, None, Path(scratch))}  # before Ray's processes start
-        context = ray.init(num_cpus=WORKERS)
+        found = {"horovodrun": measure("horovodrun", steps, workers, None, Path(scratch))}  # before Ray starts
+        context = ray.init(num_cpus=workers)
         try:
-            time.sleep(5)  # the workers Ray starts ahead of time are up
-            found["ray"] = measure("ray", steps, context.address_info["address"], Path(scratch))
+            if not args.smoke:
+                time.sleep(5)  # the workers Ray starts ahead of time are up
+            found["ray"] = measure("ray", steps, workers, context.address_info["address"], Path(scratch))
         finally:
             ray.shutdown()
     base = found["horovodrun"]["step_ms"]
@@ -143,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
         rows.append([launch, f"{first:.1f}", f"{fit:.1f}", f"{step:.1f}", f"{step / base:.2f}x"])
     headers = ["launch", "command to first step s", "fit to first step s", "step ms", "step vs horovodrun"]
     text = (
-        f"ray_launch: {WORKERS} workers on one machine, an MLP of 0.27 M parameters, batch 64, {steps} steps "
+        f"ray_launch: {workers} workers on one machine, an MLP of 0.27 M parameters, batch 64, {steps} steps "
         f"(step time: median after {WARMUP})\n" + format_table(headers, rows)
     )
     publish_report(

@@ -473,4 +473,4 @@ def test_ray_launch_smoke_times_the_same_script_under_horovodrun_and_on_ray(tmp_
     assert float(rows["ray"][1]) > 0, rows  # the actors start inside fit
     assert rows["horovodrun"][3] == "1.00x"
     body = assert_dated_report(tmp_path / "ray_launch.txt", "ray_launch.py", argv)
-    assert body.startswith("ray_launch: 4 workers on one machine")
+    assert body.startswith("ray_launch: 2 workers on one machine")
