@@ -37,11 +37,19 @@ def driver(out: Path, *args: str, timeout: float = 240, lightning: str = "lightn
     return json.loads((out / "result.json").read_text())
 
 
-def test_a_fit_on_two_ray_nodes_has_their_cross_ranks_and_the_weights_horovodrun_gives(tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def fit_then_fabric(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """One driver on two nodes: the Trainer's fit, then the same regression as a Fabric loop."""
+    return driver(tmp_path_factory.mktemp("two_nodes"), "--cluster", "2", "--then-fabric")
+
+
+def test_a_fit_on_two_ray_nodes_has_their_cross_ranks_and_the_weights_horovodrun_gives(
+    fit_then_fabric: dict[str, Any], tmp_path: Path
+) -> None:
     """4 actors SPREAD over a 2-node cluster: local size 2, cross size 2; the driver's model ends with the weights
     the same script gets under ``horovodrun -np 4 -H localhost:2,127.0.0.1:2``, and the driver's Trainer with rank
     0's metrics, state and best checkpoint."""
-    on_ray = driver(tmp_path / "ray", "--cluster", "2")
+    on_ray = fit_then_fabric
     run_job(SCRIPT, "--launch", "horovodrun", "--out", str(tmp_path / "hvd"), np=4, hosts="localhost:2,127.0.0.1:2")
     reference = json.loads((tmp_path / "hvd" / "result.json").read_text())
     assert on_ray["metrics"]["hvd_cross_size"] == 2 and on_ray["metrics"]["hvd_local_size"] == 2, on_ray["metrics"]
@@ -52,11 +60,13 @@ def test_a_fit_on_two_ray_nodes_has_their_cross_ranks_and_the_weights_horovodrun
     assert Path(on_ray["best_model_path"]).exists()
 
 
-def test_a_fabric_loop_launched_on_ray_returns_rank_zeros_result_as_one_large_batch_trains(tmp_path: Path) -> None:
+def test_a_fabric_loop_launched_on_ray_returns_rank_zeros_result_as_one_large_batch_trains(
+    fit_then_fabric: dict[str, Any],
+) -> None:
     """``Fabric(strategy=HorovodRayStrategy(num_workers=4))`` and ``fabric.launch(train)`` on two Ray nodes: the
     driver gets rank 0's return value, whose weights are those of one process training on batches four times as
     large (each step averages the four workers' batches of 8: the next 32 samples in order)."""
-    on_ray = driver(tmp_path / "ray", "--cluster", "2", "--case", "fabric")
+    on_ray = fit_then_fabric["fabric"]
     assert (on_ray["rank"], on_ray["size"], on_ray["cross_size"]) == (0, 4, 2), on_ray
     assert on_ray["weights"] == pytest.approx(large_batch_weights(batch_size=32), abs=1e-5)
 

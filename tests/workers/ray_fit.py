@@ -3,7 +3,8 @@ under ``horovodrun`` (``HorovodStrategy``). It writes what the driver (or rank 0
 
 ``--cluster N``: start a local Ray cluster of N nodes of 2 CPUs each (``ray.cluster_utils.Cluster``) and connect.
 ``--kill-rank R``: the worker of rank R dies (SIGKILL) at its third step. ``--refuse-first``: before the fit, what
-bad arguments raise on a 2-node cluster, before any actor starts. ``--case elastic``: an elastic fit over the
+bad arguments raise on a 2-node cluster, before any actor starts. ``--then-fabric``: after the fit, the same
+regression as a Fabric loop on the same cluster. ``--case elastic``: an elastic fit over the
 cluster's nodes; once it has trained a few steps the second node leaves, then a new node joins (``--shard`` shards
 it).
 """
@@ -166,6 +167,7 @@ def main() -> None:
     parser.add_argument("--case", default="fit")
     parser.add_argument("--shard", default="none")
     parser.add_argument("--refuse-first", action="store_true")
+    parser.add_argument("--then-fabric", action="store_true")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     if not args.cluster:
@@ -216,11 +218,6 @@ def change_nodes(cluster: Any, leaving: Any, progress: Path, fitting: Callable[[
 
 def run(args: argparse.Namespace) -> None:
     refused = bad_arguments() if args.refuse_first else {}
-    if args.case == "fabric":
-        result = fabric_training(args.launch)
-        if result["rank"] == 0:
-            (args.out / "result.json").write_text(json.dumps(result))
-        return
     progress = args.out / "progress" if args.case == "elastic" else None
     model = Regression(args.kill_rank, progress)
     trainer = pl.Trainer(
@@ -252,6 +249,7 @@ def run(args: argparse.Namespace) -> None:
                 "seconds": time.monotonic() - started,
                 "progress": progress.read_text() if progress is not None else "",
                 "nodes": progress.with_name("nodes").read_text() if progress is not None else "",
+                "fabric": fabric_training(args.launch) if args.then_fabric else {},
             }
         )
     )
