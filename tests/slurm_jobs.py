@@ -10,6 +10,7 @@ killed before it imported anything has nothing to save).
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import sys
 import tempfile
@@ -17,6 +18,8 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import psutil
 
 from hvd_plugins.testing.launch import mpi_launch_problem
 from hvd_plugins.testing.slurm_cluster import OneNodeSlurm, slurm_problem
@@ -27,8 +30,10 @@ FINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEM
 SECONDS_PER_STEP = "2.0"  # first runs train 48 steps for 96 s, longer than any moment the signal may come
 SIGTERM_AFTER_TRAINING_SECONDS = 8.0  # a few steps after both ranks of the first run began training
 REQUEUED_START_AFTER_SECONDS = 15.0
-"""How long a requeued job waits before it is started at once (Slurm would hold it about two minutes): the old
-run's step may still be ending (srun waits up to 12 s for it), and a run started meanwhile fails at once."""
+"""How long a requeued job waits at least before it is started at once (Slurm would hold it about two minutes):
+the old run's step may still be ending (srun waits up to 12 s for it)."""
+REQUEUED_START_BY_SECONDS = 90.0
+"""When a requeued job is started even though a step daemon of its old run is still alive."""
 
 
 @dataclass
@@ -110,6 +115,17 @@ def stop() -> None:
         _session.cluster = None
 
 
+def step_daemons_alive(job: int) -> bool:
+    """Whether a ``slurmstepd`` of ``job`` still runs on this machine (the one node): a step of a requeued run
+    started while its old run's daemon of the same step id ends fails to launch, and its own daemon hangs."""
+    marker = f"slurmstepd: [{job}."
+    for process in psutil.process_iter(["cmdline"]):
+        with contextlib.suppress(psutil.Error):
+            if any(part.startswith(marker) for part in process.info["cmdline"] or []):
+                return True
+    return False
+
+
 def _submit_and_tend() -> None:
     try:
         slurm = cluster()
@@ -132,12 +148,14 @@ def _submit_and_tend() -> None:
     training_since: float | None = None
     signalled = False
     requeued_at: dict[str, float] = {}
+    final_seen: dict[str, tuple[str | None, str | None]] = {}
     while not _session.stop.is_set():
         states = {name: slurm.job_fields(job) for name, job in _session.jobs.items()}
         for name, fields in states.items():
             if fields.get("JobState") == "PENDING" and fields.get("Restarts", "0") != "0":
-                since = requeued_at.setdefault(name, time.monotonic())
-                if time.monotonic() - since >= REQUEUED_START_AFTER_SECONDS:
+                waited = time.monotonic() - requeued_at.setdefault(name, time.monotonic())
+                old_run_ended = not step_daemons_alive(_session.jobs[name])
+                if waited >= REQUEUED_START_BY_SECONDS or (waited >= REQUEUED_START_AFTER_SECONDS and old_run_ended):
                     slurm.scontrol("update", f"JobId={_session.jobs[name]}", "StartTime=now", check=False)
         sigterm = states["sigterm"]
         if not signalled and sigterm.get("JobState") == "RUNNING" and sigterm.get("Restarts") == "0":
@@ -147,8 +165,12 @@ def _submit_and_tend() -> None:
                 subprocess.run(["scancel", "--signal=TERM", str(_session.jobs["sigterm"])], env=slurm.env, check=False)
                 signalled = True
         for name, fields in states.items():
-            if fields.get("JobState") in FINAL:
+            # a requeue can show the ended run's state for a moment before the job is pending again: a state
+            # counts as final once two polls in a row see it, with the same restart count
+            seen = (fields.get("JobState"), fields.get("Restarts"))
+            if seen[0] in FINAL and final_seen.get(name) == seen:
                 _session.final.setdefault(name, fields)
+            final_seen[name] = seen
         if len(_session.final) == len(_session.jobs):
             break
         time.sleep(2)
